@@ -1,0 +1,4 @@
+"""`python -m gemmgen` is the `gemmgen` command."""
+from gemmgen.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,107 @@
+"""ctypes side of the C ABI in templates/include/gemmgen/abi.h (keep the two in step)."""
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+from pathlib import Path
+
+from gemmgen.errors import GemmgenLaunchError
+
+ABI_VERSION = 1  # GEMMGEN_ABI_VERSION
+ERR_LEN = 1024  # bytes of the message buffer handed to the entry points
+STATUS_NAMES = {0: "GEMMGEN_OK", 1: "GEMMGEN_INVALID_ARGUMENT", 2: "GEMMGEN_CUDA_ERROR"}
+
+
+class AttnParams(ctypes.Structure):
+    """GemmgenAttnParams: pointers, sizes, strides in elements, scale, causal offset."""
+
+    _fields_ = [
+        ("q", ctypes.c_void_p),
+        ("k", ctypes.c_void_p),
+        ("v", ctypes.c_void_p),
+        ("o", ctypes.c_void_p),
+        ("lse", ctypes.c_void_p),  # float*, may be NULL
+        ("batch", ctypes.c_int32),
+        ("heads", ctypes.c_int32),
+        ("heads_kv", ctypes.c_int32),
+        ("seqlen_q", ctypes.c_int32),
+        ("seqlen_k", ctypes.c_int32),
+        ("head_dim", ctypes.c_int32),
+        ("q_batch_stride", ctypes.c_int64), ("q_head_stride", ctypes.c_int64), ("q_row_stride", ctypes.c_int64),
+        ("k_batch_stride", ctypes.c_int64), ("k_head_stride", ctypes.c_int64), ("k_row_stride", ctypes.c_int64),
+        ("v_batch_stride", ctypes.c_int64), ("v_head_stride", ctypes.c_int64), ("v_row_stride", ctypes.c_int64),
+        ("o_batch_stride", ctypes.c_int64), ("o_head_stride", ctypes.c_int64), ("o_row_stride", ctypes.c_int64),
+        ("scale", ctypes.c_float),
+        ("causal_offset", ctypes.c_int32),
+    ]
+
+
+class InstanceInfo(ctypes.Structure):
+    """GemmgenInstanceInfo: the static facts of one compiled instance."""
+
+    _fields_ = [(name, ctypes.c_int32) for name in
+                ("abi_version", "head_dim", "block_m", "block_n", "threads", "smem_bytes", "causal")]
+
+    def as_dict(self) -> dict[str, int]:
+        """The fields as a plain dict."""
+        return {name: getattr(self, name) for name, _ in self._fields_}
+
+
+class Instance:
+    """The two entry points of one instance library: `<symbol>` (run) and `<symbol>_info`."""
+
+    def __init__(self, library: ctypes.CDLL, symbol: str) -> None:
+        self.symbol = symbol
+        self._run = getattr(library, symbol)
+        self._run.argtypes = [ctypes.POINTER(AttnParams), ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int]
+        self._run.restype = ctypes.c_int
+        self._info = getattr(library, f"{symbol}_info")
+        self._info.argtypes = [ctypes.POINTER(InstanceInfo)]
+        self._info.restype = ctypes.c_int
+
+    def info(self) -> InstanceInfo:
+        """Call `<symbol>_info`; raise GemmgenLaunchError on a non-zero status."""
+        info = InstanceInfo()
+        status = self._info(ctypes.byref(info))
+        if status != 0:
+            raise GemmgenLaunchError(f"{self.symbol}_info returned {STATUS_NAMES.get(status, status)}")
+        return info
+
+    def run(self, params: AttnParams, stream: int | None) -> None:
+        """Launch on `stream` (a cudaStream_t as an int; 0 or None is the default stream).
+
+        Raises GemmgenLaunchError with the library's message on a non-zero status.
+        """
+        err = ctypes.create_string_buffer(ERR_LEN)
+        status = self._run(ctypes.byref(params), ctypes.c_void_p(stream or None), err, ERR_LEN)
+        if status != 0:
+            message = err.value.decode(errors="replace") or "no message"
+            raise GemmgenLaunchError(f"{self.symbol}: {message} ({STATUS_NAMES.get(status, status)})")
+
+
+@functools.lru_cache(maxsize=None)
+def _load_library(path: str) -> ctypes.CDLL:
+    # RTLD_LOCAL: each instance's static cudart and CUTLASS symbols stay out of the global namespace.
+    return ctypes.CDLL(path, mode=os.RTLD_LOCAL | os.RTLD_NOW)
+
+
+def load_library(path: Path) -> ctypes.CDLL:
+    """Load a compiled instance library once per process (later calls return the cached handle)."""
+    try:
+        return _load_library(str(Path(path).resolve()))
+    except OSError as exc:
+        raise GemmgenLaunchError(f"cannot load {path}: {exc}") from exc
+
+
+@functools.lru_cache(maxsize=None)
+def _bind(path: str, symbol: str) -> Instance:
+    return Instance(load_library(Path(path)), symbol)
+
+
+def bind(path: Path, symbol: str) -> Instance:
+    """Load `path` (cached) and bind its `symbol` entry points (cached); raise GemmgenLaunchError if absent."""
+    try:
+        return _bind(str(path), symbol)
+    except AttributeError as exc:
+        raise GemmgenLaunchError(f"{path} does not export {symbol} / {symbol}_info: {exc}") from exc

@@ -1,0 +1,138 @@
+"""The project's own Ampere-class fused attention forward (FlashAttention-2 style, CuTe).
+
+One instance = one template instantiation = one .cu file = one library. The whole space
+is `SPACE` below: the axis lists crossed, filtered by `invalid_reason`. `DEFAULT` is the
+subset `gemmgen generate` builds without `--all`: one tile per (dtype, head_dim, mask).
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import hashlib
+import itertools
+
+from gemmgen.arch import Arch
+
+FAMILY = "fa2_sm80"
+TEMPLATE = "fa2_sm80.cu.jinja"
+ARCHS = (Arch.SM80,)
+
+
+class DType(enum.Enum):
+    FP16 = "fp16"
+    BF16 = "bf16"
+
+
+class Mask(enum.Enum):
+    NONE = "none"
+    CAUSAL = "causal"  # alignment (top-left / bottom-right) is a launch parameter
+
+
+# The one table from each enum to its C++ spelling.
+DTYPE_CPP = {DType.FP16: "cutlass::half_t", DType.BF16: "cutlass::bfloat16_t"}
+DTYPE_BYTES = {DType.FP16: 2, DType.BF16: 2}
+
+# Axes.
+DTYPES = tuple(DType)
+HEAD_DIMS = (32, 64, 96, 128, 160, 192, 256)
+MASKS = tuple(Mask)
+BLOCK_MS = (64, 128)
+BLOCK_NS = (32, 64, 128)
+WARPS = (4, 8)
+
+# fp32 accumulator registers per thread (O tile + score tile) above which nvcc spills:
+# the 255-register file also holds the Q/K fragments, addresses and softmax state.
+MAX_ACC_REGS = 192
+
+
+@dataclasses.dataclass(frozen=True)
+class Fa2Sm80Instance:
+    dtype: DType
+    head_dim: int
+    mask: Mask
+    block_m: int
+    block_n: int
+    warps: int
+
+    family = FAMILY
+
+    @property
+    def name(self) -> str:
+        """Readable, stable, unique: used for the file, the symbol, the manifest and logs."""
+        return (f"{FAMILY}_{self.dtype.value}_d{self.head_dim}_{self.mask.value}"
+                f"_m{self.block_m}n{self.block_n}w{self.warps}")
+
+    @property
+    def symbol(self) -> str:
+        return f"gemmgen_{self.name}"
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps
+
+    @property
+    def smem_bytes(self) -> int:
+        """Q tile + one K tile + one V tile (O is staged through the Q tile's space)."""
+        e = DTYPE_BYTES[self.dtype]
+        return (self.block_m + 2 * self.block_n) * self.head_dim * e
+
+    @property
+    def causal(self) -> bool:
+        return self.mask is Mask.CAUSAL
+
+    def params(self) -> dict:
+        """Plain values for the manifest and the template."""
+        return {"dtype": self.dtype.value, "head_dim": self.head_dim, "mask": self.mask.value,
+                "block_m": self.block_m, "block_n": self.block_n, "warps": self.warps}
+
+    def template_values(self) -> dict:
+        return {**self.params(), "name": self.name, "symbol": self.symbol,
+                "element": DTYPE_CPP[self.dtype], "causal": self.causal}
+
+    def content_hash(self) -> str:
+        """Hash of the family and parameters (template text and toolchain join it in the build key)."""
+        text = FAMILY + repr(sorted(self.params().items()))
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def smem_k_block(head_dim: int) -> int:
+    """Width of one swizzled shared-memory row chunk (kBlockKSmem in the C++ traits)."""
+    return 64 if head_dim % 64 == 0 else 32
+
+
+def invalid_reason(inst: Fa2Sm80Instance, arch: Arch = Arch.SM80) -> str | None:
+    """The one validity rule of this family: None when valid, else why not."""
+    if inst.head_dim not in HEAD_DIMS:
+        return f"head_dim {inst.head_dim} not in {HEAD_DIMS}"
+    if inst.block_m % (16 * inst.warps):
+        return f"block_m {inst.block_m} is not a multiple of 16 rows x {inst.warps} warps"
+    # The global->shared copy moves 16 bytes per thread; a pass covers `rows_per_pass` rows.
+    threads_per_row = smem_k_block(inst.head_dim) // 8
+    rows_per_pass = inst.threads // threads_per_row
+    if inst.block_n % rows_per_pass or inst.block_m % rows_per_pass:
+        return (f"tiles {inst.block_m}x{inst.block_n} not a multiple of the {rows_per_pass} rows "
+                f"{inst.threads} threads copy per pass")
+    acc = (inst.block_m * inst.head_dim + inst.block_m * inst.block_n) // inst.threads
+    if acc > MAX_ACC_REGS:
+        return f"{acc} fp32 accumulators per thread exceed {MAX_ACC_REGS} (register spills)"
+    if inst.smem_bytes > arch.max_smem_bytes:
+        return f"shared memory {inst.smem_bytes} B exceeds {arch.value}'s {arch.max_smem_bytes} B"
+    return None
+
+
+SPACE: tuple[Fa2Sm80Instance, ...] = tuple(
+    inst
+    for inst in itertools.starmap(Fa2Sm80Instance,
+                                  itertools.product(DTYPES, HEAD_DIMS, MASKS, BLOCK_MS, BLOCK_NS, WARPS))
+    if invalid_reason(inst) is None
+)
+
+# Default tile per head dim (block_m, block_n, warps): the FlashAttention-2 choices for
+# Ampere-class parts; bench/NOTES.md records how they compare on the H200.
+DEFAULT_TILE = {32: (128, 128, 4), 64: (128, 128, 4), 96: (128, 64, 4), 128: (128, 64, 4),
+                160: (128, 32, 4), 192: (128, 64, 8), 256: (128, 64, 8)}
+
+DEFAULT: tuple[Fa2Sm80Instance, ...] = tuple(
+    inst for inst in SPACE
+    if (inst.block_m, inst.block_n, inst.warps) == DEFAULT_TILE[inst.head_dim]
+)

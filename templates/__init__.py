@@ -1,0 +1,1 @@
+"""Jinja instantiation templates and the C++ kernel headers, shipped as package data (gemmgen.templates)."""

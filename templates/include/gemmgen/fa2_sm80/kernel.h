@@ -1,0 +1,213 @@
+// fa2_sm80 forward kernel: one CTA per (query tile, batch*head). Q stays in shared memory;
+// K and V tiles stream through one buffer each with cp.async, the load of one overlapping
+// the math on the other; S = Q K^T and O += P V run on m16n8k16 mma.sync with fp32
+// accumulation; nothing of size seqlen_q x seqlen_k touches global memory.
+#pragma once
+#include <cmath>
+#include <cute/tensor.hpp>
+
+#include "gemmgen/abi.h"
+#include "gemmgen/fa2_sm80/softmax.h"
+#include "gemmgen/fa2_sm80/traits.h"
+#include "gemmgen/fa2_sm80/utils.h"
+
+namespace gemmgen::fa2_sm80 {
+using namespace cute;
+
+constexpr float kLog2e = 1.4426950408889634f;
+
+// A query tile that sees no key at all (causal, bottom-right alignment with more queries
+// than keys): O = 0 and LSE = -inf, as the softmax of an empty row is defined here.
+template <class Traits>
+CUTE_DEVICE void write_empty_tile(GemmgenAttnParams const& p, typename Traits::Element* o_ptr, float* lse_ptr,
+                                  int m_block) {
+  constexpr int kChunks = Traits::kHeadDim / Traits::kGmemElemsPerAccess;
+  const int rows = min(Traits::kBlockM, p.seqlen_q - m_block * Traits::kBlockM);
+  for (int i = threadIdx.x; i < rows * kChunks; i += Traits::kNThreads) {
+    const int r = i / kChunks, c = i % kChunks;
+    *reinterpret_cast<uint4*>(o_ptr + int64_t(r) * p.o_row_stride + c * Traits::kGmemElemsPerAccess) =
+        make_uint4(0, 0, 0, 0);
+  }
+  if (lse_ptr != nullptr) {
+    for (int r = threadIdx.x; r < rows; r += Traits::kNThreads) lse_ptr[r] = -INFINITY;
+  }
+}
+
+template <class Traits, bool Causal>
+__global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const GemmgenAttnParams p) {
+  using Element = typename Traits::Element;
+  constexpr int kBlockM = Traits::kBlockM;
+  constexpr int kBlockN = Traits::kBlockN;
+  constexpr int kHeadDim = Traits::kHeadDim;
+
+  extern __shared__ __align__(128) char smem[];
+
+  // Causal tiles further down have more keys to visit: hand those out first so the short
+  // ones fill the tail of the grid.
+  const int m_block = Causal ? int(gridDim.x - 1 - blockIdx.x) : int(blockIdx.x);
+  const int64_t bh = blockIdx.y + int64_t(blockIdx.z) * gridDim.y;
+  if (bh >= int64_t(p.batch) * p.heads) return;
+  const int b = int(bh / p.heads);
+  const int h = int(bh % p.heads);
+  const int h_kv = h / (p.heads / p.heads_kv);
+  const int tidx = threadIdx.x;
+
+  const Element* q_ptr = static_cast<const Element*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride;
+  const Element* k_ptr = static_cast<const Element*>(p.k) + b * p.k_batch_stride + h_kv * p.k_head_stride;
+  const Element* v_ptr = static_cast<const Element*>(p.v) + b * p.v_batch_stride + h_kv * p.v_head_stride;
+  Element* o_ptr = static_cast<Element*>(p.o) + b * p.o_batch_stride + h * p.o_head_stride;
+  float* lse_ptr = p.lse == nullptr ? nullptr : p.lse + bh * p.seqlen_q + int64_t(m_block) * kBlockM;
+
+  // Key tiles this query tile sees: all, or (causal) up to the last row's diagonal.
+  int n_block_max = (p.seqlen_k + kBlockN - 1) / kBlockN;
+  if constexpr (Causal) {
+    const int64_t last_row = min((m_block + 1) * kBlockM, p.seqlen_q) - 1;
+    const int64_t last_col = last_row + p.causal_offset;
+    n_block_max = last_col < 0 ? 0 : int(min<int64_t>(n_block_max, last_col / kBlockN + 1));
+  }
+  if (n_block_max <= 0) {
+    write_empty_tile<Traits>(p, o_ptr + int64_t(m_block) * kBlockM * p.o_row_stride, lse_ptr, m_block);
+    return;
+  }
+
+  Tensor mQ = make_tensor(make_gmem_ptr(q_ptr), make_shape(p.seqlen_q, Int<kHeadDim>{}),
+                          make_stride(p.q_row_stride, _1{}));
+  Tensor mK = make_tensor(make_gmem_ptr(k_ptr), make_shape(p.seqlen_k, Int<kHeadDim>{}),
+                          make_stride(p.k_row_stride, _1{}));
+  Tensor mV = make_tensor(make_gmem_ptr(v_ptr), make_shape(p.seqlen_k, Int<kHeadDim>{}),
+                          make_stride(p.v_row_stride, _1{}));
+  Tensor mO = make_tensor(make_gmem_ptr(o_ptr), make_shape(p.seqlen_q, Int<kHeadDim>{}),
+                          make_stride(p.o_row_stride, _1{}));
+  Tensor gQ = local_tile(mQ, Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(m_block, 0));  // (BLK_M, D)
+  Tensor gK = local_tile(mK, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, 0));        // (BLK_N, D, n)
+  Tensor gV = local_tile(mV, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, 0));        // (BLK_N, D, n)
+  Tensor gO = local_tile(mO, Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(m_block, 0));  // (BLK_M, D)
+
+  Tensor sQ = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(smem)), typename Traits::SmemLayoutQ{});  // (BLK_M, D)
+  Tensor sK = make_tensor(sQ.data() + size(sQ), typename Traits::SmemLayoutKV{});                        // (BLK_N, D)
+  Tensor sV = make_tensor(sK.data() + size(sK), typename Traits::SmemLayoutKV{});                        // (BLK_N, D)
+  Tensor sVt = make_tensor(sV.data(), typename Traits::SmemLayoutVt{});                                  // (D, BLK_N)
+  Tensor sVtNoSwizzle = make_tensor(sV.data().get(), typename Traits::SmemLayoutVtNoSwizzle{});          // (D, BLK_N)
+
+  // Global -> shared copies, with row predicates from identity tensors.
+  typename Traits::GmemTiledCopyQKV gmem_tiled_copy;
+  auto gmem_thr_copy = gmem_tiled_copy.get_thread_slice(tidx);
+  Tensor tQgQ = gmem_thr_copy.partition_S(gQ);  // (CPY, CPY_M, CPY_D)
+  Tensor tQsQ = gmem_thr_copy.partition_D(sQ);
+  Tensor tKgK = gmem_thr_copy.partition_S(gK);  // (CPY, CPY_N, CPY_D, n)
+  Tensor tKsK = gmem_thr_copy.partition_D(sK);
+  Tensor tVgV = gmem_thr_copy.partition_S(gV);  // (CPY, CPY_N, CPY_D, n)
+  Tensor tVsV = gmem_thr_copy.partition_D(sV);
+  Tensor tQcQ = gmem_thr_copy.partition_S(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  Tensor tKVcKV = gmem_thr_copy.partition_S(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+
+  // Shared -> register operands of the two MMAs.
+  typename Traits::TiledMma tiled_mma;
+  auto thr_mma = tiled_mma.get_thread_slice(tidx);
+  Tensor tSrQ = thr_mma.partition_fragment_A(sQ);             // (MMA, MMA_M, MMA_D)
+  Tensor tSrK = thr_mma.partition_fragment_B(sK);             // (MMA, MMA_N, MMA_D)
+  Tensor tOrVt = thr_mma.partition_fragment_B(sVtNoSwizzle);  // (MMA, MMA_D, MMA_N)
+  Tensor acc_o = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kHeadDim>>{});  // (MMA, MMA_M, MMA_D)
+
+  auto smem_tiled_copy_Q = make_tiled_copy_A(typename Traits::SmemCopyAtom{}, tiled_mma);
+  auto smem_thr_copy_Q = smem_tiled_copy_Q.get_thread_slice(tidx);
+  Tensor tSsQ = smem_thr_copy_Q.partition_S(sQ);
+  auto smem_tiled_copy_K = make_tiled_copy_B(typename Traits::SmemCopyAtom{}, tiled_mma);
+  auto smem_thr_copy_K = smem_tiled_copy_K.get_thread_slice(tidx);
+  Tensor tSsK = smem_thr_copy_K.partition_S(sK);
+  auto smem_tiled_copy_V = make_tiled_copy_B(typename Traits::SmemCopyAtomTransposed{}, tiled_mma);
+  auto smem_thr_copy_V = smem_tiled_copy_V.get_thread_slice(tidx);
+  Tensor tOsVt = smem_thr_copy_V.partition_S(sVt);
+
+  // (row, col) of every score this thread holds, for masking.
+  Tensor tScS = thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
+  const int row0 = m_block * kBlockM;
+
+  // Prologue: Q and the last K tile (the one that may be partial) in one cp.async group.
+  int n_block = n_block_max - 1;
+  copy_rows(gmem_tiled_copy, tQgQ, tQsQ, tQcQ, p.seqlen_q - row0);
+  copy_rows(gmem_tiled_copy, tKgK(_, _, _, n_block), tKsK, tKVcKV, p.seqlen_k - n_block * kBlockN);
+  cp_async_fence();
+
+  clear(acc_o);
+  OnlineSoftmax<2 * size<1>(acc_o)> softmax(p.scale * kLog2e);
+
+  // Key tiles run from last to first: the partial and diagonal tiles, which need masks,
+  // come first; the loop body has one K and one V buffer in flight.
+  for (; n_block >= 0; --n_block) {
+    Tensor acc_s = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kBlockN>>{});  // (MMA, MMA_M, MMA_N)
+    clear(acc_s);
+    cp_async_wait<0>();
+    __syncthreads();  // K[n] landed; every warp is done reading V[n+1]
+    copy_rows(gmem_tiled_copy, tVgV(_, _, _, n_block), tVsV, tKVcKV, p.seqlen_k - n_block * kBlockN);
+    cp_async_fence();
+
+    gemm_ss(acc_s, tSrQ, tSrK, tSsQ, tSsK, tiled_mma, smem_tiled_copy_Q, smem_tiled_copy_K, smem_thr_copy_Q,
+            smem_thr_copy_K);
+
+    // Mask keys past the end and, for causal instances, keys right of the diagonal.
+    const int col0 = n_block * kBlockN;
+    const bool needs_mask = col0 + kBlockN > p.seqlen_k ||
+                            (Causal && int64_t(col0) + kBlockN - 1 > int64_t(row0) + p.causal_offset);
+    if (needs_mask) {
+      const float masked = softmax.masked_score();
+      CUTE_UNROLL
+      for (int i = 0; i < size(acc_s); ++i) {
+        const int row = row0 + get<0>(tScS(i));
+        const int col = col0 + get<1>(tScS(i));
+        const bool visible = col < p.seqlen_k && (!Causal || int64_t(col) <= int64_t(row) + p.causal_offset);
+        if (!visible) acc_s(i) = masked;
+      }
+    }
+
+    cp_async_wait<0>();
+    __syncthreads();  // V[n] landed; every warp is done reading K[n]
+    if (n_block > 0) {
+      copy_rows(gmem_tiled_copy, tKgK(_, _, _, n_block - 1), tKsK, tKVcKV, kBlockN);
+      cp_async_fence();
+    }
+
+    softmax.update(make_tensor(acc_s.data(), rowcol(acc_s.layout())),
+                   make_tensor(acc_o.data(), rowcol(acc_o.layout())));
+
+    Tensor rP = convert_to<Element>(acc_s);
+    Tensor tOrP = make_tensor(rP.data(), acc_to_a(rP.layout()));  // (MMA, MMA_M, MMA_N / 2)
+    gemm_rs(acc_o, tOrP, tOrVt, tOsVt, tiled_mma, smem_tiled_copy_V, smem_thr_copy_V);
+  }
+
+  // Epilogue: normalize, stage O through shared memory (the Q tile's space: the last
+  // barrier above ordered every read of Q) and store 16-byte rows; LSE from one lane per row.
+  Tensor lse = softmax.finalize(make_tensor(acc_o.data(), rowcol(acc_o.layout())));
+  Tensor rO = convert_to<Element>(acc_o);
+  Tensor sO = make_tensor(sQ.data(), typename Traits::SmemLayoutQ{});  // (BLK_M, D)
+  auto smem_tiled_copy_O = make_tiled_copy_C(typename Traits::SmemCopyAtomO{}, tiled_mma);
+  auto smem_thr_copy_O = smem_tiled_copy_O.get_thread_slice(tidx);
+  cute::copy(smem_tiled_copy_O, smem_thr_copy_O.retile_S(rO), smem_thr_copy_O.partition_D(sO));
+
+  if (lse_ptr != nullptr) {
+    Tensor tOcO = thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+    Tensor tOcO_rc = make_tensor(tOcO.data(), rowcol(tOcO.layout()));  // (rows, cols) -> (m, d)
+    if (get<1>(tOcO_rc(0, 0)) == 0) {
+      CUTE_UNROLL
+      for (int mi = 0; mi < size<0>(tOcO_rc); ++mi) {
+        const int row = get<0>(tOcO_rc(mi, 0));
+        if (row0 + row < p.seqlen_q) lse_ptr[row] = lse(mi);
+      }
+    }
+  }
+  __syncthreads();
+
+  typename Traits::GmemTiledCopyO gmem_tiled_copy_O;
+  auto gmem_thr_copy_O = gmem_tiled_copy_O.get_thread_slice(tidx);
+  Tensor tOsO = gmem_thr_copy_O.partition_S(sO);  // (CPY, CPY_M, CPY_D)
+  Tensor tOgO = gmem_thr_copy_O.partition_D(gO);
+  Tensor tOcO = gmem_thr_copy_O.partition_D(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  Tensor tOrO = make_tensor<Element>(shape(tOgO));
+  cute::copy(gmem_tiled_copy_O, tOsO, tOrO);
+  CUTE_UNROLL
+  for (int m = 0; m < size<1>(tOrO); ++m) {
+    if (row0 + get<0>(tOcO(0, m, 0)) < p.seqlen_q) cute::copy(gmem_tiled_copy_O, tOrO(_, m, _), tOgO(_, m, _));
+  }
+}
+
+}  // namespace gemmgen::fa2_sm80

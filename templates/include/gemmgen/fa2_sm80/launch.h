@@ -1,0 +1,93 @@
+// Host side of the fa2_sm80 family: checks the params an instance cannot run, sizes the
+// grid and launches on the caller's stream. Errors come back as a status and a message.
+#pragma once
+#include <cstdarg>
+#include <atomic>
+#include <cfloat>
+#include <cstdio>
+
+#include <cuda_runtime.h>
+
+#include "gemmgen/abi.h"
+#include "gemmgen/fa2_sm80/kernel.h"
+
+namespace gemmgen::fa2_sm80 {
+
+inline int report(char* err, int err_len, int status, const char* fmt, ...) {
+  if (err != nullptr && err_len > 0) {
+    va_list args;
+    va_start(args, fmt);
+    vsnprintf(err, static_cast<size_t>(err_len), fmt, args);
+    va_end(args);
+  }
+  return status;
+}
+
+// CUDA caps grid.y and grid.z at 65535: batch*heads is spread over both.
+constexpr int64_t kMaxGridYZ = 65535;
+
+template <class Traits, bool Causal>
+int run(const GemmgenAttnParams* p, cudaStream_t stream, char* err, int err_len) {
+  if (p == nullptr) return report(err, err_len, GEMMGEN_INVALID_ARGUMENT, "params is NULL");
+  if (p->head_dim != Traits::kHeadDim) {
+    return report(err, err_len, GEMMGEN_INVALID_ARGUMENT, "head_dim %d, this instance runs %d",
+                  p->head_dim, Traits::kHeadDim);
+  }
+  if (p->batch < 1 || p->heads < 1 || p->heads_kv < 1 || p->seqlen_q < 1 || p->seqlen_k < 1 ||
+      p->heads % p->heads_kv != 0) {
+    return report(err, err_len, GEMMGEN_INVALID_ARGUMENT,
+                  "bad sizes: batch %d heads %d heads_kv %d seqlen_q %d seqlen_k %d",
+                  p->batch, p->heads, p->heads_kv, p->seqlen_q, p->seqlen_k);
+  }
+  const int64_t bh = int64_t(p->batch) * p->heads;
+  if (bh > kMaxGridYZ * kMaxGridYZ) {
+    return report(err, err_len, GEMMGEN_INVALID_ARGUMENT, "batch*heads %lld exceeds %lld",
+                  static_cast<long long>(bh), static_cast<long long>(kMaxGridYZ * kMaxGridYZ));
+  }
+  auto kernel = &fwd_kernel<Traits, Causal>;
+  constexpr int kSmem = Traits::kSmemSize;
+  if constexpr (kSmem > 48 * 1024) {
+    // Opting into more than 48 KB is a per-device function attribute: set it once per device.
+    static std::atomic<uint64_t> configured{0};
+    int device = 0;
+    cudaError_t e = cudaGetDevice(&device);
+    const uint64_t bit = device < 64 ? uint64_t(1) << device : 0;
+    if (e == cudaSuccess && (bit == 0 || !(configured.load(std::memory_order_relaxed) & bit))) {
+      e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+      if (e == cudaSuccess) configured.fetch_or(bit, std::memory_order_relaxed);
+    }
+    if (e != cudaSuccess) {
+      return report(err, err_len, GEMMGEN_CUDA_ERROR, "setting the shared memory limit: %s (%s)",
+                    cudaGetErrorString(e), cudaGetErrorName(e));
+    }
+  }
+  const unsigned grid_y = static_cast<unsigned>(bh < kMaxGridYZ ? bh : kMaxGridYZ);
+  const unsigned grid_z = static_cast<unsigned>((bh + grid_y - 1) / grid_y);
+  const dim3 grid((p->seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM, grid_y, grid_z);
+  GemmgenAttnParams params = *p;
+  // A scale of exactly 0 would turn masked scores (+-inf) into NaN in the folded
+  // exp2(score * scale - max); the smallest normal float gives the same uniform weights.
+  if (params.scale == 0.f) params.scale = FLT_MIN;
+  kernel<<<grid, Traits::kNThreads, kSmem, stream>>>(params);
+  cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess) {
+    return report(err, err_len, GEMMGEN_CUDA_ERROR, "kernel launch: %s (%s)", cudaGetErrorString(e),
+                  cudaGetErrorName(e));
+  }
+  return GEMMGEN_OK;
+}
+
+template <class Traits, bool Causal>
+int info(GemmgenInstanceInfo* out) {
+  if (out == nullptr) return GEMMGEN_INVALID_ARGUMENT;
+  out->abi_version = GEMMGEN_ABI_VERSION;
+  out->head_dim = Traits::kHeadDim;
+  out->block_m = Traits::kBlockM;
+  out->block_n = Traits::kBlockN;
+  out->threads = Traits::kNThreads;
+  out->smem_bytes = Traits::kSmemSize;
+  out->causal = Causal ? 1 : 0;
+  return GEMMGEN_OK;
+}
+
+}  // namespace gemmgen::fa2_sm80

@@ -1,0 +1,168 @@
+"""fused_attention on the GPU against the float64 reference (needs the default set built into ./build:
+`gemmgen generate --arch sm80`). Inputs are fresh random tensors, a different seed per case; outputs
+are poisoned with NaN first, and NaN never passes."""
+from __future__ import annotations
+
+import math
+import zlib
+
+import pytest
+import torch
+
+import gemmgen
+from gemmgen.reference import attention_reference
+from gemmgen.space import supported_head_dims
+
+pytestmark = pytest.mark.gpu
+
+DTYPES = (torch.float16, torch.bfloat16)
+TOLERANCE = {torch.float16: 2e-3, torch.bfloat16: 1e-2}  # ||O - ref|| / ||ref||
+LSE_TOLERANCE = 1e-3  # relative, where the reference is finite
+MASKS = [(False, "top_left"), (True, "top_left"), (True, "bottom_right")]
+MASK_IDS = ["none", "causal-top-left", "causal-bottom-right"]
+LENGTHS = [(1, 1), (1, 17), (17, 1), (17, 17), (127, 129), (129, 127), (1000, 1000), (1000, 17),
+           (17, 1000), (4097, 4097), (4097, 1000), (1000, 4097)]
+
+
+def randn(shape, dtype, key) -> torch.Tensor:
+    """Standard normal values on the GPU from a seed derived from `key` (a different one per case)."""
+    gen = torch.Generator(device="cuda").manual_seed(zlib.crc32(repr(key).encode()))
+    return torch.randn(shape, dtype=dtype, device="cuda", generator=gen)
+
+
+def make_qkv(b, h, hkv, nq, nk, d, dtype, key):
+    return (randn((b, h, nq, d), dtype, (key, "q")), randn((b, hkv, nk, d), dtype, (key, "k")),
+            randn((b, hkv, nk, d), dtype, (key, "v")))
+
+
+def check(q, k, v, *, causal=False, alignment="top_left", scale=None, **kwargs):
+    """Run with a NaN-poisoned out= buffer and compare O and LSE with the float64 reference."""
+    out = torch.full_like(q, float("nan"))
+    o, lse = gemmgen.fused_attention(q, k, v, causal=causal, causal_alignment=alignment, scale=scale,
+                                     return_lse=True, out=out, **kwargs)
+    torch.cuda.synchronize()
+    assert o.data_ptr() == out.data_ptr()
+    assert lse.dtype == torch.float32 and lse.shape == q.shape[:3] and lse.is_contiguous()
+    ref_o, ref_lse = attention_reference(q, k, v, causal, alignment, scale)
+    assert not torch.isnan(o).any(), "unwritten or NaN output elements"
+    ref_norm = ref_o.norm().item()
+    err = (o.double() - ref_o).norm().item() / ref_norm if ref_norm else o.double().norm().item()
+    assert err <= TOLERANCE[q.dtype], f"relative error {err:.3e}"
+    empty = torch.isneginf(ref_lse)
+    assert torch.equal(torch.isneginf(lse), empty), "LSE must be -inf exactly where no key is seen"
+    assert torch.equal(o[empty], torch.zeros_like(o[empty])), "rows that see no key must be 0"
+    finite = ~empty
+    lse_err = ((lse.double() - ref_lse).abs() / ref_lse.abs().clamp_min(1.0))[finite]
+    assert lse_err.numel() == 0 or lse_err.max().item() <= LSE_TOLERANCE
+    return o
+
+
+@pytest.mark.parametrize("mask", MASKS, ids=MASK_IDS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+@pytest.mark.parametrize("head_dim", supported_head_dims())
+def test_every_head_dim_dtype_mask(head_dim, dtype, mask):
+    causal, alignment = mask
+    for nq, nk in ((129, 127), (127, 129)):
+        q, k, v = make_qkv(2, 3, 3, nq, nk, head_dim, dtype, (head_dim, dtype, mask, nq))
+        check(q, k, v, causal=causal, alignment=alignment)
+
+
+@pytest.mark.parametrize("mask", MASKS, ids=MASK_IDS)
+@pytest.mark.parametrize("dtype, head_dim", [(torch.float16, 64), (torch.bfloat16, 128)], ids=["fp16-d64", "bf16-d128"])
+@pytest.mark.parametrize("nq, nk", LENGTHS)
+def test_lengths(nq, nk, dtype, head_dim, mask):
+    b, h = (1, 2) if max(nq, nk) > 1000 else (2, 3)
+    q, k, v = make_qkv(b, h, h, nq, nk, head_dim, dtype, ("len", nq, nk, dtype, mask))
+    check(q, k, v, causal=mask[0], alignment=mask[1])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+def test_bnhd_storage_and_layout_of_o(dtype):
+    """[B, N, H, d] storage passed as transpose(1, 2) views; O comes back in the same storage order."""
+    q, k, v = (randn((2, n, 4, 64), dtype, ("bnhd", n, dtype)).transpose(1, 2) for n in (129, 200, 200))
+    o = gemmgen.fused_attention(q, k, v, causal=True)
+    assert o.shape == q.shape and o.stride() == q.stride()
+    check(q, k, v, causal=True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+def test_strided_views(dtype):
+    """Slices of a wider last dim (row stride 2d), and K/V as [B, N, H, 2d] slices."""
+    d = 64
+    q = randn((2, 3, 129, 2 * d), dtype, ("slice-q", dtype))[..., :d]
+    kv = randn((2, 127, 3, 2 * d), dtype, ("slice-kv", dtype))
+    k, v = kv[..., :d].transpose(1, 2), kv[..., d:].transpose(1, 2)
+    o = check(q, k, v, causal=True, alignment="bottom_right")
+    assert o.is_contiguous()  # q is not dense: O gets q's dim order, packed
+    o = gemmgen.fused_attention(q, k, v)
+    assert o.is_contiguous()
+
+
+@pytest.mark.parametrize("hkv", [2, 1], ids=["gqa", "mqa"])
+@pytest.mark.parametrize("mask", MASKS, ids=MASK_IDS)
+def test_gqa_mqa(hkv, mask):
+    q, k, v = make_qkv(2, 8, hkv, 129, 300, 128, torch.bfloat16, ("gqa", hkv, mask))
+    check(q, k, v, causal=mask[0], alignment=mask[1])
+
+
+@pytest.mark.parametrize("scale", [0.3, -0.7, 0.0, 2.0])
+def test_scale(scale):
+    q, k, v = make_qkv(2, 3, 3, 129, 127, 64, torch.float16, ("scale", scale))
+    check(q, k, v, causal=True, scale=scale)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+def test_fully_masked_rows(dtype):
+    """Bottom-right causal with Nq > Nk: the first Nq - Nk rows see no key: O exactly 0, LSE -inf."""
+    q, k, v = make_qkv(2, 3, 3, 129, 17, 64, dtype, ("masked", dtype))
+    o = check(q, k, v, causal=True, alignment="bottom_right")
+    assert torch.equal(o[:, :, :112], torch.zeros_like(o[:, :, :112]))
+    _, lse = gemmgen.fused_attention(q, k, v, causal=True, causal_alignment="bottom_right", return_lse=True)
+    assert torch.isneginf(lse[:, :, :112]).all() and torch.isfinite(lse[:, :, 112:]).all()
+
+
+def test_batch_heads_above_grid_limit():
+    q, k, v = make_qkv(300, 250, 250, 3, 5, 32, torch.float16, "grid")  # 75000 > 65535 (grid.y)
+    check(q, k, v, causal=True)
+
+
+def test_empty_sizes():
+    q, k, v = make_qkv(2, 3, 3, 17, 0, 64, torch.float16, "empty")
+    o, lse = gemmgen.fused_attention(q, k, v, return_lse=True)
+    assert torch.equal(o, torch.zeros_like(o)) and torch.isneginf(lse).all()
+    q, k, v = make_qkv(0, 3, 3, 17, 17, 64, torch.float16, "empty-b")
+    assert gemmgen.fused_attention(q, k, v).shape == q.shape
+
+
+def test_side_stream_and_cuda_graph():
+    q, k, v = make_qkv(2, 4, 4, 257, 257, 64, torch.float16, "graph")
+    want = gemmgen.fused_attention(q, k, v, causal=True)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        on_side = gemmgen.fused_attention(q, k, v, causal=True)
+    torch.cuda.current_stream().wait_stream(stream)
+    assert torch.equal(on_side, want)
+    out = torch.full_like(q, float("nan"))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        gemmgen.fused_attention(q, k, v, causal=True, out=out)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, want)
+
+
+def test_selection_and_forced_instance():
+    q, k, v = make_qkv(1, 2, 2, 64, 64, 64, torch.float16, "select")
+    name = gemmgen.selected_instance(q, k, v, causal=True)
+    assert name.startswith("fa2_sm80_fp16_d64_causal_")
+    check(q, k, v, causal=True, instance=name)
+    with pytest.raises(gemmgen.InputError, match="no instance named"):
+        gemmgen.fused_attention(q, k, v, instance="no_such_instance")
+
+
+def test_default_scale_is_inverse_sqrt_d():
+    q, k, v = make_qkv(1, 2, 2, 33, 33, 96, torch.bfloat16, "default-scale")
+    default = gemmgen.fused_attention(q, k, v)
+    explicit = gemmgen.fused_attention(q, k, v, scale=1 / math.sqrt(96))
+    assert torch.equal(default, explicit)

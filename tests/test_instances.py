@@ -1,0 +1,60 @@
+"""The fa2_sm80 instance space and its validity predicate."""
+from __future__ import annotations
+
+import pytest
+
+from gemmgen import space
+from gemmgen.arch import Arch, parse_arch
+from gemmgen.families import fa2_sm80 as fam
+from gemmgen.families.fa2_sm80 import DType, Fa2Sm80Instance, Mask
+
+
+def test_space_nonempty_valid_unique():
+    assert fam.SPACE
+    assert all(fam.invalid_reason(inst) is None for inst in fam.SPACE)
+    names = [inst.name for inst in fam.SPACE]
+    assert len(names) == len(set(names))
+    assert len({inst.symbol for inst in fam.SPACE}) == len(names)
+    assert len({inst.content_hash() for inst in fam.SPACE}) == len(names)
+
+
+def test_default_one_tile_per_functional_key():
+    keys = [(i.dtype, i.head_dim, i.mask) for i in fam.DEFAULT]
+    assert len(keys) == len(set(keys)) == len(fam.DTYPES) * len(fam.HEAD_DIMS) * len(fam.MASKS)
+    assert set(fam.DEFAULT) <= set(fam.SPACE)
+
+
+def test_pinned_names():
+    inst = Fa2Sm80Instance(DType.FP16, 64, Mask.CAUSAL, 128, 128, 4)
+    assert inst.name == "fa2_sm80_fp16_d64_causal_m128n128w4"
+    assert inst.symbol == "gemmgen_fa2_sm80_fp16_d64_causal_m128n128w4"
+    assert "fa2_sm80_bf16_d256_none_m128n64w8" in {i.name for i in fam.DEFAULT}
+
+
+@pytest.mark.parametrize("inst, words", [
+    (Fa2Sm80Instance(DType.FP16, 256, Mask.NONE, 128, 128, 8), "shared memory"),
+    (Fa2Sm80Instance(DType.FP16, 64, Mask.NONE, 64, 64, 8), "16 rows x 8 warps"),
+    (Fa2Sm80Instance(DType.BF16, 256, Mask.NONE, 128, 128, 4), "accumulators"),
+    (Fa2Sm80Instance(DType.BF16, 80, Mask.NONE, 128, 64, 4), "head_dim 80"),
+])
+def test_predicate_rejects_with_reason(inst, words):
+    reason = fam.invalid_reason(inst)
+    assert reason is not None and words in reason
+    assert inst not in fam.SPACE
+
+
+def test_select_instances_and_head_dims():
+    assert space.select_instances(Arch.SM80) == list(fam.DEFAULT)
+    assert len(space.select_instances(Arch.SM80, all_instances=True)) == len(fam.SPACE)
+    chosen = space.select_instances(Arch.SM80, pattern="d32_none")
+    assert sorted(i.name for i in chosen) == ["fa2_sm80_bf16_d32_none_m128n128w4",
+                                              "fa2_sm80_fp16_d32_none_m128n128w4"]
+    assert space.select_instances(Arch.SM80, pattern=r"fp16_d(64|128)_causal") != []
+    assert space.select_instances(Arch.SM80, pattern="nothing-matches") == []
+    assert space.supported_head_dims() == fam.HEAD_DIMS
+
+
+def test_parse_arch():
+    assert parse_arch(" SM80 ") is Arch.SM80
+    with pytest.raises(ValueError, match="supported: sm80"):
+        parse_arch("sm75")
