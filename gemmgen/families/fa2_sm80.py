@@ -127,9 +127,10 @@ SPACE: tuple[Fa2Sm80Instance, ...] = tuple(
     if invalid_reason(inst) is None
 )
 
-# Default tile per head dim (block_m, block_n, warps): the FlashAttention-2 choices for
-# Ampere-class parts; bench/NOTES.md records how they compare on the H200.
-DEFAULT_TILE = {32: (128, 128, 4), 64: (128, 128, 4), 96: (128, 64, 4), 128: (128, 64, 4),
+# Default tile per head dim (block_m, block_n, warps): FlashAttention-2's choices for
+# Ampere-class parts, except d64 where 128x64 beat 128x128 at every N of the H200 sweep
+# (bench/NOTES.md, experiment 3).
+DEFAULT_TILE = {32: (128, 128, 4), 64: (128, 64, 4), 96: (128, 64, 4), 128: (128, 64, 4),
                 160: (128, 32, 4), 192: (128, 64, 8), 256: (128, 64, 8)}
 
 DEFAULT: tuple[Fa2Sm80Instance, ...] = tuple(

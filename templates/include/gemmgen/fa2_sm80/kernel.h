@@ -130,11 +130,21 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const Gemmgen
   cp_async_fence();
 
   clear(acc_o);
-  OnlineSoftmax<2 * size<1>(acc_o)> softmax(p.scale * kLog2e);
+  // softmax(scale * Q K^T) = softmax(|scale| * (-Q) K^T): for a negative scale negate the Q
+  // tile once, so the hot loop always reduces with max (a runtime max-or-min choice costs
+  // two predicated FMNMX per score, measured in SASS).
+  if (p.scale < 0.f) {
+    cp_async_wait<0>();
+    __syncthreads();
+    for (int i = tidx; i < size(sQ); i += Traits::kNThreads) sQ(i) = -sQ(i);
+    __syncthreads();
+  }
+  OnlineSoftmax<2 * size<1>(acc_o)> softmax(fabsf(p.scale) * kLog2e);
 
-  // Key tiles run from last to first: the partial and diagonal tiles, which need masks,
-  // come first; the loop body has one K and one V buffer in flight.
-  for (; n_block >= 0; --n_block) {
+  // One key tile: S = Q K^T, mask (kMask), online softmax, O += P V. The K and V buffers
+  // alternate: V[n] loads under the first GEMM, K[n-1] under the softmax and the second.
+  auto step = [&](int n_block, auto mask_tag) {
+    constexpr bool kMask = decltype(mask_tag)::value;
     Tensor acc_s = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kBlockN>>{});  // (MMA, MMA_M, MMA_N)
     clear(acc_s);
     cp_async_wait<0>();
@@ -145,18 +155,14 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const Gemmgen
     gemm_ss(acc_s, tSrQ, tSrK, tSsQ, tSsK, tiled_mma, smem_tiled_copy_Q, smem_tiled_copy_K, smem_thr_copy_Q,
             smem_thr_copy_K);
 
-    // Mask keys past the end and, for causal instances, keys right of the diagonal.
-    const int col0 = n_block * kBlockN;
-    const bool needs_mask = col0 + kBlockN > p.seqlen_k ||
-                            (Causal && int64_t(col0) + kBlockN - 1 > int64_t(row0) + p.causal_offset);
-    if (needs_mask) {
-      const float masked = softmax.masked_score();
+    if constexpr (kMask) {  // keys past the end and, for causal instances, right of the diagonal
+      const int col0 = n_block * kBlockN;
       CUTE_UNROLL
       for (int i = 0; i < size(acc_s); ++i) {
         const int row = row0 + get<0>(tScS(i));
         const int col = col0 + get<1>(tScS(i));
         const bool visible = col < p.seqlen_k && (!Causal || int64_t(col) <= int64_t(row) + p.causal_offset);
-        if (!visible) acc_s(i) = masked;
+        if (!visible) acc_s(i) = -INFINITY;
       }
     }
 
@@ -173,7 +179,16 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const Gemmgen
     Tensor rP = convert_to<Element>(acc_s);
     Tensor tOrP = make_tensor(rP.data(), acc_to_a(rP.layout()));  // (MMA, MMA_M, MMA_N / 2)
     gemm_rs(acc_o, tOrP, tOrVt, tOsVt, tiled_mma, smem_tiled_copy_V, smem_thr_copy_V);
-  }
+  };
+
+  // Key tiles run from last to first, so the ones that need a mask (the partial last tile,
+  // the tiles crossing the diagonal) come first and the main loop carries no mask code.
+  auto needs_mask = [&](int n_block) {
+    const int64_t col0 = int64_t(n_block) * kBlockN;
+    return col0 + kBlockN > p.seqlen_k || (Causal && col0 + kBlockN - 1 > int64_t(row0) + p.causal_offset);
+  };
+  for (; n_block >= 0 && needs_mask(n_block); --n_block) step(n_block, cute::true_type{});
+  for (; n_block >= 0; --n_block) step(n_block, cute::false_type{});
 
   // Epilogue: normalize, stage O through shared memory (the Q tile's space: the last
   // barrier above ordered every read of Q) and store 16-byte rows; LSE from one lane per row.

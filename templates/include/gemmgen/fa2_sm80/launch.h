@@ -65,7 +65,7 @@ int run(const GemmgenAttnParams* p, cudaStream_t stream, char* err, int err_len)
   const unsigned grid_z = static_cast<unsigned>((bh + grid_y - 1) / grid_y);
   const dim3 grid((p->seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM, grid_y, grid_z);
   GemmgenAttnParams params = *p;
-  // A scale of exactly 0 would turn masked scores (+-inf) into NaN in the folded
+  // A scale of exactly 0 would turn masked scores (-inf) into NaN in the folded
   // exp2(score * scale - max); the smallest normal float gives the same uniform weights.
   if (params.scale == 0.f) params.scale = FLT_MIN;
   kernel<<<grid, Traits::kNThreads, kSmem, stream>>>(params);

@@ -1,9 +1,7 @@
 // Online softmax over key tiles (FlashAttention-2): running row max and row sum, with the
 // O accumulator rescaled whenever the max grows. Scores arrive raw (Q K^T); the scale and
-// log2(e) fold into one FFMA feeding each exp2, as in FlashAttention-2. For a negative
-// scale the largest scaled score is the smallest raw one, so the row reduction switches
-// from max to min (one predicated FMNMX either way) and masked scores are +inf instead of
-// -inf: in both cases a masked score times the scale is -inf.
+// log2(e) fold into one FFMA feeding each exp2, as in FlashAttention-2. The scale is
+// positive here: the kernel turns a negative one into a positive one on negated Q.
 #pragma once
 #include <cmath>
 #include <cute/tensor.hpp>
@@ -28,16 +26,12 @@ struct OnlineSoftmax {
   // Per thread-row state: max of the scaled scores seen (log2 domain) and the partial sum of
   // exp2(score - max) over this thread's columns (the quad reduction waits for the end).
   Tensor<ArrayEngine<float, kRows>, Layout<Shape<Int<kRows>>>> row_max, row_sum;
-  float scale_log2;  // softmax scale * log2(e), never 0 (see launch.h)
-  bool take_max;     // scale_log2 > 0
+  float scale_log2;  // softmax scale * log2(e), > 0 (see launch.h and the kernel)
 
-  CUTE_DEVICE explicit OnlineSoftmax(float scale_log2_) : scale_log2(scale_log2_), take_max(scale_log2_ > 0.f) {
+  CUTE_DEVICE explicit OnlineSoftmax(float scale_log2_) : scale_log2(scale_log2_) {
     fill(row_max, -INFINITY);
     fill(row_sum, 0.f);
   }
-
-  // The raw score a masked position takes: times scale_log2 it is -inf.
-  CUTE_DEVICE float masked_score() const { return take_max ? -INFINITY : INFINITY; }
 
   // scores: (rows, cols) view of S for one key tile, overwritten with P = exp2(S - max).
   // acc_o: (rows, cols) view of O, rescaled to the new max.
@@ -46,12 +40,10 @@ struct OnlineSoftmax {
     static_assert(decltype(size<0>(scores))::value == kRows);
     CUTE_UNROLL
     for (int mi = 0; mi < kRows; ++mi) {
-      float extreme = scores(mi, 0);
+      float top = scores(mi, 0);
       CUTE_UNROLL
-      for (int ni = 1; ni < size<1>(scores); ++ni) {
-        extreme = take_max ? fmaxf(extreme, scores(mi, ni)) : fminf(extreme, scores(mi, ni));
-      }
-      const float m = quad_max(fmaxf(row_max(mi), extreme * scale_log2));
+      for (int ni = 1; ni < size<1>(scores); ++ni) top = fmaxf(top, scores(mi, ni));
+      const float m = quad_max(fmaxf(row_max(mi), top * scale_log2));
       // A row that has seen only masked keys keeps max -inf: subtract 0 instead so that
       // exp2(-inf - (-inf)) never makes a NaN; its P stays 0 and its sum 0.
       const float m_safe = m == -INFINITY ? 0.f : m;
