@@ -5,6 +5,7 @@ import pytest
 
 from gemmgen import manifest, registry
 from gemmgen.errors import InputError, NoInstanceError
+from gemmgen.families import fa2_sm80 as fam
 from gemmgen.families.fa2_sm80 import DType, Fa2Sm80Instance, Mask
 
 GENCODE = ["-gencode=arch=compute_80,code=sm_80", "-gencode=arch=compute_90,code=sm_90"]
@@ -98,7 +99,8 @@ def test_no_candidate_message(build_dir):
     for name in ("fa2_sm80_fp16_d64_none_m128n128w4", "fa2_sm80_bf16_d64_none_m128n128w4",
                  "fa2_sm80_fp16_d64_causal_m128n128w4"):
         assert name in text
-    assert f"gemmgen generate --arch sm80 --out {build_dir} --filter fa2_sm80_fp16_d64_causal_m128n128w4" in text
+    default = next(i.name for i in fam.DEFAULT if (i.dtype.value, i.head_dim, i.causal) == ("fp16", 64, True))
+    assert f"gemmgen generate --arch sm80 --out {build_dir} --filter {default}" in text
     with pytest.raises(NoInstanceError, match="No gemmgen family supports"):
         registry.select(problem(cc=(7, 5)))
 
