@@ -22,10 +22,9 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import gemmgen
-from gemmgen import ops, registry
+from gemmgen import registry
+from gemmgen.shapes import HIDDEN, SEQLENS, TOKENS  # the sweep's shapes, shared with `gemmgen profile`
 
-TOKENS, HIDDEN = 16384, 2048
-SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
 BACKENDS = {"FA2": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
             "cuDNN": SDPBackend.CUDNN_ATTENTION}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -43,6 +42,13 @@ def time_ms(fn, warmup: int, reps: int) -> float:
         e.record()
     torch.cuda.synchronize()
     return statistics.median(s.elapsed_time(e) for s, e in zip(start, end))
+
+
+def built_instances(dtype: str, head_dim: int, causal: bool) -> list[str]:
+    """Names of the built instances (any family) for this dtype, head dim and mask."""
+    mask = "causal" if causal else "none"
+    return [c.name for c in registry.load()[0] if c.entry.state == "built" and
+            (c.entry.params["dtype"], c.entry.params["head_dim"], c.entry.params["mask"]) == (dtype, head_dim, mask)]
 
 
 def main() -> int:
@@ -70,11 +76,10 @@ def main() -> int:
                     q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=dtype) for _ in range(3))
                     flops = 4 * b * h * n * n * d / (2 if causal else 1)
                     tflops = lambda ms: flops / ms / 1e9  # noqa: E731
-                    cands, _ = registry.candidates(ops._problem(q, k, causal))
                     measured = {}
-                    for c in cands:
-                        fn = lambda c=c: gemmgen.fused_attention(q, k, v, causal=causal, instance=c.name)  # noqa: E731
-                        measured[c.name] = tflops(time_ms(fn, 3, args.reps))
+                    for name in built_instances(dname, d, causal):
+                        fn = lambda name=name: gemmgen.fused_attention(q, k, v, causal=causal, instance=name)  # noqa: E731
+                        measured[name] = tflops(time_ms(fn, 3, args.reps))
                     peers = {}
                     for label, backend in BACKENDS.items():
                         try:
@@ -95,7 +100,6 @@ def main() -> int:
                     print("    all: " + ", ".join(f"{name.split('_')[-1]}={t:.0f}" for name, t in
                                               sorted(measured.items(), key=lambda kv: -kv[1])), file=sys.stderr,
                           flush=True)
-                    del q, k, v
     if args.out:
         with open(args.out, "w") as f:
             f.write(header + "\n\n" + "\n".join(rows) + "\n")

@@ -10,23 +10,33 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from gemmgen.errors import (DeviceError, GemmgenError, GemmgenLaunchError, InputError, ManifestError,
-                            NoInstanceError, ToolchainError)
+from gemmgen.errors import (CacheError, DeviceError, GemmgenError, GemmgenLaunchError, GemmgenWarning,
+                            InputError, ManifestError, NoInstanceError, ToolchainError, TuningDatabaseError)
 
 __version__ = "0.1.0"
 
 _LAZY_ATTRS = {
     "fused_attention": "gemmgen.ops",
     "selected_instance": "gemmgen.ops",
+    "explain": "gemmgen.ops",
+    "autotune": "gemmgen.autotune",
     "attention_reference": "gemmgen.reference",
     "set_build_dirs": "gemmgen.registry",
+    "refresh": "gemmgen.registry",
+    "cache_dir": "gemmgen.cache",
+    "Shape": "gemmgen.shapes",
+    "parse_shape": "gemmgen.shapes",
 }
-_SUBMODULES = {"abi", "arch", "build", "cli", "families", "manifest", "ops", "reference", "registry",
-               "render", "space", "toolchain"}
+_SUBMODULES = {"abi", "arch", "buckets", "build", "cache", "cli", "cli_explain", "cli_profile", "cli_tune",
+               "device", "families", "heuristic", "jit", "launch", "manifest", "ops", "plot", "problem",
+               "reference", "registry", "render", "selection", "shapes", "space", "timing", "toolchain",
+               "torch_op", "tuning_db"}
 
-__all__ = ["fused_attention", "selected_instance", "attention_reference", "set_build_dirs",
+__all__ = ["fused_attention", "selected_instance", "explain", "autotune", "attention_reference",
+           "set_build_dirs", "refresh", "cache_dir", "Shape", "parse_shape",
            "GemmgenError", "ToolchainError", "ManifestError", "InputError", "DeviceError",
-           "NoInstanceError", "GemmgenLaunchError", "__version__"]
+           "NoInstanceError", "GemmgenLaunchError", "CacheError", "TuningDatabaseError",
+           "GemmgenWarning", "__version__"]
 
 
 def __getattr__(name: str) -> Any:

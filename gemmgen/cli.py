@@ -1,14 +1,15 @@
-"""The `gemmgen` command: generate (render + compile + register), list, run."""
+"""The `gemmgen` command: generate (render + compile + register), list, run, profile, explain, tune."""
 from __future__ import annotations
 
 import argparse
 import os
 import sys
 from pathlib import Path
+from typing import Callable
 
 from gemmgen import manifest, space
 from gemmgen.arch import Arch, parse_arch
-from gemmgen.errors import GemmgenError, ManifestError, ToolchainError
+from gemmgen.errors import GemmgenError, InputError, ManifestError, ToolchainError
 
 EXIT_USAGE = 2
 
@@ -88,6 +89,19 @@ def cmd_run(args: argparse.Namespace) -> int:
         return _fail(str(exc))
 
 
+def _guarded(run: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    """A handler that calls `run(args)`, turning gemmgen errors into a message and an exit status:
+    2 for bad arguments (InputError), 1 otherwise."""
+    def handler(args: argparse.Namespace) -> int:
+        try:
+            return run(args)
+        except InputError as exc:
+            return _fail(str(exc), EXIT_USAGE)
+        except GemmgenError as exc:
+            return _fail(str(exc))
+    return handler
+
+
 def parser() -> argparse.ArgumentParser:
     """The argument parser of the `gemmgen` command."""
     top = argparse.ArgumentParser(prog="gemmgen", description="CUTLASS-based fused attention kernels.")
@@ -122,6 +136,18 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--iters", type=int, default=100, help="timed iterations (default: 100)")
     run.add_argument("--build-dir", action="append", help="where to find manifests (repeatable)")
     run.set_defaults(func=cmd_run)
+
+    from gemmgen import cli_explain, cli_profile, cli_tune  # these import torch only when run
+
+    prof = sub.add_parser("profile", help="time every candidate per shape against torch SDPA")
+    cli_profile.add_arguments(prof)
+    prof.set_defaults(func=_guarded(cli_profile.run))
+    expl = sub.add_parser("explain", help="which instance runs a shape, and why")
+    cli_explain.add_arguments(expl)
+    expl.set_defaults(func=_guarded(cli_explain.run))
+    tune = sub.add_parser("tune", help="the tuning databases: path, show, export, import")
+    cli_tune.add_arguments(tune)
+    tune.set_defaults(func=_guarded(cli_tune.run))
     return top
 
 

@@ -28,3 +28,15 @@ class NoInstanceError(GemmgenError, RuntimeError):
 
 class GemmgenLaunchError(GemmgenError, RuntimeError):
     """A compiled instance returned a non-zero status; the message is the library's."""
+
+
+class CacheError(GemmgenError, OSError):
+    """The cache directory ($GEMMGEN_CACHE_DIR) cannot be created or written."""
+
+
+class TuningDatabaseError(GemmgenError, ValueError):
+    """A tuning database or export file is unreadable, corrupt or for another GPU or version."""
+
+
+class GemmgenWarning(UserWarning):
+    """Something gemmgen worked around (a corrupt tuning database set aside, a tuning not stored)."""

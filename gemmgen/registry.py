@@ -1,41 +1,23 @@
-"""Runtime registry: read the manifests of the build directories, find the instances that can run a
-problem (keeping a reason for each one rejected) and pick one.
+"""Runtime registry: read the manifests of the build directories and find the instances that can
+run a problem, keeping a reason for each one rejected (gemmgen.selection picks among them).
 
 Build directories: gemmgen.set_build_dirs(...) if called, else $GEMMGEN_BUILD_DIR (os.pathsep
-separated), else ./build. Each holds <arch>/manifest.json files (a directory holding a
-manifest.json itself is read too).
+separated), else ./build; then the instances compiled on demand, <cache>/jit. Each holds
+<arch>/manifest.json files (a directory holding a manifest.json itself is read too).
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import os
 import re
 from pathlib import Path
-from typing import Iterable
+from typing import Any, Callable, Iterable
 
-from gemmgen import abi, manifest
-from gemmgen.errors import GemmgenLaunchError, InputError, ManifestError, NoInstanceError
-from gemmgen.space import FAMILIES, family_named
-
-
-@dataclasses.dataclass(frozen=True)
-class Problem:
-    """What decides which instances can run a call: the functional key, the GPU and the sizes."""
-
-    dtype: str  # "fp16" | "bf16"
-    head_dim: int
-    causal: bool
-    cc: tuple[int, int]  # device compute capability
-    smem_limit: int  # shared memory one block may opt into on the device, bytes
-    seqlen_q: int = 1
-    seqlen_k: int = 1
-
-    def describe(self) -> str:
-        """A one-line description for messages."""
-        mask = "causal" if self.causal else "no mask"
-        return f"{self.dtype} head_dim={self.head_dim} {mask} on sm_{self.cc[0]}{self.cc[1]}"
+from gemmgen import abi, cache, manifest
+from gemmgen.errors import GemmgenLaunchError, ManifestError, NoInstanceError
+from gemmgen.problem import Problem
+from gemmgen.space import FAMILIES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +34,16 @@ class Candidate:
         """The instance's name."""
         return self.entry.name
 
+    @property
+    def content_hash(self) -> str:
+        """The instance's build key: what the tuning database files its measurements under."""
+        return self.entry.content_hash
+
+    @property
+    def label(self) -> str:
+        """The name and the build directory, for messages."""
+        return f"{self.name} ({self.build_dir})"
+
     @functools.cached_property
     def kernel(self) -> abi.Instance:
         """The loaded and bound entry points (loaded on first use, then cached)."""
@@ -65,8 +57,7 @@ class Candidate:
 
 _build_dirs: list[Path] | None = None
 _loaded: tuple[list[Candidate], list[str]] | None = None  # (candidates, manifest load errors)
-_selected: dict[tuple, Candidate] = {}
-_MAX_SELECTED = 4096  # bound the selection cache for workloads with many distinct lengths
+_refresh_hooks: list[Callable[[], None]] = []
 
 
 def set_build_dirs(dirs: Iterable[str | os.PathLike] | None) -> None:
@@ -84,11 +75,28 @@ def build_dirs() -> list[Path]:
     return [Path(d) for d in env.split(os.pathsep) if d] if env else [Path("build")]
 
 
+def jit_dir() -> Path:
+    """Where instances compiled on demand go: <cache>/jit."""
+    return cache.cache_dir() / "jit"
+
+
+def search_dirs() -> list[Path]:
+    """The build directories, then the on-demand builds."""
+    dirs = build_dirs()
+    return dirs + ([jit_dir()] if jit_dir() not in dirs else [])
+
+
+def on_refresh(hook: Callable[[], None]) -> None:
+    """Call `hook` on every refresh() (caches built on the loaded manifests register here)."""
+    _refresh_hooks.append(hook)
+
+
 def refresh() -> None:
     """Forget loaded manifests and cached selections (call after a new `gemmgen generate`)."""
     global _loaded
     _loaded = None
-    _selected.clear()
+    for hook in _refresh_hooks:
+        hook()
 
 
 def manifest_paths(folder: Path) -> list[Path]:
@@ -102,7 +110,7 @@ def load() -> tuple[list[Candidate], list[str]]:
     global _loaded
     if _loaded is None:
         found, errors = [], []
-        for order, folder in enumerate(build_dirs()):
+        for order, folder in enumerate(search_dirs()):
             for path in manifest_paths(folder.resolve()):
                 try:
                     data = manifest.load(path)
@@ -148,6 +156,15 @@ def reject_reason(cand: Candidate, problem: Problem) -> str | None:
         return f"head_dim {params.get('head_dim')}, the problem has {problem.head_dim}"
     if params.get("mask") != mask:
         return f"mask {params.get('mask')}, the problem needs {mask}"
+    # Fields the current family does not constrain (it runs any strided layout, any GQA ratio,
+    # 16-byte aligned data): an instance that declares them in its params is held to them.
+    if "layouts" in params and problem.layout not in params["layouts"]:
+        return f"layouts {params['layouts']}, the problem's is {problem.layout}"
+    if "gqa_ratios" in params and problem.gqa not in params["gqa_ratios"]:
+        return f"GQA ratios {params['gqa_ratios']}, the problem's is {problem.gqa}"
+    need = int(params.get("align_bytes", 16))
+    if problem.align < need:
+        return f"needs {need}-byte aligned data and strides, the problem's are {problem.align}-byte aligned"
     if entry.state == "rendered":
         return "rendered but not compiled (run `gemmgen generate` without --no-compile)"
     if entry.state == "failed":
@@ -170,30 +187,13 @@ def candidates(problem: Problem) -> tuple[list[Candidate], list[tuple[str, str]]
         if reason is None:
             good.append(cand)
         else:
-            rejected.append((f"{cand.name} ({cand.build_dir})", reason))
+            rejected.append((cand.label, reason))
     return good, rejected
 
 
-def _is_default(cand: Candidate) -> bool:
-    try:
-        return any(inst.name == cand.name for inst in family_named(cand.entry.family).DEFAULT)
-    except KeyError:
-        return False
-
-
-def rank_key(cand: Candidate, problem: Problem) -> tuple:
-    """The heuristic, smallest first: fewest padded query rows (ceil(Nq / block_m) * block_m, so a
-    short sequence does not pay for a tall tile), then the family's DEFAULT tile, then the earlier
-    build directory, then the name (deterministic)."""
-    block_m = int(cand.entry.params.get("block_m", 1))
-    padded = math.ceil(problem.seqlen_q / block_m) * block_m
-    return (padded, not _is_default(cand), cand.order, cand.name)
-
-
-def build_command(problem: Problem) -> str | None:
-    """The `gemmgen generate` command that would build an instance for `problem`, or None."""
-    mask = "causal" if problem.causal else "none"
-    out = "" if build_dirs() == [Path("build")] else f" --out {build_dirs()[0]}"
+def build_target(problem: Problem) -> tuple[Any, Any] | None:
+    """(arch, instance) that `gemmgen generate` would build to run `problem` (a family's DEFAULT
+    tile first), or None when no family supports it on this GPU."""
     for family in FAMILIES:
         for arch in family.ARCHS:
             if not runs_on(arch.gencode, problem.cc):
@@ -201,16 +201,28 @@ def build_command(problem: Problem) -> str | None:
             for pool in (family.DEFAULT, family.SPACE):
                 for inst in pool:
                     p = inst.params()
-                    if (p["dtype"], p["head_dim"], p["mask"]) == (problem.dtype, problem.head_dim, mask):
-                        return f"gemmgen generate --arch {arch.value}{out} --filter {inst.name}"
+                    if ((p["dtype"], p["head_dim"], p["mask"]) == (problem.dtype, problem.head_dim, problem.mask)
+                            and inst.smem_bytes <= problem.smem_limit):
+                        return arch, inst
     return None
 
 
-def _no_instance(problem: Problem, rejected: list[tuple[str, str]], headline: str) -> NoInstanceError:
+def build_command(problem: Problem) -> str | None:
+    """The `gemmgen generate` command that would build an instance for `problem`, or None."""
+    target = build_target(problem)
+    if target is None:
+        return None
+    out = "" if build_dirs() == [Path("build")] else f" --out {build_dirs()[0]}"
+    return f"gemmgen generate --arch {target[0].value}{out} --filter {target[1].name}"
+
+
+def no_instance_error(problem: Problem, rejected: list[tuple[str, str]], headline: str,
+                      note: str | None = None) -> NoInstanceError:
+    """The error listing each instance's reason, unreadable manifests and the command to build one."""
     errors = load()[1]
     lines = [headline]
     if not rejected:
-        dirs = ", ".join(str(d.resolve()) for d in build_dirs())
+        dirs = ", ".join(str(d.resolve()) for d in search_dirs())
         lines.append(f"No built instances found in {dirs} (set GEMMGEN_BUILD_DIR or call "
                      f"gemmgen.set_build_dirs).")
     lines += [f"  {label}: {reason}" for label, reason in rejected]
@@ -218,35 +230,14 @@ def _no_instance(problem: Problem, rejected: list[tuple[str, str]], headline: st
     command = build_command(problem)
     lines.append(f"Build one with: {command}" if command else
                  "No gemmgen family supports this combination on this GPU.")
+    if note and command:
+        lines.append(note)
     return NoInstanceError("\n".join(lines))
 
 
 def select(problem: Problem, instance: str | None = None) -> Candidate:
-    """The instance to run `problem` (cached per problem): `instance` if named, else the heuristic's pick.
+    """The candidate that runs `problem` (gemmgen.selection.select: `instance` if named, else the
+    tuned winner, the nearest tuned bucket's or the heuristic's)."""
+    from gemmgen import selection  # selection builds on this module
 
-    Raises NoInstanceError listing each instance's reason when none can run it, InputError for an
-    unknown instance name.
-    """
-    key = (problem.dtype, problem.head_dim, problem.causal, problem.cc, problem.smem_limit,
-           problem.seqlen_q, instance)
-    hit = _selected.get(key)
-    if hit is not None:
-        return hit
-    good, rejected = candidates(problem)
-    if instance is not None:
-        named = [c for c in load()[0] if c.name == instance]
-        if not named:
-            known = sorted({c.name for c in load()[0]})
-            raise InputError(f"no instance named {instance!r} in the build directories; "
-                             f"known: {', '.join(known) or 'none'}")
-        good = [c for c in good if c.name == instance]
-        rejected = [(label, reason) for label, reason in rejected if label.startswith(instance + " ")]
-        if not good:
-            raise _no_instance(problem, rejected, f"Instance {instance!r} cannot run {problem.describe()}:")
-    if not good:
-        raise _no_instance(problem, rejected, f"No gemmgen instance can run {problem.describe()}:")
-    best = min(good, key=lambda c: rank_key(c, problem))
-    if len(_selected) >= _MAX_SELECTED:
-        _selected.clear()
-    _selected[key] = best
-    return best
+    return selection.select(problem, instance)

@@ -1,4 +1,5 @@
-"""Shared test set-up: GPU tests skip cleanly, with the reason, where torch sees no CUDA GPU."""
+"""Shared test set-up: GPU tests skip cleanly (with the reason) where torch sees no CUDA GPU, each test
+gets a private cache directory, and helpers that run the CLI and write synthetic build directories."""
 from __future__ import annotations
 
 import os
@@ -26,3 +27,36 @@ def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 1800
     full_env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
     return subprocess.run([sys.executable, "-m", "gemmgen", *args], cwd=ROOT, env=full_env,
                           capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(autouse=True)
+def _private_cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each test gets its own cache directory (tuning databases, on-demand builds) and no autotune."""
+    monkeypatch.setenv("GEMMGEN_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
+    monkeypatch.delenv("GEMMGEN_AUTOTUNE", raising=False)
+
+
+GENCODE = ["-gencode=arch=compute_80,code=sm_80", "-gencode=arch=compute_90,code=sm_90"]
+
+
+def make_entry(inst, state: str = "built", error: str | None = None, content_hash: str | None = None):
+    """A manifest entry for a family instance (content hash: the instance's own, unless given)."""
+    from gemmgen import manifest
+
+    return manifest.InstanceEntry(name=inst.name, family=inst.family, params=inst.params(), arch="sm80",
+                                  gencode=GENCODE, library=f"lib/{inst.name}.so", symbol=inst.symbol,
+                                  smem_bytes=inst.smem_bytes, threads=inst.threads,
+                                  content_hash=content_hash or inst.content_hash(), state=state, error=error)
+
+
+def write_build_dir(root: Path, entries: list) -> Path:
+    """A build directory <root>/sm80 holding `entries` (with empty library files); returns root."""
+    from gemmgen import manifest
+
+    (root / "sm80" / "lib").mkdir(parents=True, exist_ok=True)
+    for e in entries:
+        (root / "sm80" / e.library).touch()
+    manifest.write(root / "sm80" / "manifest.json", manifest.Manifest(
+        gemmgen_version="0.1.0", arch="sm80", nvcc_version="13.0.88", cutlass_version="4.2.0",
+        flags=[], instances=entries))
+    return root

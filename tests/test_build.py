@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from conftest import ROOT, run_cli
-from gemmgen import abi, build, manifest, registry, toolchain
+from gemmgen import abi, build, device, manifest, registry, toolchain
 from gemmgen.errors import GemmgenLaunchError, ToolchainError
 
 SMALL = "d32_none"  # the two smallest default instances: fp16 and bf16, head_dim 32, no mask
-SMALL_NAMES = ["fa2_sm80_bf16_d32_none_m128n128w4", "fa2_sm80_fp16_d32_none_m128n128w4"]
+SMALL_NAMES = ["fa2_sm80_bf16_d32_none_m128n128w4s1", "fa2_sm80_fp16_d32_none_m128n128w4s1"]
 
 # Stands in for nvcc: writes the depfile and an empty library, and fails every bf16 source.
 FAKE_NVCC = """#!/bin/sh
@@ -53,14 +53,14 @@ def test_failure_isolated_and_reported(tmp_path):
     proc = run_cli(*args, env={"GEMMGEN_NVCC": str(nvcc)})
     assert proc.returncode == 1
     assert "1 built, 1 failed, 0 up to date" in proc.stdout
-    assert "FAILED fa2_sm80_bf16_d32_none_m128n128w4" in proc.stdout
+    assert "FAILED fa2_sm80_bf16_d32_none_m128n128w4s1" in proc.stdout
     assert "fake failure for the test" in proc.stderr
     entries = {e.name: e for e in manifest.load(out / "sm80" / "manifest.json").instances}
-    assert entries["fa2_sm80_fp16_d32_none_m128n128w4"].state == "built"
-    failed = entries["fa2_sm80_bf16_d32_none_m128n128w4"]
+    assert entries["fa2_sm80_fp16_d32_none_m128n128w4s1"].state == "built"
+    failed = entries["fa2_sm80_bf16_d32_none_m128n128w4s1"]
     assert failed.state == "failed" and failed.error.splitlines() == [
-        "src/fa2_sm80_bf16_d32_none_m128n128w4.cu(7): error: fake failure for the test", "second line"]
-    assert not (out / "sm80" / "lib" / "fa2_sm80_bf16_d32_none_m128n128w4.so").exists()
+        "src/fa2_sm80_bf16_d32_none_m128n128w4s1.cu(7): error: fake failure for the test", "second line"]
+    assert not (out / "sm80" / "lib" / "fa2_sm80_bf16_d32_none_m128n128w4s1.so").exists()
     again = run_cli(*args, env={"GEMMGEN_NVCC": str(nvcc)})
     assert again.returncode == 1 and "0 built, 1 failed, 1 up to date" in again.stdout
 
@@ -155,8 +155,8 @@ def test_registry_binds_built_instance(compiled):
     out, _ = compiled
     registry.set_build_dirs([out])
     try:
-        cand = registry.select(registry.Problem(dtype="bf16", head_dim=32, causal=False, cc=(8, 6),
-                                                smem_limit=99 * 1024, seqlen_q=100))
+        cand = registry.select(registry.Problem(dtype="bf16", head_dim=32, causal=False,
+                                                device=device.synthetic((8, 6), 84), seqlen_q=100))
         assert cand.name == SMALL_NAMES[0]
         assert cand.kernel.info().head_dim == 32  # loaded, bound and ABI-checked without a GPU
     finally:

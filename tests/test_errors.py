@@ -7,7 +7,7 @@ import torch
 from conftest import run_cli
 from gemmgen import GemmgenError, fused_attention
 from gemmgen.errors import DeviceError, InputError
-from gemmgen.ops import _empty_like_layout
+from gemmgen.launch import empty_like_layout
 
 FP16 = torch.float16
 
@@ -80,10 +80,10 @@ def test_layouts_pass_validation(make):
 
 def test_output_keeps_q_layout():
     q = torch.empty(2, 17, 4, 64, dtype=FP16).transpose(1, 2)
-    o = _empty_like_layout(q, tuple(q.shape))
+    o = empty_like_layout(q)
     assert o.shape == q.shape and o.stride() == q.stride()
     q = torch.empty(2, 4, 17, 128, dtype=FP16)[..., :64]
-    assert _empty_like_layout(q, tuple(q.shape)).stride() == (4 * 17 * 64, 17 * 64, 64, 1)
+    assert empty_like_layout(q).stride() == (4 * 17 * 64, 17 * 64, 64, 1)
 
 
 def test_cli_unknown_arch():

@@ -26,13 +26,15 @@ def test_default_one_tile_per_functional_key():
 
 def test_pinned_names():
     inst = Fa2Sm80Instance(DType.FP16, 64, Mask.CAUSAL, 128, 128, 4)
-    assert inst.name == "fa2_sm80_fp16_d64_causal_m128n128w4"
-    assert inst.symbol == "gemmgen_fa2_sm80_fp16_d64_causal_m128n128w4"
-    assert "fa2_sm80_bf16_d256_none_m128n64w8" in {i.name for i in fam.DEFAULT}
+    assert inst.name == "fa2_sm80_fp16_d64_causal_m128n128w4s1"
+    assert inst.symbol == "gemmgen_fa2_sm80_fp16_d64_causal_m128n128w4s1"
+    assert "fa2_sm80_bf16_d256_none_m128n64w8s1" in {i.name for i in fam.DEFAULT}
 
 
 @pytest.mark.parametrize("inst, words", [
     (Fa2Sm80Instance(DType.FP16, 256, Mask.NONE, 128, 128, 8), "shared memory"),
+    (Fa2Sm80Instance(DType.FP16, 256, Mask.NONE, 128, 64, 8, 2), "shared memory"),  # fits with 1 stage
+    (Fa2Sm80Instance(DType.FP16, 64, Mask.NONE, 128, 64, 4, 3), "stages 3"),
     (Fa2Sm80Instance(DType.FP16, 64, Mask.NONE, 64, 64, 8), "16 rows x 8 warps"),
     (Fa2Sm80Instance(DType.BF16, 256, Mask.NONE, 128, 128, 4), "accumulators"),
     (Fa2Sm80Instance(DType.BF16, 80, Mask.NONE, 128, 64, 4), "head_dim 80"),
@@ -47,8 +49,8 @@ def test_select_instances_and_head_dims():
     assert space.select_instances(Arch.SM80) == list(fam.DEFAULT)
     assert len(space.select_instances(Arch.SM80, all_instances=True)) == len(fam.SPACE)
     chosen = space.select_instances(Arch.SM80, pattern="d32_none")
-    assert sorted(i.name for i in chosen) == ["fa2_sm80_bf16_d32_none_m128n128w4",
-                                              "fa2_sm80_fp16_d32_none_m128n128w4"]
+    assert sorted(i.name for i in chosen) == ["fa2_sm80_bf16_d32_none_m128n128w4s1",
+                                              "fa2_sm80_fp16_d32_none_m128n128w4s1"]
     assert space.select_instances(Arch.SM80, pattern=r"fp16_d(64|128)_causal") != []
     assert space.select_instances(Arch.SM80, pattern="nothing-matches") == []
     assert space.supported_head_dims() == fam.HEAD_DIMS

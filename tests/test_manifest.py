@@ -12,10 +12,10 @@ from gemmgen.errors import GemmgenError, ManifestError
 
 def sample() -> manifest.Manifest:
     entry = manifest.InstanceEntry(
-        name="fa2_sm80_fp16_d64_none_m128n128w4", family="fa2_sm80",
+        name="fa2_sm80_fp16_d64_none_m128n128w4s1", family="fa2_sm80",
         params={"dtype": "fp16", "head_dim": 64, "mask": "none", "block_m": 128, "block_n": 128, "warps": 4},
         arch="sm80", gencode=["-gencode=arch=compute_80,code=sm_80"],
-        library="lib/fa2_sm80_fp16_d64_none_m128n128w4.so", symbol="gemmgen_fa2_sm80_fp16_d64_none_m128n128w4",
+        library="lib/fa2_sm80_fp16_d64_none_m128n128w4s1.so", symbol="gemmgen_fa2_sm80_fp16_d64_none_m128n128w4s1",
         smem_bytes=49152, threads=128, content_hash="0123456789abcdef", state="built")
     failed = manifest.InstanceEntry(**{**entry.__dict__, "name": "x", "state": "failed", "error": "boom"})
     return manifest.Manifest(gemmgen_version="0.1.0", arch="sm80", nvcc_version="13.0.88",

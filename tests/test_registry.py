@@ -4,12 +4,12 @@ from __future__ import annotations
 import pytest
 
 from gemmgen import manifest, registry
+from gemmgen.device import DeviceFacts
 from gemmgen.errors import InputError, NoInstanceError
 from gemmgen.families import fa2_sm80 as fam
 from gemmgen.families.fa2_sm80 import DType, Fa2Sm80Instance, Mask
 
 GENCODE = ["-gencode=arch=compute_80,code=sm_80", "-gencode=arch=compute_90,code=sm_90"]
-H200 = {"cc": (9, 0), "smem_limit": 227 * 1024}
 
 
 def entry(inst: Fa2Sm80Instance, state: str = "built", error: str | None = None) -> manifest.InstanceEntry:
@@ -39,8 +39,9 @@ def build_dir(tmp_path):
     registry.set_build_dirs(None)
 
 
-def problem(**kw) -> registry.Problem:
-    return registry.Problem(**{"dtype": "fp16", "head_dim": 64, "causal": False, **H200, **kw})
+def problem(cc=(9, 0), smem_limit=227 * 1024, **kw) -> registry.Problem:
+    device = DeviceFacts("test GPU", cc, sm_count=132, smem_per_block=smem_limit)
+    return registry.Problem(**{"dtype": "fp16", "head_dim": 64, "causal": False, "device": device, **kw})
 
 
 @pytest.mark.parametrize("cc, ok", [((8, 0), True), ((8, 6), True), ((8, 9), True), ((9, 0), True),
@@ -61,13 +62,13 @@ def test_reasons_for_each_reject(build_dir):
     good, rejected = registry.candidates(problem(dtype="bf16"))
     reasons = dict((label.split()[0], reason) for label, reason in rejected)
     assert good == []
-    assert "rendered but not compiled" in reasons["fa2_sm80_bf16_d64_none_m128n128w4"]
-    assert "dtype fp16, the problem is bf16" in reasons["fa2_sm80_fp16_d64_none_m64n64w4"]
+    assert "rendered but not compiled" in reasons["fa2_sm80_bf16_d64_none_m128n128w4s1"]
+    assert "dtype fp16, the problem is bf16" in reasons["fa2_sm80_fp16_d64_none_m64n64w4s1"]
     _, rejected = registry.candidates(problem(causal=True))
     reasons = dict((label.split()[0], reason) for label, reason in rejected)
     assert "failed to build (src/x.cu(12): error: something broke)" in reasons[
-        "fa2_sm80_fp16_d64_causal_m128n128w4"]
-    assert "mask none, the problem needs causal" in reasons["fa2_sm80_fp16_d64_none_m128n128w4"]
+        "fa2_sm80_fp16_d64_causal_m128n128w4s1"]
+    assert "mask none, the problem needs causal" in reasons["fa2_sm80_fp16_d64_none_m128n128w4s1"]
     _, rejected = registry.candidates(problem(head_dim=128))
     assert any("head_dim 64, the problem has 128" in r for _, r in rejected)
     _, rejected = registry.candidates(problem(cc=(7, 5)))
@@ -77,17 +78,19 @@ def test_reasons_for_each_reject(build_dir):
 
 
 def test_missing_library(build_dir):
-    (build_dir / "sm80" / "lib" / "fa2_sm80_fp16_d64_none_m64n64w4.so").unlink()
+    (build_dir / "sm80" / "lib" / "fa2_sm80_fp16_d64_none_m64n64w4s1.so").unlink()
     _, rejected = registry.candidates(problem())
     assert any("is missing" in r for _, r in rejected)
 
 
 def test_heuristic(build_dir):
-    assert registry.select(problem(seqlen_q=1000)).name == "fa2_sm80_fp16_d64_none_m128n128w4"  # tie: DEFAULT
-    assert registry.select(problem(seqlen_q=129)).name == "fa2_sm80_fp16_d64_none_m64n64w4"  # 192 < 256 rows
-    assert registry.select(problem(seqlen_q=17)).name == "fa2_sm80_fp16_d64_none_m64n64w4"
-    forced = registry.select(problem(seqlen_q=129), "fa2_sm80_fp16_d64_none_m128n128w4")
-    assert forced.name == "fa2_sm80_fp16_d64_none_m128n128w4"
+    # Equal estimates (16 waves of 128 rows or 32 of 64), equally far from the default tile: the name.
+    big = problem(batch_heads=512, seqlen_q=1024, seqlen_k=1024)
+    assert registry.select(big).name == "fa2_sm80_fp16_d64_none_m128n128w4s1"
+    assert registry.select(problem(seqlen_q=129)).name == "fa2_sm80_fp16_d64_none_m64n64w4s1"  # 192 < 256 rows
+    assert registry.select(problem(seqlen_q=17)).name == "fa2_sm80_fp16_d64_none_m64n64w4s1"
+    forced = registry.select(problem(seqlen_q=129), "fa2_sm80_fp16_d64_none_m128n128w4s1")
+    assert forced.name == "fa2_sm80_fp16_d64_none_m128n128w4s1"
     assert registry.select(problem(seqlen_q=129)) is registry.select(problem(seqlen_q=129))  # cached
 
 
@@ -96,8 +99,8 @@ def test_no_candidate_message(build_dir):
         registry.select(problem(causal=True))
     text = str(info.value)
     assert "No gemmgen instance can run fp16 head_dim=64 causal on sm_90" in text
-    for name in ("fa2_sm80_fp16_d64_none_m128n128w4", "fa2_sm80_bf16_d64_none_m128n128w4",
-                 "fa2_sm80_fp16_d64_causal_m128n128w4"):
+    for name in ("fa2_sm80_fp16_d64_none_m128n128w4s1", "fa2_sm80_bf16_d64_none_m128n128w4s1",
+                 "fa2_sm80_fp16_d64_causal_m128n128w4s1"):
         assert name in text
     default = next(i.name for i in fam.DEFAULT if (i.dtype.value, i.head_dim, i.causal) == ("fp16", 64, True))
     assert f"gemmgen generate --arch sm80 --out {build_dir} --filter {default}" in text
@@ -109,7 +112,7 @@ def test_named_instance_errors(build_dir):
     with pytest.raises(InputError, match="no instance named 'nope'"):
         registry.select(problem(), "nope")
     with pytest.raises(NoInstanceError, match="dtype fp16, the problem is bf16"):
-        registry.select(problem(dtype="bf16"), "fa2_sm80_fp16_d64_none_m64n64w4")
+        registry.select(problem(dtype="bf16"), "fa2_sm80_fp16_d64_none_m64n64w4s1")
 
 
 def test_build_dirs_from_env(monkeypatch, tmp_path):

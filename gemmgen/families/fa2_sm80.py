@@ -39,6 +39,7 @@ MASKS = tuple(Mask)
 BLOCK_MS = (64, 128)
 BLOCK_NS = (32, 64, 128)
 WARPS = (4, 8)
+STAGES = (1, 2)  # K/V pipeline: 1 = one K and one V buffer alternating, 2 = both double-buffered
 
 # fp32 accumulator registers per thread (O tile + score tile) above which nvcc spills:
 # the 255-register file also holds the Q/K fragments, addresses and softmax state.
@@ -53,6 +54,7 @@ class Fa2Sm80Instance:
     block_m: int
     block_n: int
     warps: int
+    stages: int = 1
 
     family = FAMILY
 
@@ -60,7 +62,7 @@ class Fa2Sm80Instance:
     def name(self) -> str:
         """Readable, stable, unique: used for the file, the symbol, the manifest and logs."""
         return (f"{FAMILY}_{self.dtype.value}_d{self.head_dim}_{self.mask.value}"
-                f"_m{self.block_m}n{self.block_n}w{self.warps}")
+                f"_m{self.block_m}n{self.block_n}w{self.warps}s{self.stages}")
 
     @property
     def symbol(self) -> str:
@@ -72,9 +74,9 @@ class Fa2Sm80Instance:
 
     @property
     def smem_bytes(self) -> int:
-        """Q tile + one K tile + one V tile (O is staged through the Q tile's space)."""
+        """Q tile + a K and a V tile per stage (O is staged through the Q tile's space)."""
         e = DTYPE_BYTES[self.dtype]
-        return (self.block_m + 2 * self.block_n) * self.head_dim * e
+        return (self.block_m + 2 * self.stages * self.block_n) * self.head_dim * e
 
     @property
     def causal(self) -> bool:
@@ -83,7 +85,7 @@ class Fa2Sm80Instance:
     def params(self) -> dict:
         """Plain values for the manifest and the template."""
         return {"dtype": self.dtype.value, "head_dim": self.head_dim, "mask": self.mask.value,
-                "block_m": self.block_m, "block_n": self.block_n, "warps": self.warps}
+                "block_m": self.block_m, "block_n": self.block_n, "warps": self.warps, "stages": self.stages}
 
     def template_values(self) -> dict:
         return {**self.params(), "name": self.name, "symbol": self.symbol,
@@ -104,6 +106,8 @@ def invalid_reason(inst: Fa2Sm80Instance, arch: Arch = Arch.SM80) -> str | None:
     """The one validity rule of this family: None when valid, else why not."""
     if inst.head_dim not in HEAD_DIMS:
         return f"head_dim {inst.head_dim} not in {HEAD_DIMS}"
+    if inst.stages not in STAGES:
+        return f"stages {inst.stages} not in {STAGES}"
     if inst.block_m % (16 * inst.warps):
         return f"block_m {inst.block_m} is not a multiple of 16 rows x {inst.warps} warps"
     # The global->shared copy moves 16 bytes per thread; a pass covers `rows_per_pass` rows.
@@ -123,17 +127,17 @@ def invalid_reason(inst: Fa2Sm80Instance, arch: Arch = Arch.SM80) -> str | None:
 SPACE: tuple[Fa2Sm80Instance, ...] = tuple(
     inst
     for inst in itertools.starmap(Fa2Sm80Instance,
-                                  itertools.product(DTYPES, HEAD_DIMS, MASKS, BLOCK_MS, BLOCK_NS, WARPS))
+                                  itertools.product(DTYPES, HEAD_DIMS, MASKS, BLOCK_MS, BLOCK_NS, WARPS, STAGES))
     if invalid_reason(inst) is None
 )
 
-# Default tile per head dim (block_m, block_n, warps): FlashAttention-2's choices for
+# Default tile per head dim (block_m, block_n, warps, stages): FlashAttention-2's choices for
 # Ampere-class parts, except d64 where 128x64 beat 128x128 at every N of the H200 sweep
 # (bench/NOTES.md, experiment 3).
-DEFAULT_TILE = {32: (128, 128, 4), 64: (128, 64, 4), 96: (128, 64, 4), 128: (128, 64, 4),
-                160: (128, 32, 4), 192: (128, 64, 8), 256: (128, 64, 8)}
+DEFAULT_TILE = {32: (128, 128, 4, 1), 64: (128, 64, 4, 1), 96: (128, 64, 4, 1), 128: (128, 64, 4, 1),
+                160: (128, 32, 4, 1), 192: (128, 64, 8, 1), 256: (128, 64, 8, 1)}
 
 DEFAULT: tuple[Fa2Sm80Instance, ...] = tuple(
     inst for inst in SPACE
-    if (inst.block_m, inst.block_n, inst.warps) == DEFAULT_TILE[inst.head_dim]
+    if (inst.block_m, inst.block_n, inst.warps, inst.stages) == DEFAULT_TILE[inst.head_dim]
 )

@@ -166,3 +166,21 @@ def test_default_scale_is_inverse_sqrt_d():
     default = gemmgen.fused_attention(q, k, v)
     explicit = gemmgen.fused_attention(q, k, v, scale=1 / math.sqrt(96))
     assert torch.equal(default, explicit)
+
+
+def test_every_built_instance():
+    """Every built instance (all tiles and pipeline stages, not only the defaults) on odd lengths."""
+    from gemmgen import registry
+    built = [c.entry for c in registry.load()[0] if c.entry.state == "built"]
+    assert built, "no built instance: run `gemmgen generate --arch sm80`"
+    dtypes = {"fp16": torch.float16, "bf16": torch.bfloat16}
+    for entry in built:
+        params = entry.params
+        causal = params["mask"] == "causal"
+        for nq, nk in ((129, 250), (250, 129)):
+            q, k, v = make_qkv(1, 2, 2, nq, nk, params["head_dim"], dtypes[params["dtype"]], (entry.name, nq))
+            try:
+                check(q, k, v, causal=causal, alignment="bottom_right" if causal else "top_left",
+                      instance=entry.name)
+            except AssertionError as e:
+                raise AssertionError(f"{entry.name} at Nq={nq} Nk={nk}: {e}") from None

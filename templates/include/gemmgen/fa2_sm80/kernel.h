@@ -1,6 +1,5 @@
 // fa2_sm80 forward kernel: one CTA per (query tile, batch*head). Q stays in shared memory;
-// K and V tiles stream through one buffer each with cp.async, the load of one overlapping
-// the math on the other; S = Q K^T and O += P V run on m16n8k16 mma.sync with fp32
+// K and V tiles stream through shared memory with cp.async in one or two pipeline stages; S = Q K^T and O += P V run on m16n8k16 mma.sync with fp32
 // accumulation; nothing of size seqlen_q x seqlen_k touches global memory.
 #pragma once
 #include <cmath>
@@ -123,10 +122,30 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const Gemmgen
   Tensor tScS = thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
   const int row0 = m_block * kBlockM;
 
-  // Prologue: Q and the last K tile (the one that may be partial) in one cp.async group.
+  // K and V tiles of pipeline stage s live kStageElems elements after those of stage 0:
+  // shared memory holds [Q][K0][V0] for one stage, [Q][K0][V0][K1][V1] for two.
+  constexpr int kStageElems = 2 * kBlockN * kHeadDim;
+  auto staged = [](auto const& t, int stage) { return make_tensor(t.data() + stage * kStageElems, t.layout()); };
+  auto load_k = [&](int n, int stage, int rows_left) {
+    copy_rows(gmem_tiled_copy, tKgK(_, _, _, n), staged(tKsK, stage), tKVcKV, rows_left);
+  };
+  auto load_v = [&](int n, int stage, int rows_left) {
+    copy_rows(gmem_tiled_copy, tVgV(_, _, _, n), staged(tVsV, stage), tKVcKV, rows_left);
+  };
+
+  // Prologue: Q and the last K tile (the one that may be partial) in one cp.async group;
+  // with two stages also that tile's V and, as a second group, the next K and V.
   int n_block = n_block_max - 1;
   copy_rows(gmem_tiled_copy, tQgQ, tQsQ, tQcQ, p.seqlen_q - row0);
-  copy_rows(gmem_tiled_copy, tKgK(_, _, _, n_block), tKsK, tKVcKV, p.seqlen_k - n_block * kBlockN);
+  load_k(n_block, 0, p.seqlen_k - n_block * kBlockN);
+  if constexpr (Traits::kStages == 2) {
+    load_v(n_block, 0, p.seqlen_k - n_block * kBlockN);
+    cp_async_fence();
+    if (n_block > 0) {
+      load_k(n_block - 1, 1, kBlockN);
+      load_v(n_block - 1, 1, kBlockN);
+    }
+  }
   cp_async_fence();
 
   clear(acc_o);
@@ -141,22 +160,15 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const Gemmgen
   }
   OnlineSoftmax<2 * size<1>(acc_o)> softmax(fabsf(p.scale) * kLog2e);
 
-  // One key tile: S = Q K^T, mask (kMask), online softmax, O += P V. The K and V buffers
-  // alternate: V[n] loads under the first GEMM, K[n-1] under the softmax and the second.
-  auto step = [&](int n_block, auto mask_tag) {
-    constexpr bool kMask = decltype(mask_tag)::value;
+  // S = Q K^T for key tile n (K in `stage`), with keys past the end and, for causal
+  // instances, right of the diagonal masked when kMask.
+  auto qk = [&](int n, auto mask_tag, int stage) {
     Tensor acc_s = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kBlockN>>{});  // (MMA, MMA_M, MMA_N)
     clear(acc_s);
-    cp_async_wait<0>();
-    __syncthreads();  // K[n] landed; every warp is done reading V[n+1]
-    copy_rows(gmem_tiled_copy, tVgV(_, _, _, n_block), tVsV, tKVcKV, p.seqlen_k - n_block * kBlockN);
-    cp_async_fence();
-
-    gemm_ss(acc_s, tSrQ, tSrK, tSsQ, tSsK, tiled_mma, smem_tiled_copy_Q, smem_tiled_copy_K, smem_thr_copy_Q,
-            smem_thr_copy_K);
-
-    if constexpr (kMask) {  // keys past the end and, for causal instances, right of the diagonal
-      const int col0 = n_block * kBlockN;
+    gemm_ss(acc_s, tSrQ, tSrK, tSsQ, staged(tSsK, stage), tiled_mma, smem_tiled_copy_Q, smem_tiled_copy_K,
+            smem_thr_copy_Q, smem_thr_copy_K);
+    if constexpr (decltype(mask_tag)::value) {
+      const int col0 = n * kBlockN;
       CUTE_UNROLL
       for (int i = 0; i < size(acc_s); ++i) {
         const int row = row0 + get<0>(tScS(i));
@@ -165,26 +177,52 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const Gemmgen
         if (!visible) acc_s(i) = -INFINITY;
       }
     }
-
-    cp_async_wait<0>();
-    __syncthreads();  // V[n] landed; every warp is done reading K[n]
-    if (n_block > 0) {
-      copy_rows(gmem_tiled_copy, tKgK(_, _, _, n_block - 1), tKsK, tKVcKV, kBlockN);
-      cp_async_fence();
-    }
-
+    return acc_s;
+  };
+  // Online softmax on S, then O += P V (V in `stage`) with P straight from registers.
+  auto softmax_pv = [&](auto& acc_s, int stage) {
     softmax.update(make_tensor(acc_s.data(), rowcol(acc_s.layout())),
                    make_tensor(acc_o.data(), rowcol(acc_o.layout())));
-
     Tensor rP = convert_to<Element>(acc_s);
     Tensor tOrP = make_tensor(rP.data(), acc_to_a(rP.layout()));  // (MMA, MMA_M, MMA_N / 2)
-    gemm_rs(acc_o, tOrP, tOrVt, tOsVt, tiled_mma, smem_tiled_copy_V, smem_thr_copy_V);
+    gemm_rs(acc_o, tOrP, tOrVt, staged(tOsVt, stage), tiled_mma, smem_tiled_copy_V, smem_thr_copy_V);
+  };
+
+  // One key tile. One stage: a K and a V buffer alternate, V[n] loading under Q K^T and
+  // K[n-1] under the softmax and P V. Two stages: tile n-2 loads while n-1 waits and n runs.
+  auto step = [&](int n, auto mask_tag) {
+    if constexpr (Traits::kStages == 1) {
+      cp_async_wait<0>();
+      __syncthreads();  // K[n] landed; every warp is done reading V[n+1]
+      load_v(n, 0, p.seqlen_k - n * kBlockN);
+      cp_async_fence();
+      Tensor acc_s = qk(n, mask_tag, 0);
+      cp_async_wait<0>();
+      __syncthreads();  // V[n] landed; every warp is done reading K[n]
+      if (n > 0) {
+        load_k(n - 1, 0, kBlockN);
+        cp_async_fence();
+      }
+      softmax_pv(acc_s, 0);
+    } else {
+      const int stage = (n_block_max - 1 - n) & 1;
+      cp_async_wait<1>();
+      __syncthreads();  // this stage's K[n] and V[n] landed
+      Tensor acc_s = qk(n, mask_tag, stage);
+      softmax_pv(acc_s, stage);
+      __syncthreads();  // every warp is done with this stage
+      if (n > 1) {
+        load_k(n - 2, stage, kBlockN);
+        load_v(n - 2, stage, kBlockN);
+      }
+      cp_async_fence();  // possibly empty: keeps one group per tile for wait<1>
+    }
   };
 
   // Key tiles run from last to first, so the ones that need a mask (the partial last tile,
   // the tiles crossing the diagonal) come first and the main loop carries no mask code.
-  auto needs_mask = [&](int n_block) {
-    const int64_t col0 = int64_t(n_block) * kBlockN;
+  auto needs_mask = [&](int n) {
+    const int64_t col0 = int64_t(n) * kBlockN;
     return col0 + kBlockN > p.seqlen_k || (Causal && col0 + kBlockN - 1 > int64_t(row0) + p.causal_offset);
   };
   for (; n_block >= 0 && needs_mask(n_block); --n_block) step(n_block, cute::true_type{});

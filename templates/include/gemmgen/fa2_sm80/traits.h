@@ -1,4 +1,4 @@
-// Every layout, copy atom and size of one fa2_sm80 instance, derived from five parameters.
+// Every layout, copy atom and size of one fa2_sm80 instance, derived from six parameters.
 #pragma once
 #include <cute/tensor.hpp>
 #include <cutlass/numeric_types.h>
@@ -10,7 +10,7 @@ template <class Element> struct MmaOp;
 template <> struct MmaOp<cutlass::half_t> { using type = SM80_16x8x16_F32F16F16F32_TN; };
 template <> struct MmaOp<cutlass::bfloat16_t> { using type = SM80_16x8x16_F32BF16BF16F32_TN; };
 
-template <class Element_, int HeadDim, int BlockM, int BlockN, int Warps>
+template <class Element_, int HeadDim, int BlockM, int BlockN, int Warps, int Stages>
 struct KernelTraits {
   using Element = Element_;
   static constexpr int kHeadDim = HeadDim;
@@ -18,6 +18,9 @@ struct KernelTraits {
   static constexpr int kBlockN = BlockN;
   static constexpr int kNWarps = Warps;
   static constexpr int kNThreads = 32 * Warps;
+  // 1: one K and one V buffer, each loading while the other is used (FlashAttention-2);
+  // 2: K and V double-buffered, a whole tile loading ahead.
+  static constexpr int kStages = Stages;
 
   // Warps split the query rows: each owns 16-row slices of S = Q K^T and of O.
   // The N and K tiles of 16 let one ldmatrix.x4 feed two m16n8k16 atoms.
@@ -56,10 +59,11 @@ struct KernelTraits {
       Copy_Atom<UniversalCopy<cute::uint128_t>, Element>{}, GmemLayoutAtom{},
       Layout<Shape<_1, Int<kGmemElemsPerAccess>>>{}));
 
-  // Q tile, one K tile, one V tile; O is staged through the Q tile's space.
-  static constexpr int kSmemSize = (kBlockM + 2 * kBlockN) * kHeadDim * int(sizeof(Element));
+  // Q tile, then a K and a V tile per stage; O is staged through the Q tile's space.
+  static constexpr int kSmemSize = (kBlockM + 2 * kStages * kBlockN) * kHeadDim * int(sizeof(Element));
 
   static_assert(kBlockM % (16 * kNWarps) == 0, "each warp owns whole 16-row MMA slices");
+  static_assert(kStages == 1 || kStages == 2, "one or two pipeline stages");
   static_assert(kBlockN % 16 == 0 && kHeadDim % 16 == 0, "MMA tiles are 16 wide");
   static_assert(kBlockM % kGmemRowsPerPass == 0 && kBlockN % kGmemRowsPerPass == 0,
                 "tiles cover whole copy passes");

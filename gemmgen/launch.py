@@ -1,0 +1,68 @@
+"""From tensors to a launch: the problem of a call, the output layout, the C ABI params, and running
+one compiled instance on the inputs' device and current stream."""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from gemmgen import abi, device
+from gemmgen.problem import ALIGN_BYTES, Problem, layout_kind
+from gemmgen.reference import causal_offset
+
+DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
+TORCH_DTYPES = {name: dt for dt, name in DTYPE_NAMES.items()}
+
+try:  # the raw cudaStream_t, without building a torch.cuda.Stream object (inductor uses the same)
+    _raw_stream = torch._C._cuda_getCurrentRawStream
+except AttributeError:  # a torch build without CUDA
+    def _raw_stream(index: int) -> int:
+        return torch.cuda.current_stream(index).cuda_stream
+
+
+def empty_like_layout(q: torch.Tensor, shape: tuple[int, ...] | torch.Size | None = None) -> torch.Tensor:
+    """An uninitialized tensor with q's dim order (q's layout, made dense), head_dim innermost.
+
+    The real op and its fake implementation both allocate O through this, so they agree on strides.
+    """
+    if shape is None and q.is_contiguous():
+        return torch.empty_like(q)
+    shape = tuple(q.shape if shape is None else shape)
+    order = sorted(range(3), key=lambda i: (-q.stride(i), i)) + [3]
+    strides, step = [0] * 4, 1
+    for i in reversed(order):
+        strides[i], step = step, step * shape[i]
+    return torch.empty_strided(shape, strides, dtype=q.dtype, device=q.device)
+
+
+def problem_for(q: torch.Tensor, k: torch.Tensor, causal: bool) -> Problem:
+    """The Problem of a validated call (q, k on one CUDA device)."""
+    b, h, nq, d = q.shape
+    return Problem(dtype=DTYPE_NAMES[q.dtype], head_dim=d, causal=bool(causal),
+                   device=device.facts(q.get_device()), batch_heads=b * h, seqlen_q=nq,
+                   seqlen_k=k.shape[2], gqa=h // k.shape[1],
+                   layout=layout_kind(q.stride(), k.stride()), align=ALIGN_BYTES)
+
+
+def params(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor | None,
+           *, causal: bool, causal_alignment: str, scale: float | None) -> abi.AttnParams:
+    """The C ABI params of one call (pointers, sizes, strides in elements, scale, causal offset)."""
+    b, h, nq, d = q.shape
+    nk = k.shape[2]
+    qs, ks, vs, os_ = q.stride(), k.stride(), v.stride(), o.stride()
+    return abi.AttnParams(
+        q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lse.data_ptr() if lse is not None else None,
+        b, h, k.shape[1], nq, nk, d,
+        qs[0], qs[1], qs[2], ks[0], ks[1], ks[2], vs[0], vs[1], vs[2], os_[0], os_[1], os_[2],
+        1.0 / math.sqrt(d) if scale is None else float(scale),
+        causal_offset(nq, nk, causal_alignment) if causal else 0)
+
+
+def launch(kernel: Any, p: abi.AttnParams, index: int) -> None:
+    """Run `kernel` with `p` on CUDA device `index` and its current stream."""
+    if torch.cuda.current_device() == index:
+        kernel.run(p, _raw_stream(index))
+    else:
+        with torch.cuda.device(index):
+            kernel.run(p, _raw_stream(index))

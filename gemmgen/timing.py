@@ -1,0 +1,82 @@
+"""GPU timing for autotune and profile: CUDA events around each call after a warm-up, the median of
+the repeats, inputs rotated over copies so that they do not stay in L2 (or L2 flushed before each
+call when the copies cannot outgrow it), optionally the calls replayed from a CUDA graph."""
+from __future__ import annotations
+
+import statistics
+from typing import Callable
+
+import torch
+
+ROTATE_FACTOR = 2  # the rotated copies together hold at least this many times the L2 size
+MAX_COPIES = 64
+MEMORY_SHARE = 0.25  # of the free GPU memory, at most, for the copies
+GRAPH_CALLS = 20  # calls per captured graph at least, so the graph's own launch is amortized
+DEFAULT_L2_BYTES = 64 * 1024 * 1024
+
+
+def plan_copies(set_bytes: int, l2_bytes: int, free_bytes: int) -> tuple[int, bool]:
+    """(number of input copies to rotate over, whether to flush L2 before each call instead).
+
+    Enough copies to hold ROTATE_FACTOR x L2, within MAX_COPIES and MEMORY_SHARE of free memory;
+    when that cannot outgrow L2 (tiny problems), one copy and an L2 flush."""
+    l2 = l2_bytes or DEFAULT_L2_BYTES
+    budget = max(int(free_bytes * MEMORY_SHARE), set_bytes)
+    want = -(-ROTATE_FACTOR * l2 // max(set_bytes, 1))
+    copies = max(1, min(want, MAX_COPIES, budget // max(set_bytes, 1)))
+    if copies * set_bytes >= ROTATE_FACTOR * l2:
+        return copies, False
+    return 1, True
+
+
+def flush_buffer(index: int, l2_bytes: int) -> torch.Tensor:
+    """A buffer whose zeroing evicts L2 (twice its size)."""
+    return torch.empty(ROTATE_FACTOR * (l2_bytes or DEFAULT_L2_BYTES), dtype=torch.uint8,
+                       device=f"cuda:{index}")
+
+
+def median_ms(run: Callable[[int], None], copies: int, *, warmup: int = 5, reps: int = 30,
+              graph: bool = False, flush: torch.Tensor | None = None) -> float:
+    """Median milliseconds of one call `run(i)` (i: the copy to use), on the current stream.
+
+    Without `graph`: CUDA events around each of `reps` calls (after `warmup` calls), L2 flushed
+    before each when `flush` is given. With `graph`: one CUDA graph holds at least GRAPH_CALLS calls
+    cycling over the copies; each replay is timed and divided by its calls (no launch overhead)."""
+    if graph:
+        return _graph_median_ms(run, copies, warmup=warmup, reps=reps)
+    for i in range(warmup):
+        run(i % copies)
+    start = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    end = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    for i in range(reps):
+        if flush is not None:
+            flush.zero_()
+        start[i].record()
+        run(i % copies)
+        end[i].record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in zip(start, end))
+
+
+def _graph_median_ms(run: Callable[[int], None], copies: int, *, warmup: int, reps: int) -> float:
+    calls = max(copies, GRAPH_CALLS)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm up outside the capture, as torch.cuda.graph asks
+        for i in range(copies):
+            run(i)
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for i in range(calls):
+            run(i % copies)
+    for _ in range(max(1, warmup)):
+        g.replay()
+    start = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    end = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    for i in range(reps):
+        start[i].record()
+        g.replay()
+        end[i].record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) / calls for s, e in zip(start, end))

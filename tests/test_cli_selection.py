@@ -1,0 +1,164 @@
+"""`gemmgen explain`, `profile` and `tune` on the command line: parsing, output and errors."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import time
+
+import pytest
+import torch
+
+from conftest import make_entry, run_cli, write_build_dir
+from gemmgen import device, tuning_db
+from gemmgen.families.fa2_sm80 import DType, Fa2Sm80Instance, Mask
+
+DEFAULT = Fa2Sm80Instance(DType.BF16, 128, Mask.NONE, 128, 64, 4)
+TWO_STAGE = Fa2Sm80Instance(DType.BF16, 128, Mask.NONE, 128, 64, 4, 2)
+OTHER = Fa2Sm80Instance(DType.FP16, 64, Mask.CAUSAL, 128, 64, 4)
+H200 = ["--cc", "9.0", "--sms", "132", "--gpu", "NVIDIA H200"]
+NO_GPU = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")
+
+
+@pytest.fixture
+def build(tmp_path):
+    return write_build_dir(tmp_path / "build", [make_entry(i) for i in (DEFAULT, TWO_STAGE, OTHER)])
+
+
+def cli(*args, cache=None):
+    env = {"GEMMGEN_CACHE_DIR": str(cache)} if cache else {}
+    return run_cli(*args, env=env, timeout=300)
+
+
+def test_explain_heuristic(build, tmp_path):
+    proc = cli("explain", "--shape", "16,16,4096,4096,128", "--build-dir", str(build), *H200, cache=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "problem: bf16 head_dim=128 no mask on sm_90, B*H=256 Nq=4096 Nk=4096, layout bhnd" in out
+    assert "bucket: bhnd_g1_bh256_q4096_k4096" in out
+    assert f"* {DEFAULT.name}" in out and f"  {TWO_STAGE.name}" in out
+    assert f"{OTHER.name} ({build / 'sm80'}): dtype fp16, the problem is bf16" in out
+    assert f"winner: {DEFAULT.name}" in out and "decided by: heuristic" in out
+
+
+def test_explain_uses_an_imported_database(build, tmp_path):
+    facts = device.synthetic((9, 0), 132, "NVIDIA H200")
+    fp = {**facts.fingerprint(), "driver": "580.65.06", "cuda": "13.0"}  # made on the GPU machine
+    recs = {i.content_hash(): tuning_db.Record(i.name, ms, at=time.time()).to_json()
+            for i, ms in ((DEFAULT, 2.0), (TWO_STAGE, 1.5))}
+    bundle = tmp_path / "team.json"
+    bundle.write_text(json.dumps({"schema": 1, "kind": "gemmgen-tuning-bundle", "databases": [
+        {"schema": 1, "kind": "gemmgen-tuning", "device": fp,
+         "entries": {"bf16_d128_none_a16": {"bhnd_g1_bh256_q4096_k4096": recs}}}]}))
+    cache = tmp_path / "cache"
+    proc = cli("tune", "import", str(bundle), cache=cache)
+    assert proc.returncode == 0 and "merged 2 records into" in proc.stdout, proc.stderr
+    shape = ("--shape", "16,16,4000,4096,128", "--build-dir", str(build), *H200)
+    proc = cli("explain", *shape, cache=cache)
+    assert proc.returncode == 0, proc.stderr
+    assert f"* {TWO_STAGE.name}  [1.5000 ms]" in proc.stdout
+    assert "decided by: tuned bucket bhnd_g1_bh256_q4096_k4096 (2 of 2 candidates measured)" in proc.stdout
+    proc = cli("explain", "--shape", "16,16,2048,2048,128", "--build-dir", str(build), *H200, cache=cache)
+    assert "decided by: nearest tuned bucket bhnd_g1_bh256_q4096_k4096, 2 doublings away" in proc.stdout
+    shown = cli("tune", "show", "-v", cache=cache)
+    assert "NVIDIA H200 sm 9.0, driver 580.65.06" in shown.stdout and f"best {TWO_STAGE.name}" in shown.stdout
+    out = tmp_path / "export.json"
+    assert cli("tune", "export", str(out), "--gpu", "h200", cache=cache).returncode == 0
+    assert json.loads(out.read_text())["databases"][0]["device"] == fp
+
+
+@pytest.mark.parametrize("args, words", [
+    (("--shape", "16,16,4096"), "malformed shape '16,16,4096': expected B,H,N,d or B,H,Nq,Nk,d"),
+    (("--shape", "a,b,c,d"), "malformed shape"),
+    (("--shape", "0,16,64,64"), "sizes must be positive"),
+    (("--shape", "2,16,64,64", "--heads-kv", "3"), "heads_kv 3 must divide heads 16"),
+    (("--shape", "2,16,64,64", "--instance", "nope"), "no instance named 'nope'"),
+    (("--shape", "2,16,64,64", "--cc", "9", "--sms", "132"), "malformed --cc '9'"),
+    (("--shape", "2,16,64,64", "--cc", "9.0"), "--cc needs --sms N"),
+])
+def test_explain_usage_errors(build, tmp_path, args, words):
+    extra = () if "--cc" in args else H200
+    proc = cli("explain", *args, *extra, "--build-dir", str(build), cache=tmp_path)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert words in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_explain_no_candidate_gives_the_command(build, tmp_path):
+    proc = cli("explain", "--shape", "2,16,64,64,32", "--dtype", "fp16", *H200, "--build-dir", str(build),
+               cache=tmp_path)
+    assert proc.returncode == 1
+    assert "No gemmgen instance can run fp16 head_dim=32 no mask on sm_90" in proc.stderr
+    assert "Build one with: gemmgen generate --arch sm80" in proc.stderr
+
+
+@NO_GPU
+def test_explain_without_gpu_needs_cc(build, tmp_path):
+    proc = cli("explain", "--shape", "2,16,64,64", "--build-dir", str(build), cache=tmp_path)
+    assert proc.returncode == 1 and "no CUDA GPU visible" in proc.stderr and "--cc X.Y --sms N" in proc.stderr
+
+
+@pytest.mark.parametrize("args, words", [
+    (("--arch", "sm80", "--shapes", "1,2,3"), "malformed shape '1,2,3'"),
+    (("--arch", "sm80", "--shapes", "1,2,64,64,causal,x"), "malformed shape"),
+    (("--arch", "sm80"), "give either --shapes"),
+    (("--arch", "sm80", "--shapes", "1,2,64,64", "--sweep", "fa"), "give either --shapes"),
+    (("--arch", "sm75", "--shapes", "1,2,64,64"), "unknown arch 'sm75'"),
+    (("--arch", "sm80", "--shapes", "1,2,64,64", "--instance", "nope"), "unknown instance name(s): nope"),
+])
+def test_profile_usage_errors(build, tmp_path, args, words):
+    proc = cli("profile", *args, "--build-dir", str(build), cache=tmp_path)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert words in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_unwritable_cache_dir(build, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    proc = cli("profile", "--arch", "sm80", "--shapes", "1,2,64,64", "--build-dir", str(build), cache=blocker / "c")
+    assert proc.returncode == 1 and "is not writable" in proc.stderr and "GEMMGEN_CACHE_DIR" in proc.stderr
+    bundle = tmp_path / "b.json"
+    bundle.write_text(json.dumps({"schema": 1, "kind": "gemmgen-tuning", "device": {"gpu": "x", "cc": "9.0"},
+                                  "entries": {}}))
+    proc = cli("tune", "import", str(bundle), cache=blocker / "c")
+    assert proc.returncode == 1 and "is not writable" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.skipif(importlib.util.find_spec("matplotlib") is not None, reason="matplotlib is installed")
+def test_profile_plot_without_matplotlib(build, tmp_path):
+    proc = cli("profile", "--arch", "sm80", "--shapes", "1,2,64,64", "--plot", str(tmp_path / "p.png"),
+               "--build-dir", str(build), cache=tmp_path)
+    assert proc.returncode == 2 and "--plot needs matplotlib" in proc.stderr and "gemmgen[plot]" in proc.stderr
+
+
+@NO_GPU
+def test_profile_without_gpu(build, tmp_path):
+    proc = cli("profile", "--arch", "sm80", "--sweep", "fa", "--build-dir", str(build), cache=tmp_path)
+    assert proc.returncode == 1 and "needs a CUDA GPU" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_tune_commands_errors(tmp_path):
+    proc = cli("tune", "export", str(tmp_path / "x.json"), cache=tmp_path)
+    assert proc.returncode == 2 and "no tuning databases" in proc.stderr
+    bad = tmp_path / "bad.json"
+    bad.write_text("{oops")
+    proc = cli("tune", "import", str(bad), cache=tmp_path)
+    assert proc.returncode == 1 and "not valid JSON" in proc.stderr
+    assert cli("tune", "show", cache=tmp_path).stdout.startswith("no tuning databases")
+    assert f"cache directory: {tmp_path}" in cli("tune", "path", cache=tmp_path).stdout
+    assert cli("tune").returncode == 2
+
+
+@pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None, reason="matplotlib is not installed")
+def test_plot_draws_a_png(tmp_path):
+    import math
+
+    from gemmgen import autotune, plot
+    from gemmgen.problem import Problem
+    from gemmgen.shapes import Shape
+
+    shape = Shape(2, 16, 1024, 1024, 128)
+    result = autotune.TuneResult(shape, Problem("bf16", 128, False, device.synthetic((9, 0), 132)), [
+        autotune.Measurement("a", "h1", 0.5), autotune.Measurement("b", "h2", 0.6),
+        autotune.Measurement("c", "h3", math.inf, "failed to run: x")])
+    plot.draw([(shape, result, {"flash": (0.45, None), "efficient": (0.9, None), "cudnn": (math.inf, "no")})],
+              str(tmp_path / "p.png"))
+    assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"

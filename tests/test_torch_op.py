@@ -1,0 +1,79 @@
+"""The custom ops without a GPU: schemas, fake implementations (O in q's layout, LSE float32) and a
+torch.compile trace of fused_attention in one graph (fullgraph=True), on fake CUDA tensors."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import gemmgen
+from gemmgen import torch_op
+
+FP16 = torch.float16
+
+
+def fake_qkv(mode: FakeTensorMode, layout: str = "bhnd"):
+    with mode:
+        if layout == "bnhd":
+            q = torch.empty(2, 17, 4, 64, dtype=FP16, device="cuda").transpose(1, 2)
+            k = torch.empty(2, 19, 2, 64, dtype=FP16, device="cuda").transpose(1, 2)
+        elif layout == "sliced":
+            q = torch.empty_strided((2, 4, 17, 64), (4 * 17 * 128, 17 * 128, 128, 1), dtype=FP16, device="cuda")
+            k = torch.empty(2, 2, 19, 64, dtype=FP16, device="cuda")
+        else:
+            q = torch.empty(2, 4, 17, 64, dtype=FP16, device="cuda")
+            k = torch.empty(2, 2, 19, 64, dtype=FP16, device="cuda")
+    return q, k, k
+
+
+def test_schemas():
+    assert torch_op.fused_attention_op is torch.ops.gemmgen.fused_attention.default
+    assert "Tensor(a!) out" in str(torch.ops.gemmgen.fused_attention_out.default._schema)
+    assert str(torch.ops.gemmgen.fused_attention.default._schema).endswith("-> (Tensor, Tensor)")
+
+
+@pytest.mark.parametrize("layout, strides", [("bhnd", (4 * 17 * 64, 17 * 64, 64, 1)),
+                                             ("bnhd", (17 * 4 * 64, 64, 4 * 64, 1)),
+                                             ("sliced", (4 * 17 * 64, 17 * 64, 64, 1))])
+def test_fake_implementation(layout, strides):
+    mode = FakeTensorMode()
+    q, k, v = fake_qkv(mode, layout)
+    with mode:
+        o, lse = torch.ops.gemmgen.fused_attention(q, k, v, True, "bottom_right", None, True, None)
+        _, no_lse = torch.ops.gemmgen.fused_attention(q, k, v)
+        out = torch.empty_like(q)
+        lse_out = torch.ops.gemmgen.fused_attention_out(q, k, v, out, return_lse=True)
+    assert o.shape == q.shape and o.stride() == strides and o.dtype == FP16 and o.device.type == "cuda"
+    assert lse.shape == (2, 4, 17) and lse.dtype == torch.float32 and no_lse.numel() == 0
+    assert lse_out.shape == (2, 4, 17)
+
+
+def test_wrapper_on_fake_tensors_matches_the_layout():
+    mode = FakeTensorMode()
+    q, k, v = fake_qkv(mode, "bnhd")
+    with mode:
+        o, lse = gemmgen.fused_attention(q, k, v, causal=True, return_lse=True)
+    assert o.stride() == q.stride() and lse.shape == q.shape[:3]
+
+
+def test_compiles_into_one_graph():
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    def f(q, k, v, out):
+        o, lse = gemmgen.fused_attention(q, k, v, causal=True, return_lse=True)
+        gemmgen.fused_attention(q, k, v, out=out, scale=0.5)
+        return o * 2, lse
+
+    mode = FakeTensorMode()
+    q, k, v = fake_qkv(mode)
+    with mode:
+        out = torch.empty_like(q)
+        torch.compile(f, backend=backend, fullgraph=True)(q, k, v, out)
+    assert len(graphs) == 1
+    code = graphs[0].code
+    assert "torch.ops.gemmgen.fused_attention.default" in code
+    assert "torch.ops.gemmgen.fused_attention_out.default" in code
