@@ -26,7 +26,7 @@ from collections import defaultdict
 import torch
 
 import gemmgen
-from gemmgen import autotune, registry, selection, shapes, tuning_db
+from gemmgen import tuner, registry, selection, shapes, tuning_db
 
 
 def main() -> int:
@@ -44,12 +44,12 @@ def main() -> int:
     rows = []
     for n, shape in enumerate(sweep, 1):
         print(f"[{n}/{len(sweep)}] {shape.describe()}", file=sys.stderr, flush=True)
-        problem = autotune.problem_of(shape, index)
+        problem = tuner.problem_of(shape, index)
         cands = registry.candidates(problem)[0]
         heuristic = selection.decide(problem, db=tuning_db.TuningDB(device=problem.device.fingerprint())).winner.name
-        autotune.tune_shape(shape, index=index, reps=args.reps)
+        tuner.tune_shape(shape, index=index, reps=args.reps)
         tuned = selection.decide(problem)
-        truth = {m.name: m.ms for m in autotune.measure(cands, shape, index=index, reps=args.reps) if m.ok}
+        truth = {m.name: m.ms for m in tuner.measure(cands, shape, index=index, reps=args.reps) if m.ok}
         rows.append((shape, truth, heuristic, tuned.winner.name, tuned.source))
 
     by_key = defaultdict(list)

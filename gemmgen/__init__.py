@@ -19,7 +19,7 @@ _LAZY_ATTRS = {
     "fused_attention": "gemmgen.ops",
     "selected_instance": "gemmgen.ops",
     "explain": "gemmgen.ops",
-    "autotune": "gemmgen.autotune",
+    "autotune": "gemmgen.tuner",
     "attention_reference": "gemmgen.reference",
     "set_build_dirs": "gemmgen.registry",
     "refresh": "gemmgen.registry",
@@ -30,7 +30,7 @@ _LAZY_ATTRS = {
 _SUBMODULES = {"abi", "arch", "buckets", "build", "cache", "cli", "cli_explain", "cli_profile", "cli_tune",
                "device", "families", "heuristic", "jit", "launch", "manifest", "ops", "plot", "problem",
                "reference", "registry", "render", "selection", "shapes", "space", "timing", "toolchain",
-               "torch_op", "tuning_db"}
+               "torch_op", "tuner", "tuning_db"}
 
 __all__ = ["fused_attention", "selected_instance", "explain", "autotune", "attention_reference",
            "set_build_dirs", "refresh", "cache_dir", "Shape", "parse_shape",

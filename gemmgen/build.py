@@ -228,6 +228,18 @@ def _previous_entries(path: Path, arch: Arch) -> dict[str, manifest.InstanceEntr
     return {e.name: e for e in old.instances if e.arch == arch.value}
 
 
+def hold_lock(path: Path, waiting: str, log: Log) -> filelock.FileLock:
+    """Acquire the file lock at `path`, saying `waiting` once if another process holds it;
+    the caller releases it."""
+    lock = filelock.FileLock(str(path))
+    try:
+        lock.acquire(timeout=0.5)
+    except filelock.Timeout:
+        log(waiting)
+        lock.acquire()
+    return lock
+
+
 def generate(arch: Arch, instances: list[Any], *, out: Path, jobs: int | None = None,
              compile: bool = True, log: Log = lambda s: print(s, flush=True)) -> GenerateResult:
     """Render, compile (unless compile=False) and register `instances` under <out>/<arch>.
@@ -238,12 +250,8 @@ def generate(arch: Arch, instances: list[Any], *, out: Path, jobs: int | None = 
     start = time.monotonic()
     build_dir = Path(out) / arch.value
     build_dir.mkdir(parents=True, exist_ok=True)
-    lock = filelock.FileLock(str(build_dir / ".lock"))
-    try:
-        lock.acquire(timeout=1)
-    except filelock.Timeout:
-        log(f"waiting for another gemmgen generate holding {build_dir / '.lock'}")
-        lock.acquire()
+    lock = hold_lock(build_dir / ".lock", f"waiting for another gemmgen generate holding {build_dir / '.lock'}",
+                     log)
     try:
         nvcc_path, cutlass_dirs, cutlass_version, nvcc_version = _toolchain(compile)
         flags = nvcc_flags(arch)

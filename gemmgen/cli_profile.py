@@ -1,4 +1,4 @@
-"""`gemmgen profile`: every candidate of each shape timed and checked (gemmgen.autotune.measure), next
+"""`gemmgen profile`: every candidate of each shape timed and checked (gemmgen.tuner.measure), next
 to torch SDPA's flash, efficient and cuDNN backends measured in the same run on the same inputs.
 Prints a table per shape with the winner marked, stores every time in the tuning database, and
 optionally writes a CSV and a plot."""
@@ -43,12 +43,12 @@ def measure_sdpa(shape: shapes.Shape, index: int, *, warmup: int, reps: int,
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from gemmgen import autotune, device, timing
+    from gemmgen import tuner, device, timing
 
     l2 = device.facts(index).l2_bytes
     backends = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
                 "cudnn": SDPBackend.CUDNN_ATTENTION}
-    q, k, v = autotune.make_qkv(shape, index, seed=1)
+    q, k, v = tuner.make_qkv(shape, index, seed=1)
     gqa = shape.kv_heads != shape.heads
     result = {}
     with torch.cuda.device(index):
@@ -137,7 +137,7 @@ def run(args: argparse.Namespace) -> int:
         raise InputError(f"unknown instance name(s): {', '.join(unknown)}; known: {', '.join(sorted(known)) or 'none'}")
     import torch
 
-    from gemmgen import autotune
+    from gemmgen import tuner
 
     if not torch.cuda.is_available():
         raise DeviceError(f"`gemmgen profile` needs a CUDA GPU; this torch ({torch.__version__}) sees none")
@@ -149,15 +149,15 @@ def run(args: argparse.Namespace) -> int:
         def say(what: str, n: int = n, shape: shapes.Shape = shape) -> None:
             progress(f"[{n}/{len(todo)}] {shape.describe()}: {what}")
 
-        problem = autotune.problem_of(shape, index)
+        problem = tuner.problem_of(shape, index)
         cands = [c for c in registry.candidates(problem)[0] if c.entry.arch == arch.value
                  and (not args.instance or c.name in args.instance)]
-        result = autotune.TuneResult(shape, problem, autotune.measure(
+        result = tuner.TuneResult(shape, problem, tuner.measure(
             cands, shape, index=index, warmup=args.warmup, reps=args.reps, graph=args.graph, progress=say))
         say("torch SDPA backends")
         sdpa = measure_sdpa(shape, index, warmup=args.warmup, reps=args.reps, graph=args.graph)
         if result.measurements and not args.no_store:
-            result.database = autotune.store(result)
+            result.database = tuner.store(result)
         progress.done(f"[{n}/{len(todo)}] {shape.describe()}: {len(cands)} candidates")
         print(table(shape, result, sdpa) + "\n", flush=True)
         if not cands:

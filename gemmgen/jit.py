@@ -13,8 +13,6 @@ import sys
 from pathlib import Path
 from typing import Callable
 
-import filelock
-
 from gemmgen import build, cache, manifest, registry, toolchain
 from gemmgen.errors import ManifestError, NoInstanceError, ToolchainError
 from gemmgen.problem import Problem
@@ -60,12 +58,7 @@ def ensure_built(problem: Problem, why: str = "", *, log: Callable[[str], None] 
     root = cache.writable_dir("jit")
     folder = root / arch.value
     folder.mkdir(exist_ok=True)
-    lock = filelock.FileLock(str(folder / ".jit.lock"))
-    try:
-        lock.acquire(timeout=0.5)
-    except filelock.Timeout:
-        _say(f"waiting for another process compiling into {folder}")
-        lock.acquire()
+    lock = build.hold_lock(folder / ".jit.lock", f"waiting for another process compiling into {folder}", _say)
     try:
         if not is_built(folder, inst.name):
             if inst.name not in _announced:

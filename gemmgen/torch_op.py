@@ -46,11 +46,11 @@ def _select(q: torch.Tensor, k: torch.Tensor, causal: bool, instance: str | None
         if torch.cuda.is_current_stream_capturing():  # timing synchronizes: tune after the capture
             cacheable = False
         else:
-            from gemmgen import autotune
+            from gemmgen import tuner
 
             print(f"gemmgen: autotuning bucket {problem.bucket.key} of {problem.describe()}",
                   file=sys.stderr, flush=True)
-            autotune.tune_call(q, k, causal)
+            tuner.tune_call(q, k, causal)
             cand = selection.select(problem)
     return cand.kernel, cacheable
 

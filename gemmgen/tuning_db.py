@@ -140,14 +140,18 @@ def _validate(data: Any, where: Path | str) -> TuningDB:
     return TuningDB(device=device, entries=entries, path=Path(where) if isinstance(where, Path) else None)
 
 
-def read(path: Path) -> TuningDB:
-    """Read and validate a database file; raise TuningDatabaseError if it is not one."""
+def _read_json(path: Path) -> object:
     try:
-        data = json.loads(Path(path).read_text())
+        return json.loads(Path(path).read_text())
     except OSError as exc:
         raise TuningDatabaseError(f"{path}: cannot read ({exc.strerror or exc})") from exc
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise TuningDatabaseError(f"{path}: not valid JSON ({exc})") from exc
+
+
+def read(path: Path) -> TuningDB:
+    """Read and validate a database file; raise TuningDatabaseError if it is not one."""
+    data = _read_json(path)
     return _validate(data, Path(path))
 
 
@@ -247,12 +251,7 @@ def export_bundle(paths: Iterable[Path], out: Path) -> int:
 def import_file(path: Path) -> list[tuple[Path, int]]:
     """Merge a bundle (or a single database file) into the cache, each database into the file of
     its own fingerprint; returns (database file, records taken) per database."""
-    try:
-        data = json.loads(Path(path).read_text())
-    except OSError as exc:
-        raise TuningDatabaseError(f"{path}: cannot read ({exc.strerror or exc})") from exc
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise TuningDatabaseError(f"{path}: not valid JSON ({exc})") from exc
+    data = _read_json(path)
     if isinstance(data, dict) and data.get("kind") == BUNDLE_KIND:
         if data.get("schema") != SCHEMA or not isinstance(data.get("databases"), list):
             raise TuningDatabaseError(f"{path}: unsupported bundle (schema {data.get('schema')})")

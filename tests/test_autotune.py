@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import math
 
-from gemmgen import autotune, device, registry, selection, timing, tuning_db
+from gemmgen import tuner, device, registry, selection, timing, tuning_db
 from gemmgen.problem import Problem
 from gemmgen.shapes import Shape
 
@@ -13,12 +13,12 @@ MB = 1024 * 1024
 
 def test_proxy_keeps_the_functional_key():
     shape = Shape(8, 32, 4096, 4096, 128, causal=True, dtype="fp16", heads_kv=8, layout="bnhd")
-    small = autotune.proxy_shape(shape)
+    small = tuner.proxy_shape(shape)
     assert (small.head_dim, small.causal, small.dtype, small.layout) == (128, True, "fp16", "bnhd")
     assert small.heads // small.kv_heads == 4 and small.batch == 1
-    assert small.seqlen_q == small.seqlen_k == autotune.PROXY_LEN
-    odd = autotune.proxy_shape(Shape(1, 2, 1, 4096, 64))
-    assert (odd.seqlen_q, odd.seqlen_k) == (1, autotune.PROXY_LEN_K)
+    assert small.seqlen_q == small.seqlen_k == tuner.PROXY_LEN
+    odd = tuner.proxy_shape(Shape(1, 2, 1, 4096, 64))
+    assert (odd.seqlen_q, odd.seqlen_k) == (1, tuner.PROXY_LEN_K)
 
 
 def test_rotation_plan():
@@ -30,12 +30,12 @@ def test_rotation_plan():
 
 def test_results_are_stored_and_failures_never_win(tmp_path):
     problem = Problem("bf16", 64, False, H200, batch_heads=64, seqlen_q=512, seqlen_k=512)
-    result = autotune.TuneResult(Shape(2, 32, 512, 512, 64), problem, [
-        autotune.Measurement("fast_but_wrong", "h1", math.inf, f"{selection.WRONG_RESULT}: relative error 1e+00"),
-        autotune.Measurement("ok", "h2", 0.5, None, 1e-4),
-        autotune.Measurement("crashed", "h3", math.inf, "failed to run: illegal address")])
+    result = tuner.TuneResult(Shape(2, 32, 512, 512, 64), problem, [
+        tuner.Measurement("fast_but_wrong", "h1", math.inf, f"{selection.WRONG_RESULT}: relative error 1e+00"),
+        tuner.Measurement("ok", "h2", 0.5, None, 1e-4),
+        tuner.Measurement("crashed", "h3", math.inf, "failed to run: illegal address")])
     assert result.winner.name == "ok"
-    path = autotune.store(result)
+    path = tuner.store(result)
     recs = tuning_db.read(path).buckets("bf16_d64_none_a16")["bhnd_g1_bh64_q512_k512"]
     assert recs["h1"].ms == math.inf and recs["h1"].reason.startswith("wrong result")
     assert recs["h2"].ms == 0.5 and recs["h2"].shape == "2,32,32,512,512,64"
@@ -46,10 +46,16 @@ def test_unwritable_cache_keeps_results_in_memory(tmp_path, monkeypatch):
     blocker.write_text("")
     monkeypatch.setenv("GEMMGEN_CACHE_DIR", str(blocker / "cache"))
     problem = Problem("bf16", 64, False, H200, batch_heads=64, seqlen_q=512, seqlen_k=512)
-    result = autotune.TuneResult(Shape(2, 32, 512, 512, 64), problem, [autotune.Measurement("ok", "h2", 0.5)])
+    result = tuner.TuneResult(Shape(2, 32, 512, 512, 64), problem, [tuner.Measurement("ok", "h2", 0.5)])
     import pytest
 
     with pytest.warns(UserWarning, match="tuning results not stored"):
-        assert autotune.store(result, strict=False) is None
+        assert tuner.store(result, strict=False) is None
     assert tuning_db.cached(H200.fingerprint()).count() == 1
     registry.refresh()
+
+
+def test_autotune_is_the_function_after_its_module_is_imported():
+    import gemmgen
+    from gemmgen import tuner  # noqa: F401  (importing a submodule sets an attribute on the package)
+    assert callable(gemmgen.autotune) and gemmgen.autotune is tuner.autotune

@@ -151,14 +151,14 @@ def test_tune_commands_errors(tmp_path):
 def test_plot_draws_a_png(tmp_path):
     import math
 
-    from gemmgen import autotune, plot
+    from gemmgen import tuner, plot
     from gemmgen.problem import Problem
     from gemmgen.shapes import Shape
 
     shape = Shape(2, 16, 1024, 1024, 128)
-    result = autotune.TuneResult(shape, Problem("bf16", 128, False, device.synthetic((9, 0), 132)), [
-        autotune.Measurement("a", "h1", 0.5), autotune.Measurement("b", "h2", 0.6),
-        autotune.Measurement("c", "h3", math.inf, "failed to run: x")])
+    result = tuner.TuneResult(shape, Problem("bf16", 128, False, device.synthetic((9, 0), 132)), [
+        tuner.Measurement("a", "h1", 0.5), tuner.Measurement("b", "h2", 0.6),
+        tuner.Measurement("c", "h3", math.inf, "failed to run: x")])
     plot.draw([(shape, result, {"flash": (0.45, None), "efficient": (0.9, None), "cudnn": (math.inf, "no")})],
               str(tmp_path / "p.png"))
     assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"

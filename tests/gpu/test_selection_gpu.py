@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import gemmgen
-from gemmgen import abi, autotune, registry, selection, tuning_db
+from gemmgen import abi, registry, selection, tuner, tuning_db
 from gemmgen.errors import GemmgenLaunchError
 from gemmgen.reference import attention_reference
 from gemmgen.shapes import Shape
@@ -31,7 +31,7 @@ def fresh():
 
 
 def candidates(shape: Shape = SHAPE) -> list:
-    cands = registry.candidates(autotune.problem_of(shape, torch.cuda.current_device()))[0]
+    cands = registry.candidates(tuner.problem_of(shape, torch.cuda.current_device()))[0]
     if not cands:
         pytest.skip(f"no built instance for {shape.describe()}: run `gemmgen generate --arch sm80`")
     return cands
@@ -72,9 +72,9 @@ def test_autotune_picks_a_checked_winner():
     assert all(m.ok and m.error <= TOLERANCE[torch.float16] for m in result.measurements), result.measurements
     assert result.winner.ms == min(m.ms for m in result.measurements)
     assert result.database is not None and result.database.exists()
-    decision = selection.decide(autotune.problem_of(SHAPE, torch.cuda.current_device()))
+    decision = selection.decide(tuner.problem_of(SHAPE, torch.cuda.current_device()))
     assert (decision.source, decision.winner.name) == ("tuned", result.winner.name)
-    q, k, v = autotune.make_qkv(SHAPE, torch.cuda.current_device(), seed=7)
+    q, k, v = tuner.make_qkv(SHAPE, torch.cuda.current_device(), seed=7)
     assert gemmgen.selected_instance(q, k, v, causal=True) == result.winner.name
     assert rel_err(gemmgen.fused_attention(q, k, v, causal=True), q, k, v, True) <= TOLERANCE[torch.float16]
 
@@ -83,7 +83,7 @@ def test_wrong_or_failing_candidate_never_wins():
     real = candidates()[0]
     wrong = impostor(real, "wrong_but_fast", WrongKernel(real.kernel))
     failing = impostor(real, "failing_launch", FailingKernel())
-    result = autotune.tune_shape(SHAPE, candidates=[wrong, failing, real], reps=10)
+    result = tuner.tune_shape(SHAPE, candidates=[wrong, failing, real], reps=10)
     by_name = {m.name: m for m in result.measurements}
     assert by_name["wrong_but_fast"].ms == math.inf
     assert by_name["wrong_but_fast"].reason.startswith(selection.WRONG_RESULT)
@@ -96,9 +96,9 @@ def test_wrong_or_failing_candidate_never_wins():
 def test_autotune_on_first_sight(monkeypatch):
     candidates()
     monkeypatch.setenv("GEMMGEN_AUTOTUNE", "1")
-    problem = autotune.problem_of(SHAPE, torch.cuda.current_device())
+    problem = tuner.problem_of(SHAPE, torch.cuda.current_device())
     assert selection.needs_tuning(problem)
-    q, k, v = autotune.make_qkv(SHAPE, torch.cuda.current_device(), seed=8)
+    q, k, v = tuner.make_qkv(SHAPE, torch.cuda.current_device(), seed=8)
     o = gemmgen.fused_attention(q, k, v, causal=True)
     assert rel_err(o, q, k, v, True) <= TOLERANCE[torch.float16]
     assert not selection.needs_tuning(problem)
@@ -108,7 +108,7 @@ def test_autotune_on_first_sight(monkeypatch):
 @pytest.mark.parametrize("with_out", [False, True], ids=["returned", "out"])
 def test_torch_compile_fullgraph(with_out):
     candidates()
-    q, k, v = autotune.make_qkv(SHAPE, torch.cuda.current_device(), seed=9)
+    q, k, v = tuner.make_qkv(SHAPE, torch.cuda.current_device(), seed=9)
 
     def f(q, k, v):
         if with_out:
@@ -125,13 +125,13 @@ def test_torch_compile_fullgraph(with_out):
 
 def test_cuda_graph_replay_gives_the_reference():
     candidates()
-    q, k, v = autotune.make_qkv(SHAPE, torch.cuda.current_device(), seed=10)
+    q, k, v = tuner.make_qkv(SHAPE, torch.cuda.current_device(), seed=10)
     gemmgen.fused_attention(q, k, v, causal=True)  # select and load outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         o = gemmgen.fused_attention(q, k, v, causal=True)
     for seed in (11, 12):
-        nq, nk, nv = autotune.make_qkv(SHAPE, torch.cuda.current_device(), seed=seed)
+        nq, nk, nv = tuner.make_qkv(SHAPE, torch.cuda.current_device(), seed=seed)
         q.copy_(nq), k.copy_(nk), v.copy_(nv)
         o.fill_(float("nan"))
         graph.replay()
@@ -143,7 +143,7 @@ def test_second_gpu():
     if torch.cuda.device_count() < 2:
         pytest.skip(f"needs a second GPU; this machine has {torch.cuda.device_count()}")
     candidates()
-    q, k, v = autotune.make_qkv(SHAPE, 1, seed=13)
+    q, k, v = tuner.make_qkv(SHAPE, 1, seed=13)
     with torch.cuda.device(0):  # inputs on GPU 1 while GPU 0 is current: runs on GPU 1's current stream
         o = gemmgen.fused_attention(q, k, v, causal=True)
         assert torch.cuda.current_device() == 0
@@ -162,7 +162,7 @@ def test_compiles_a_missing_instance_on_demand(tmp_path, capfd):
     registry.set_build_dirs([tmp_path / "empty"])
     try:
         shape = Shape(1, 2, 129, 127, 32, dtype="bf16")
-        q, k, v = autotune.make_qkv(shape, torch.cuda.current_device(), seed=14)
+        q, k, v = tuner.make_qkv(shape, torch.cuda.current_device(), seed=14)
         o = gemmgen.fused_attention(q, k, v)
         assert rel_err(o, q, k, v, False) <= TOLERANCE[torch.bfloat16]
         assert "gemmgen: compiling fa2_sm80_bf16_d32_none_" in capfd.readouterr().err
