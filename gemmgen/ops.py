@@ -2,6 +2,8 @@
 (gemmgen.torch_op), which selects an instance and launches it."""
 from __future__ import annotations
 
+import math
+
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
@@ -89,6 +91,8 @@ def _check_args(causal_alignment: str, scale: float | None) -> float | None:
         raise InputError(f"causal_alignment {causal_alignment!r}; supported: {', '.join(ALIGNMENTS)}")
     if isinstance(scale, bool) or not (scale is None or isinstance(scale, (int, float))):
         raise InputError(f"scale must be a float or None, got {type(scale).__name__}")
+    if scale is not None and not math.isfinite(scale):
+        raise InputError(f"scale must be finite, got {scale}")
     return None if scale is None else float(scale)
 
 

@@ -53,6 +53,8 @@ CASES = [
     (lambda: qkv(), {"causal": True, "causal_alignment": "bottom-right"}, InputError,
      "supported: top_left, bottom_right"),
     (lambda: qkv(), {"scale": "0.3"}, InputError, "scale must be a float"),
+    (lambda: qkv(), {"scale": float("nan")}, InputError, "scale must be finite"),
+    (lambda: qkv(), {"scale": float("inf")}, InputError, "scale must be finite"),
     (lambda: qkv(), {"out": torch.empty(2, 4, 17, 32, dtype=FP16)}, InputError, "out must have q's shape"),
     (lambda: qkv(), {"out": torch.empty(1, 1, 1, 64, dtype=FP16).expand(2, 4, 17, 64)}, InputError,
      "overlap"),
