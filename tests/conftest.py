@@ -22,6 +22,21 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
+_FAKE_NVCC_PROLOGUE = '''#!/bin/sh
+if [ "$1" = "--version" ]; then echo "Cuda compilation tools, release 13.0, V13.0.88"; exit 0; fi
+while [ $# -gt 0 ]; do
+  case "$1" in -o) out=$2; shift;; -MF) dep=$2; shift;; -MT) target=$2; shift;; *.cu) src=$1;; esac
+  shift
+done
+'''
+
+
+def fake_nvcc(body: str) -> str:
+    """A shell script standing in for nvcc: answers --version, parses -o/-MF/-MT and the .cu source
+    into $out, $dep, $target and $src, then runs `body`."""
+    return _FAKE_NVCC_PROLOGUE + body
+
+
 def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 1800) -> subprocess.CompletedProcess:
     """Run `python -m gemmgen ARGS` from the repository root; returns the finished process."""
     full_env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}

@@ -12,7 +12,7 @@ import filelock
 import pytest
 import torch
 
-from conftest import ROOT, run_cli
+from conftest import ROOT, fake_nvcc, run_cli
 from gemmgen import abi, build, device, manifest, registry, toolchain
 from gemmgen.errors import GemmgenLaunchError, ToolchainError
 
@@ -20,16 +20,10 @@ SMALL = "d32_none"  # the two smallest default instances: fp16 and bf16, head_di
 SMALL_NAMES = ["fa2_sm80_bf16_d32_none_m128n128w4s1", "fa2_sm80_fp16_d32_none_m128n128w4s1"]
 
 # Stands in for nvcc: writes the depfile and an empty library, and fails every bf16 source.
-FAKE_NVCC = """#!/bin/sh
-if [ "$1" = "--version" ]; then echo "Cuda compilation tools, release 13.0, V13.0.88"; exit 0; fi
-while [ $# -gt 0 ]; do
-  case "$1" in -o) out=$2; shift;; -MF) dep=$2; shift;; -MT) target=$2; shift;; *.cu) src=$1;; esac
-  shift
-done
-case "$src" in *bf16*) echo "$src(7): error: fake failure for the test" >&2; echo "second line" >&2; exit 1;; esac
+FAKE_NVCC = fake_nvcc("""case "$src" in *bf16*) echo "$src(7): error: fake failure for the test" >&2; echo "second line" >&2; exit 1;; esac
 echo "$target: $src" > "$dep"
 : > "$out"
-"""
+""")
 
 
 def test_no_compile_without_nvcc(tmp_path):

@@ -11,24 +11,18 @@ import time
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, fake_nvcc
 from gemmgen import device, jit, registry
 from gemmgen.errors import NoInstanceError
 from gemmgen.problem import Problem
 
 NAME = "fa2_sm80_fp16_d32_none_m128n128w4s1"  # the default instance for fp16, d32, no mask
 # Stands in for nvcc: logs each compile, sleeps $FAKE_NVCC_SLEEP s, writes the depfile and a library.
-FAKE_NVCC = """#!/bin/sh
-if [ "$1" = "--version" ]; then echo "Cuda compilation tools, release 13.0, V13.0.88"; exit 0; fi
-while [ $# -gt 0 ]; do
-  case "$1" in -o) out=$2; shift;; -MF) dep=$2; shift;; -MT) target=$2; shift;; *.cu) src=$1;; esac
-  shift
-done
-echo "$src" >> "$FAKE_NVCC_LOG"
+FAKE_NVCC = fake_nvcc("""echo "$src" >> "$FAKE_NVCC_LOG"
 sleep "${FAKE_NVCC_SLEEP:-0}"
 echo "$target: $src" > "$dep"
 : > "$out"
-"""
+""")
 BUILD = ("from gemmgen import device, jit; from gemmgen.problem import Problem; "
          "print(jit.ensure_built(Problem('fp16', 32, False, device.synthetic((9, 0), 132))))")
 
