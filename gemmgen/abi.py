@@ -8,7 +8,8 @@ from pathlib import Path
 
 from gemmgen.errors import GemmgenLaunchError
 
-ABI_VERSION = 1  # GEMMGEN_ABI_VERSION
+ABI_VERSION = 2  # GEMMGEN_ABI_VERSION
+INFO_NEEDS_LSE = 1  # GEMMGEN_INFO_NEEDS_LSE
 ERR_LEN = 1024  # bytes of the message buffer handed to the entry points
 STATUS_NAMES = {0: "GEMMGEN_OK", 1: "GEMMGEN_INVALID_ARGUMENT", 2: "GEMMGEN_CUDA_ERROR"}
 
@@ -34,6 +35,14 @@ class AttnParams(ctypes.Structure):
         ("o_batch_stride", ctypes.c_int64), ("o_head_stride", ctypes.c_int64), ("o_row_stride", ctypes.c_int64),
         ("scale", ctypes.c_float),
         ("causal_offset", ctypes.c_int32),
+        ("bias", ctypes.c_void_p),  # NULL: no additive mask
+        ("bias_batch_stride", ctypes.c_int64), ("bias_head_stride", ctypes.c_int64),
+        ("bias_row_stride", ctypes.c_int64),
+        ("dropout_p", ctypes.c_float),
+        ("dropout_seed", ctypes.c_uint64),
+        ("dropout_offset", ctypes.c_uint64),
+        ("cu_seqlens_q", ctypes.c_void_p),  # int32*, NULL: fixed lengths
+        ("cu_seqlens_k", ctypes.c_void_p),
     ]
 
 
@@ -41,7 +50,7 @@ class InstanceInfo(ctypes.Structure):
     """GemmgenInstanceInfo: the static facts of one compiled instance."""
 
     _fields_ = [(name, ctypes.c_int32) for name in
-                ("abi_version", "head_dim", "block_m", "block_n", "threads", "smem_bytes", "causal")]
+                ("abi_version", "head_dim", "block_m", "block_n", "threads", "smem_bytes", "causal", "flags")]
 
     def as_dict(self) -> dict[str, int]:
         """The fields as a plain dict."""
@@ -59,6 +68,7 @@ class Instance:
         self._info = getattr(library, f"{symbol}_info")
         self._info.argtypes = [ctypes.POINTER(InstanceInfo)]
         self._info.restype = ctypes.c_int
+        self.needs_lse = bool(self.info().flags & INFO_NEEDS_LSE)
 
     def info(self) -> InstanceInfo:
         """Call `<symbol>_info`; raise GemmgenLaunchError on a non-zero status."""

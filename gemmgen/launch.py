@@ -36,13 +36,23 @@ def empty_like_layout(q: torch.Tensor, shape: tuple[int, ...] | torch.Size | Non
     return torch.empty_strided(shape, strides, dtype=q.dtype, device=q.device)
 
 
-def problem_for(q: torch.Tensor, k: torch.Tensor, causal: bool) -> Problem:
+def max_offset(*tensors: torch.Tensor | None) -> int:
+    """The largest element offset from its data pointer that any of `tensors` reaches, plus one."""
+    return max((sum((n - 1) * s for n, s in zip(t.shape, t.stride())) + 1 for t in tensors
+                if t is not None and t.numel()), default=0)
+
+
+def problem_for(q: torch.Tensor, k: torch.Tensor, causal: bool, *, v: torch.Tensor | None = None,
+                causal_alignment: str = "top_left", scale: float | None = None, dropout: bool = False,
+                bias: bool = False, varlen: bool = False) -> Problem:
     """The Problem of a validated call (q, k on one CUDA device)."""
     b, h, nq, d = q.shape
     return Problem(dtype=DTYPE_NAMES[q.dtype], head_dim=d, causal=bool(causal),
                    device=device.facts(q.get_device()), batch_heads=b * h, seqlen_q=nq,
                    seqlen_k=k.shape[2], gqa=h // k.shape[1],
-                   layout=layout_kind(q.stride(), k.stride()), align=ALIGN_BYTES)
+                   layout=layout_kind(q.stride(), k.stride()), align=ALIGN_BYTES,
+                   causal_alignment=causal_alignment, negative_scale=scale is not None and scale < 0,
+                   dropout=dropout, bias=bias, varlen=varlen, max_offset=max_offset(q, k, v))
 
 
 def params(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor | None,
@@ -60,7 +70,11 @@ def params(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, l
 
 
 def launch(kernel: Any, p: abi.AttnParams, index: int) -> None:
-    """Run `kernel` with `p` on CUDA device `index` and its current stream."""
+    """Run `kernel` with `p` on CUDA device `index` and its current stream. A kernel that always
+    writes LSE (its info flags say so) gets a scratch buffer when the caller wants none."""
+    if not p.lse and kernel.needs_lse:
+        scratch = torch.empty(p.batch * p.heads * p.seqlen_q, dtype=torch.float32, device=f"cuda:{index}")
+        p.lse = scratch.data_ptr()  # the caching allocator reuses it only after this stream's work
     if torch.cuda.current_device() == index:
         kernel.run(p, _raw_stream(index))
     else:

@@ -11,10 +11,11 @@ import os
 from pathlib import Path
 from typing import Any
 
+from gemmgen import abi
 from gemmgen.errors import ManifestError
 
 SCHEMA = 1
-ABI_VERSION = 1  # GEMMGEN_ABI_VERSION in templates/include/gemmgen/abi.h
+ABI_VERSION = abi.ABI_VERSION  # the manifest records which C ABI its libraries implement
 MANIFEST_NAME = "manifest.json"
 STATES = ("built", "failed", "rendered")
 

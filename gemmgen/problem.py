@@ -25,8 +25,10 @@ class Problem:
     """One attention call as the registry sees it.
 
     Functional key (selects the candidates): dtype, head_dim, causal, the GPU (`device`), the
-    layout kind, the GQA ratio H / Hkv and the byte alignment of the data. Sizes (select the
-    winner, through `bucket`): batch_heads = B * H, seqlen_q, seqlen_k.
+    layout kind, the GQA ratio H / Hkv and the byte alignment of the data, and what only some
+    families run: the causal alignment, a negative scale, dropout, an additive bias, variable
+    lengths, element offsets past int32. Sizes (select the winner, through `bucket`):
+    batch_heads = B * H, seqlen_q, seqlen_k.
     """
 
     dtype: str  # "fp16" | "bf16"
@@ -39,6 +41,12 @@ class Problem:
     gqa: int = 1
     layout: str = "bhnd"
     align: int = ALIGN_BYTES
+    causal_alignment: str = "top_left"
+    negative_scale: bool = False
+    dropout: bool = False
+    bias: bool = False
+    varlen: bool = False
+    max_offset: int = 0  # the largest element offset from a tensor's data pointer the call reaches
 
     @property
     def cc(self) -> tuple[int, int]:
@@ -59,7 +67,8 @@ class Problem:
     def functional_key(self) -> str:
         """The part of the functional key a tuning database files entries under (the GPU is the
         database itself; layout and GQA ratio are in the bucket), e.g. "bf16_d128_causal_a16"."""
-        return f"{self.dtype}_d{self.head_dim}_{self.mask}_a{self.align}"
+        features = "".join(f"_{name}" for name in ("dropout", "bias", "varlen") if getattr(self, name))
+        return f"{self.dtype}_d{self.head_dim}_{self.mask}_a{self.align}{features}"
 
     @property
     def bucket(self) -> buckets.Bucket:
@@ -69,8 +78,10 @@ class Problem:
 
     def describe(self) -> str:
         """A one-line description of the functional key, for messages."""
-        mask = "causal" if self.causal else "no mask"
-        return f"{self.dtype} head_dim={self.head_dim} {mask} on sm_{self.cc[0]}{self.cc[1]}"
+        mask = "no mask" if not self.causal else "causal" if self.causal_alignment == "top_left" else \
+            f"causal ({self.causal_alignment})"
+        extra = "".join(f", {name}" for name in ("dropout", "bias", "varlen") if getattr(self, name))
+        return f"{self.dtype} head_dim={self.head_dim} {mask}{extra} on sm_{self.cc[0]}{self.cc[1]}"
 
     def describe_sizes(self) -> str:
         """The sizes and the rest of the key, for `gemmgen explain`."""

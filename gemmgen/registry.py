@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterable
 from gemmgen import abi, cache, manifest
 from gemmgen.errors import GemmgenLaunchError, ManifestError, NoInstanceError
 from gemmgen.problem import Problem
-from gemmgen.space import FAMILIES
+from gemmgen.space import FAMILIES, family_named
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,6 +156,15 @@ def reject_reason(cand: Candidate, problem: Problem) -> str | None:
         return f"head_dim {params.get('head_dim')}, the problem has {problem.head_dim}"
     if params.get("mask") != mask:
         return f"mask {params.get('mask')}, the problem needs {mask}"
+    try:
+        family = family_named(entry.family)
+    except KeyError:
+        return f"family {entry.family!r} is unknown to this gemmgen"
+    if getattr(family, "KIND", "attention") != "attention":
+        return f"family {entry.family} is not a fused attention family"
+    reason = family.problem_reason(params, problem)
+    if reason is not None:
+        return reason
     # Fields the current family does not constrain (it runs any strided layout, any GQA ratio,
     # 16-byte aligned data): an instance that declares them in its params is held to them.
     if "layouts" in params and problem.layout not in params["layouts"]:

@@ -1,7 +1,10 @@
 """The registry of kernel families and the instance selection `gemmgen generate` builds.
 
-A family is a module (see gemmgen/families/) exposing FAMILY, TEMPLATE, ARCHS, SPACE, DEFAULT
-and invalid_reason. Adding a family means adding its module to FAMILIES.
+A family is a module (see gemmgen/families/) exposing FAMILY, KIND ("attention" or "gemm"),
+TEMPLATE, ARCHS, SPACE, DEFAULT, invalid_reason(instance, arch) (what is never built) and, for
+attention families, problem_reason(params, problem) (what a built instance cannot run: the
+registry rejects it for that call with this reason). Adding a family means adding its module to
+FAMILIES.
 """
 from __future__ import annotations
 

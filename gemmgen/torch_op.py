@@ -37,9 +37,10 @@ def autotune_enabled() -> bool:
     return os.environ.get("GEMMGEN_AUTOTUNE", "0") not in ("", "0")
 
 
-def _select(q: torch.Tensor, k: torch.Tensor, causal: bool, instance: str | None) -> tuple[Any, bool]:
+def _select(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, causal_alignment: str,
+            scale: float | None, instance: str | None) -> tuple[Any, bool]:
     """The kernel for this call and whether the choice may be cached."""
-    problem = launch.problem_for(q, k, causal)
+    problem = launch.problem_for(q, k, causal, v=v, causal_alignment=causal_alignment, scale=scale)
     cand = jit.select_or_build(problem, instance)
     cacheable = True
     if instance is None and autotune_enabled() and selection.needs_tuning(problem):
@@ -66,10 +67,14 @@ def _run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse
         raise InputError(f"q, k, v and out must be {ALIGN_BYTES}-byte aligned")
     index = q.get_device()
     qs, ks = q.stride(), k.stride()
-    key = (index, q.dtype, q.shape, k.shape, qs[2] <= qs[1], ks[2] <= ks[1], causal, instance)
+    # Everything a family's problem_reason may look at: shapes, layout kind, mask and its alignment,
+    # the scale's sign, offsets past int32.
+    big = launch.max_offset(q, k, v, o) >= 2**31
+    key = (index, q.dtype, q.shape, k.shape, qs[2] <= qs[1], ks[2] <= ks[1], causal,
+           causal_alignment if causal else None, scale is not None and scale < 0, big, instance)
     kernel = _kernels.get(key)
     if kernel is None:
-        kernel, cacheable = _select(q, k, causal, instance)
+        kernel, cacheable = _select(q, k, v, causal, causal_alignment, scale, instance)
         if cacheable:
             if len(_kernels) >= _MAX_CACHED:
                 _kernels.clear()

@@ -124,7 +124,7 @@ def test_info_matches_manifest(compiled):
         assert info == {"abi_version": abi.ABI_VERSION, "head_dim": e.params["head_dim"],
                         "block_m": e.params["block_m"], "block_n": e.params["block_n"],
                         "threads": e.threads, "smem_bytes": e.smem_bytes,
-                        "causal": int(e.params["mask"] == "causal")}
+                        "causal": int(e.params["mask"] == "causal"), "flags": 0}
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU error path")

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from gemmgen import manifest
+from gemmgen import abi, manifest
 from gemmgen.errors import GemmgenError, ManifestError
 
 
@@ -28,7 +28,7 @@ def test_roundtrip(tmp_path):
     data = json.loads(path.read_text())
     assert list(data) == ["schema", "gemmgen_version", "arch", "abi_version", "nvcc_version",
                           "cutlass_version", "flags", "created", "instances"]
-    assert data["schema"] == 1 and data["abi_version"] == 1
+    assert data["schema"] == 1 and data["abi_version"] == abi.ABI_VERSION
     assert manifest.load(path) == dataclasses.replace(sample(), created=data["created"])
     assert [p.name for p in path.parent.iterdir()] == ["manifest.json"]  # no temporary file left
 

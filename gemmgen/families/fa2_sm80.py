@@ -14,6 +14,7 @@ import itertools
 from gemmgen.arch import Arch
 
 FAMILY = "fa2_sm80"
+KIND = "attention"
 TEMPLATE = "fa2_sm80.cu.jinja"
 ARCHS = (Arch.SM80,)
 
@@ -121,6 +122,16 @@ def invalid_reason(inst: Fa2Sm80Instance, arch: Arch = Arch.SM80) -> str | None:
         return f"{acc} fp32 accumulators per thread exceed {MAX_ACC_REGS} (register spills)"
     if inst.smem_bytes > arch.max_smem_bytes:
         return f"shared memory {inst.smem_bytes} B exceeds {arch.value}'s {arch.max_smem_bytes} B"
+    return None
+
+
+def problem_reason(params: dict, problem) -> str | None:
+    """What a built instance cannot run (the registry's reason), None when it can: this family runs
+    any strides, GQA ratio, scale, causal alignment and length, but no dropout, bias or variable
+    lengths."""
+    for feature in ("dropout", "bias", "varlen"):
+        if getattr(problem, feature):
+            return f"{FAMILY} has no {feature}"
     return None
 
 

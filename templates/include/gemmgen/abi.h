@@ -4,7 +4,7 @@
 #pragma once
 #include <stdint.h>
 
-#define GEMMGEN_ABI_VERSION 1
+#define GEMMGEN_ABI_VERSION 2
 #define GEMMGEN_EXPORT extern "C" __attribute__((visibility("default")))
 
 // Fused attention forward: O = softmax(scale * Q K^T + mask) V.
@@ -33,6 +33,17 @@ typedef struct GemmgenAttnParams {
   float scale;            // multiplies Q K^T before the softmax
   int32_t causal_offset;  // causal instances: key j is visible to query i iff j <= i + causal_offset
                           // (0: top-left alignment as torch; seqlen_k - seqlen_q: bottom-right)
+
+  // Features only some families have. An instance of a family without one rejects params that
+  // ask for it (the registry never sends it such a call).
+  const void* bias;  // additive mask in the input dtype, [batch, heads, seqlen_q, seqlen_k] by the
+                     // strides below (0 broadcasts; the last dim is contiguous); NULL: none
+  int64_t bias_batch_stride, bias_head_stride, bias_row_stride;
+  float dropout_p;  // probability of zeroing an attention weight (kept ones scale by 1/(1-p)); 0: none
+  uint64_t dropout_seed;    // Philox seed and offset: the same pair gives the same mask
+  uint64_t dropout_offset;
+  const int32_t* cu_seqlens_q;  // variable lengths: [batch + 1] cumulative row offsets of the
+  const int32_t* cu_seqlens_k;  // packed sequences (seqlen_q/k are then the maxima); NULL: fixed
 } GemmgenAttnParams;
 
 // Static facts of one compiled instance, for the manifest and the registry.
@@ -44,7 +55,11 @@ typedef struct GemmgenInstanceInfo {
   int32_t threads;
   int32_t smem_bytes;
   int32_t causal;
+  int32_t flags;  // GEMMGEN_INFO_* bits
 } GemmgenInstanceInfo;
+
+// The kernel writes LSE whatever the caller wants: the caller passes a buffer even without return_lse.
+#define GEMMGEN_INFO_NEEDS_LSE 1
 
 // Status codes returned by the entry points; a message is written to err as well.
 enum GemmgenStatus {

@@ -39,6 +39,10 @@ int run(const GemmgenAttnParams* p, cudaStream_t stream, char* err, int err_len)
                   "bad sizes: batch %d heads %d heads_kv %d seqlen_q %d seqlen_k %d",
                   p->batch, p->heads, p->heads_kv, p->seqlen_q, p->seqlen_k);
   }
+  if (p->bias != nullptr || p->dropout_p != 0.f || p->cu_seqlens_q != nullptr || p->cu_seqlens_k != nullptr) {
+    return report(err, err_len, GEMMGEN_INVALID_ARGUMENT,
+                  "this family runs no bias, dropout or variable lengths");
+  }
   const int64_t bh = int64_t(p->batch) * p->heads;
   if (bh > kMaxGridYZ * kMaxGridYZ) {
     return report(err, err_len, GEMMGEN_INVALID_ARGUMENT, "batch*heads %lld exceeds %lld",
@@ -87,6 +91,7 @@ int info(GemmgenInstanceInfo* out) {
   out->threads = Traits::kNThreads;
   out->smem_bytes = Traits::kSmemSize;
   out->causal = Causal ? 1 : 0;
+  out->flags = 0;
   return GEMMGEN_OK;
 }
 
