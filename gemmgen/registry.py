@@ -146,23 +146,31 @@ def runs_on(gencode: Iterable[str], cc: tuple[int, int]) -> bool:
     return False
 
 
-def reject_reason(cand: Candidate, problem: Problem) -> str | None:
-    """Why `cand` cannot run `problem`, or None if it can."""
-    entry, params = cand.entry, cand.entry.params
+def functional_reason(family: Any, params: dict, problem: Problem) -> str | None:
+    """Why an instance of `family` with `params` cannot run `problem` whatever its build state:
+    dtype, then head_dim and mask where the params fix them (a family whose instances serve a
+    range of head dims or masks leaves them out and checks them itself), then the family's own
+    problem_reason."""
     mask = "causal" if problem.causal else "none"
     if params.get("dtype") != problem.dtype:
         return f"dtype {params.get('dtype')}, the problem is {problem.dtype}"
-    if params.get("head_dim") != problem.head_dim:
-        return f"head_dim {params.get('head_dim')}, the problem has {problem.head_dim}"
-    if params.get("mask") != mask:
-        return f"mask {params.get('mask')}, the problem needs {mask}"
+    if "head_dim" in params and params["head_dim"] != problem.head_dim:
+        return f"head_dim {params['head_dim']}, the problem has {problem.head_dim}"
+    if "mask" in params and params["mask"] != mask:
+        return f"mask {params['mask']}, the problem needs {mask}"
+    return family.problem_reason(params, problem)
+
+
+def reject_reason(cand: Candidate, problem: Problem) -> str | None:
+    """Why `cand` cannot run `problem`, or None if it can."""
+    entry, params = cand.entry, cand.entry.params
     try:
         family = family_named(entry.family)
     except KeyError:
         return f"family {entry.family!r} is unknown to this gemmgen"
     if getattr(family, "KIND", "attention") != "attention":
         return f"family {entry.family} is not a fused attention family"
-    reason = family.problem_reason(params, problem)
+    reason = functional_reason(family, params, problem)
     if reason is not None:
         return reason
     # Fields the current family does not constrain (it runs any strided layout, any GQA ratio,
@@ -207,10 +215,11 @@ def build_target(problem: Problem) -> tuple[Any, Any] | None:
         for arch in family.ARCHS:
             if not runs_on(arch.gencode, problem.cc):
                 continue
+            if getattr(family, "KIND", "attention") != "attention":
+                continue
             for pool in (family.DEFAULT, family.SPACE):
                 for inst in pool:
-                    p = inst.params()
-                    if ((p["dtype"], p["head_dim"], p["mask"]) == (problem.dtype, problem.head_dim, problem.mask)
+                    if (functional_reason(family, inst.params(), problem) is None
                             and inst.smem_bytes <= problem.smem_limit):
                         return arch, inst
     return None

@@ -61,9 +61,11 @@ def cutlass_root() -> Path:
 
 
 def cutlass_include_dirs() -> list[Path]:
-    """Return [<root>/include, <root>/tools/util/include]; raise ToolchainError when they are missing."""
+    """Return [<root>/include, <root>/tools/util/include, <root>/examples]; raise ToolchainError when
+    the headers are missing. The families built on CUTLASS's own attention kernels include them
+    from the examples folder (e.g. "88_hopper_fmha/kernel/fmha_kernel_builder.hpp")."""
     root = cutlass_root()
-    dirs = [root / "include", root / "tools" / "util" / "include"]
+    dirs = [root / "include", root / "tools" / "util" / "include", root / "examples"]
     origin = "CUTLASS_PATH" if os.environ.get("CUTLASS_PATH") else "the nvidia-cutlass package"
     if not (dirs[0] / "cutlass" / "version.h").is_file() or not (dirs[0] / "cute").is_dir():
         raise ToolchainError(f"CUTLASS headers not found under {root} (from {origin}): "
