@@ -6,9 +6,10 @@ than the H200's 60 MB L2, so no input stays cache-resident between repeats.
 
     python bench/fa_sweep.py [--dtype bf16 fp16] [--head-dim 64 128] [--out bench/results/x.md]
 
-Prints one markdown table (and writes it to --out): per shape, the best gemmgen instance and
-its TFLOP/s, the instance the registry picks by default, and the SDPA flash (FlashAttention-2),
-efficient and cuDNN backends, all measured in the same process on the same inputs.
+Prints one markdown table (and writes it to --out): per shape, the best instance of each gemmgen
+family built, the instance the registry picks by default (its TFLOP/s and name), and the SDPA flash
+(FlashAttention-2), efficient and cuDNN backends, all measured in the same process on the same
+inputs; "pick/peer" is the pick against the fastest SDPA backend.
 """
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import gemmgen
-from gemmgen import registry
+from gemmgen import launch, registry
+from gemmgen.space import FAMILIES
 from gemmgen.shapes import HIDDEN, SEQLENS, TOKENS  # the sweep's shapes, shared with `gemmgen profile`
 
 BACKENDS = {"FA2": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
@@ -44,11 +46,9 @@ def time_ms(fn, warmup: int, reps: int) -> float:
     return statistics.median(s.elapsed_time(e) for s, e in zip(start, end))
 
 
-def built_instances(dtype: str, head_dim: int, causal: bool) -> list[str]:
-    """Names of the built instances (any family) for this dtype, head dim and mask."""
-    mask = "causal" if causal else "none"
-    return [c.name for c in registry.load()[0] if c.entry.state == "built" and
-            (c.entry.params["dtype"], c.entry.params["head_dim"], c.entry.params["mask"]) == (dtype, head_dim, mask)]
+def built_instances(q: torch.Tensor, k: torch.Tensor, causal: bool) -> list[str]:
+    """Names of the built instances (any family) that can run this call."""
+    return [c.name for c in registry.candidates(launch.problem_for(q, k, causal))[0]]
 
 
 def main() -> int:
@@ -64,8 +64,9 @@ def main() -> int:
     header = (f"{dev.name}, {dev.multi_processor_count} SMs, torch {torch.__version__}, "
               f"gemmgen {gemmgen.__version__}, {datetime.date.today()}; median of {args.reps} CUDA-event "
               f"timings; TFLOP/s = 4*B*H*N^2*d/t (halved for causal)")
-    rows = ["| dtype | d | causal | N | best gemmgen | instance | default pick | FA2 | efficient | cuDNN | best/FA2 |",
-            "|---|---|---|---|---|---|---|---|---|---|---|"]
+    families = [f.FAMILY for f in FAMILIES if getattr(f, "KIND", "attention") == "attention"]
+    rows = ["| dtype | d | causal | N | " + " | ".join(families) + " | pick | picked instance | FA2 | efficient "
+            "| cuDNN | pick/peer |", "|---" * (len(families) + 10) + "|"]
     print(header, flush=True)
     for dname in args.dtype:
         dtype = DTYPES[dname]
@@ -77,7 +78,7 @@ def main() -> int:
                     flops = 4 * b * h * n * n * d / (2 if causal else 1)
                     tflops = lambda ms: flops / ms / 1e9  # noqa: E731
                     measured = {}
-                    for name in built_instances(dname, d, causal):
+                    for name in built_instances(q, k, causal):
                         fn = lambda name=name: gemmgen.fused_attention(q, k, v, causal=causal, instance=name)  # noqa: E731
                         measured[name] = tflops(time_ms(fn, 3, args.reps))
                     peers = {}
@@ -88,16 +89,19 @@ def main() -> int:
                                 peers[label] = tflops(time_ms(fn, 3, args.reps))
                         except RuntimeError:
                             peers[label] = None
-                    best = max(measured, key=measured.get) if measured else None
                     pick = gemmgen.selected_instance(q, k, v, causal=causal) if measured else None
                     fmt = lambda x: "-" if x is None else f"{x:.0f}"  # noqa: E731
-                    ratio = (f"{measured[best] / peers['FA2']:.2f}" if best and peers["FA2"] else "-")
-                    row = (f"| {dname} | {d} | {'Y' if causal else 'N'} | {n} | {fmt(measured.get(best))} | "
-                           f"{best or '-'} | {fmt(measured.get(pick))} | {fmt(peers['FA2'])} | "
+                    best_of = [max((t for name, t in measured.items() if name.startswith(fam + "_")), default=None)
+                               for fam in families]
+                    peer = max((t for t in peers.values() if t is not None), default=None)
+                    ratio = f"{measured[pick] / peer:.2f}" if pick in measured and peer else "-"
+                    row = (f"| {dname} | {d} | {'Y' if causal else 'N'} | {n} | "
+                           + " | ".join(fmt(t) for t in best_of)
+                           + f" | {fmt(measured.get(pick))} | {pick or '-'} | {fmt(peers['FA2'])} | "
                            f"{fmt(peers['efficient'])} | {fmt(peers['cuDNN'])} | {ratio} |")
                     rows.append(row)
                     print(row, flush=True)
-                    print("    all: " + ", ".join(f"{name.split('_')[-1]}={t:.0f}" for name, t in
+                    print("    all: " + ", ".join(f"{name}={t:.0f}" for name, t in
                                               sorted(measured.items(), key=lambda kv: -kv[1])), file=sys.stderr,
                           flush=True)
     if args.out:

@@ -115,3 +115,109 @@ def bind(path: Path, symbol: str) -> Instance:
         return _bind(str(path), symbol)
     except AttributeError as exc:
         raise GemmgenLaunchError(f"{path} does not export {symbol} / {symbol}_info: {exc}") from exc
+
+
+# Batched GEMM and the unfused path's softmax (the structs appended to abi.h).
+
+GEMM_STRIDED = 0  # GEMMGEN_GEMM_STRIDED
+GEMM_PTR_ARRAY = 1  # GEMMGEN_GEMM_PTR_ARRAY
+
+_STRIDES = [(f"stride_{op}_{dim}", ctypes.c_int64) for op in "abc" for dim in ("batch", "head", "row")]
+
+
+class BatchedGemmStridedArgs(ctypes.Structure):
+    """GemmgenBatchedGemmStridedArgs: the seed's BatchedGemmStridedArgs plus alpha."""
+
+    _fields_ = [("A", ctypes.c_void_p), ("B", ctypes.c_void_p), ("C", ctypes.c_void_p),
+                *[(n, ctypes.c_uint32) for n in ("M", "N", "K", "batch", "num_heads")],
+                *_STRIDES, ("b_transposed", ctypes.c_int32), ("alpha", ctypes.c_float)]
+
+
+class BatchedGemmPtrArgs(ctypes.Structure):
+    """GemmgenBatchedGemmPtrArgs: device arrays of pointers, one row stride per operand, alpha."""
+
+    _fields_ = [("A_ptrs", ctypes.c_void_p), ("B_ptrs", ctypes.c_void_p), ("C_ptrs", ctypes.c_void_p),
+                *[(n, ctypes.c_uint32) for n in ("M", "N", "K", "batch", "num_heads")],
+                ("stride_a_row", ctypes.c_int64), ("stride_b_row", ctypes.c_int64),
+                ("stride_c_row", ctypes.c_int64), ("b_transposed", ctypes.c_int32), ("alpha", ctypes.c_float)]
+
+
+class GemmInfo(ctypes.Structure):
+    """GemmgenGemmInfo: the static facts of one compiled GEMM instance."""
+
+    _fields_ = [(name, ctypes.c_int32) for name in
+                ("abi_version", "tile_m", "tile_n", "tile_k", "stages", "threads", "smem_bytes",
+                 "alignment", "b_transposed", "strategy", "out_bytes")]
+
+    def as_dict(self) -> dict[str, int]:
+        """The fields as a plain dict."""
+        return {name: getattr(self, name) for name, _ in self._fields_}
+
+
+class SoftmaxArgs(ctypes.Structure):
+    """GemmgenSoftmaxArgs: fp32 scores in, probabilities in the instance's dtype out."""
+
+    _fields_ = [("s", ctypes.c_void_p), ("p", ctypes.c_void_p),
+                ("rows", ctypes.c_uint32), ("cols", ctypes.c_uint32), ("matrices", ctypes.c_uint32),
+                ("s_matrix_stride", ctypes.c_int64), ("s_row_stride", ctypes.c_int64),
+                ("p_matrix_stride", ctypes.c_int64), ("p_row_stride", ctypes.c_int64),
+                ("causal", ctypes.c_int32), ("causal_offset", ctypes.c_int32)]
+
+
+class Kernel:
+    """The entry points of a GEMM or softmax library: `<symbol>(const Args*, stream, err, err_len)`
+    and, for GEMMs, `<symbol>_info(GemmgenGemmInfo*)`."""
+
+    def __init__(self, library: ctypes.CDLL, symbol: str, args_type: type, *, has_info: bool) -> None:
+        self.symbol = symbol
+        self.args_type = args_type
+        self._run = getattr(library, symbol)
+        self._run.argtypes = [ctypes.POINTER(args_type), ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int]
+        self._run.restype = ctypes.c_int
+        self._info = None
+        if has_info:
+            self._info = getattr(library, f"{symbol}_info")
+            self._info.argtypes = [ctypes.POINTER(GemmInfo)]
+            self._info.restype = ctypes.c_int
+
+    def info(self) -> GemmInfo:
+        """Call `<symbol>_info`; raise GemmgenLaunchError on a non-zero status or when there is none."""
+        if self._info is None:
+            raise GemmgenLaunchError(f"{self.symbol} has no _info entry point")
+        info = GemmInfo()
+        status = self._info(ctypes.byref(info))
+        if status != 0:
+            raise GemmgenLaunchError(f"{self.symbol}_info returned {STATUS_NAMES.get(status, status)}")
+        return info
+
+    def run(self, args: ctypes.Structure, stream: int | None) -> None:
+        """Launch on `stream`; raise GemmgenLaunchError with the library's message on failure."""
+        if not isinstance(args, self.args_type):
+            raise TypeError(f"{self.symbol} takes {self.args_type.__name__}, got {type(args).__name__}")
+        err = ctypes.create_string_buffer(ERR_LEN)
+        status = self._run(ctypes.byref(args), ctypes.c_void_p(stream or None), err, ERR_LEN)
+        if status != 0:
+            message = err.value.decode(errors="replace") or "no message"
+            raise GemmgenLaunchError(f"{self.symbol}: {message} ({STATUS_NAMES.get(status, status)})")
+
+
+@functools.lru_cache(maxsize=None)
+def _bind_kernel(path: str, symbol: str, args_type: type, has_info: bool) -> Kernel:
+    return Kernel(load_library(Path(path)), symbol, args_type, has_info=has_info)
+
+
+def bind_gemm(path: Path, symbol: str, strategy: int) -> Kernel:
+    """Bind a GEMM instance's entry points (cached); `strategy` picks the args struct."""
+    args_type = BatchedGemmPtrArgs if strategy == GEMM_PTR_ARRAY else BatchedGemmStridedArgs
+    try:
+        return _bind_kernel(str(path), symbol, args_type, True)
+    except AttributeError as exc:
+        raise GemmgenLaunchError(f"{path} does not export {symbol} / {symbol}_info: {exc}") from exc
+
+
+def bind_softmax(path: Path, symbol: str) -> Kernel:
+    """Bind a softmax instance's entry point (cached)."""
+    try:
+        return _bind_kernel(str(path), symbol, SoftmaxArgs, False)
+    except AttributeError as exc:
+        raise GemmgenLaunchError(f"{path} does not export {symbol}: {exc}") from exc

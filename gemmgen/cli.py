@@ -19,6 +19,17 @@ def _fail(message: str, code: int = 1) -> int:
     return code
 
 
+def generate_families(names: list[str] | None) -> set[str]:
+    """The families `generate` builds: those named (KeyError for an unknown one; "all" names every
+    family), else those built by default (fa2_sm80, fmha_sm90). The others build only when named,
+    since the default set alone fills most of a small machine's build budget."""
+    if not names:
+        return {f.FAMILY for f in space.FAMILIES if space.built_by_default(f)}
+    if "all" in names:
+        return {f.FAMILY for f in space.FAMILIES}
+    return {space.family_named(name).FAMILY for name in names}
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     """Render and compile the default set (or --all, or --filter's) for each --arch."""
     from gemmgen import build  # imports filelock/jinja only when generating
@@ -27,13 +38,19 @@ def cmd_generate(args: argparse.Namespace) -> int:
         archs = [parse_arch(a) for a in args.arch]
     except ValueError as exc:
         return _fail(str(exc), EXIT_USAGE)
+    try:
+        families = generate_families(args.family)
+    except KeyError as exc:
+        known = ", ".join(f.FAMILY for f in space.FAMILIES)
+        return _fail(f"unknown family {exc.args[0]!r}; known: {known}", EXIT_USAGE)
     plans: list[tuple[Arch, list]] = []
     for arch in archs:
-        chosen = space.select_instances(arch, all_instances=args.all, pattern=args.filter)
+        chosen = space.select_instances(arch, all_instances=args.all, pattern=args.filter, families=families)
         if not chosen:
             pool = "space" if args.all else "default set"
             hint = "" if args.all else "; --all searches the whole space"
-            return _fail(f"--filter {args.filter!r} matches no instance in {arch.value}'s {pool}{hint}",
+            what = f"--filter {args.filter!r} matches" if args.filter else "there is"
+            return _fail(f"{what} no instance of {', '.join(sorted(families))} in {arch.value}'s {pool}{hint}",
                          EXIT_USAGE)
         plans.append((arch, chosen))
     built = failed = up_to_date = 0
@@ -114,6 +131,10 @@ def parser() -> argparse.ArgumentParser:
     gen.add_argument("--all", action="store_true", help="the whole instance space, not the default set")
     gen.add_argument("--jobs", type=int, help="parallel nvcc jobs (default: cores, <= free GB / 4)")
     gen.add_argument("--no-compile", action="store_true", help="render sources and manifest only")
+    gen.add_argument("--family", action="append",
+                     help="build this family (repeatable; 'all' for every family; default: fa2_sm80 and "
+                          "fmha_sm90). Dropout, masks and varlen need mea_sm80; the unfused path "
+                          "gemm_sm80 and softmax_sm80")
     gen.set_defaults(func=cmd_generate)
 
     lst = sub.add_parser("list", help="list the instances of a build directory")
@@ -145,6 +166,14 @@ def parser() -> argparse.ArgumentParser:
     expl = sub.add_parser("explain", help="which instance runs a shape, and why")
     cli_explain.add_arguments(expl)
     expl.set_defaults(func=_guarded(cli_explain.run))
+    from gemmgen import cli_gemm
+
+    expl_gemm = sub.add_parser("explain-gemm", help="which batched-GEMM instance runs a shape, and why")
+    cli_gemm.add_arguments(expl_gemm, profile=False)
+    expl_gemm.set_defaults(func=_guarded(cli_gemm.run_explain))
+    prof_gemm = sub.add_parser("profile-gemm", help="time every batched-GEMM candidate against torch.matmul")
+    cli_gemm.add_arguments(prof_gemm, profile=True)
+    prof_gemm.set_defaults(func=_guarded(cli_gemm.run_profile))
     tune = sub.add_parser("tune", help="the tuning databases: path, show, export, import")
     cli_tune.add_arguments(tune)
     tune.set_defaults(func=_guarded(cli_tune.run))

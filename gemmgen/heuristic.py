@@ -11,7 +11,9 @@ A simple cost model, from the instance's tile (params block_m, block_n), threads
 - Pipeline: a CTA's first K/V loads are exposed, as if it computed PROLOGUE_COLS more key columns,
   divided by the instance's `stages` param (1 if absent): K/V buffers loading ahead hide them.
 - Time: waves = ceil(CTAs / (SMs * CTAs per SM)), each as long as the mean CTA work divided by
-  the CTA's share of the SM (warps / 8, no more than 1: 8 resident warps keep an SM busy).
+  the CTA's share of the SM (warps / 8, no more than 1: 8 resident warps keep an SM busy), and
+  by the family's RELATIVE_SPEED (its measured throughput per unit of this work against fa2_sm80's,
+  1 if the family states none): a wgmma kernel does the same tile work about twice as fast.
 
 The model knows nothing of how efficient each tile's code is, so the family's DEFAULT tile (the
 one measured best at most shapes) keeps the pick unless another candidate's estimate is at least
@@ -106,7 +108,15 @@ def estimate(entry: Any, problem: Problem) -> Estimate:
     stages = max(1, int(entry.params.get("stages", 1)))
     mean_work = block_m * (cols / row_tiles + PROLOGUE_COLS / stages) if row_tiles else 0.0
     return Estimate(ctas=ctas, ctas_per_sm=per_sm, waves=waves, padded_rows=row_tiles * block_m,
-                    time=waves * mean_work / share)
+                    time=waves * mean_work / share / relative_speed(entry.family))
+
+
+def relative_speed(family: str) -> float:
+    """The family's RELATIVE_SPEED (1 for a family that states none or is unknown)."""
+    try:
+        return float(getattr(family_named(family), "RELATIVE_SPEED", 1.0))
+    except KeyError:
+        return 1.0
 
 
 def _default_params(cand: Any) -> dict[str, Any] | None:

@@ -42,9 +42,9 @@ def _check_out(out: torch.Tensor, q: torch.Tensor) -> None:
     _check_strides("out", out)
 
 
-def _validate(q, k, v, out) -> None:
+def _validate(q, k, v, out, *, device: bool = True) -> None:
     """Every check that needs only the tensors' metadata (so torch.compile traces it), and the data
-    pointers' alignment outside of tracing."""
+    pointers' alignment outside of tracing; the device checks last unless device=False."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise InputError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -77,6 +77,11 @@ def _validate(q, k, v, out) -> None:
                 if t is not None and t.data_ptr() % ALIGN_BYTES:
                     raise InputError(f"{name}'s data pointer is not {ALIGN_BYTES}-byte aligned "
                                      f"(storage offset {t.storage_offset()})")
+    if device:
+        _check_device(q, k, v, out)
+
+
+def _check_device(q, k, v, out) -> None:
     if not q.device == k.device == v.device or (out is not None and out.device != q.device):
         devices = {t.device for t in (q, k, v, out) if t is not None}
         raise InputError(f"q, k, v{', out' if out is not None else ''} must be on one device; got "
@@ -96,10 +101,72 @@ def _check_args(causal_alignment: str, scale: float | None) -> float | None:
     return None if scale is None else float(scale)
 
 
+SEED_LIMIT = 2**63  # seeds and offsets travel as int64 through the torch op
+
+
+def _check_dropout(dropout_p: float, seed: int | None, offset: int) -> float:
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
+        raise InputError(f"dropout_p must be a float, got {type(dropout_p).__name__}")
+    if not 0.0 <= dropout_p < 1.0:
+        raise InputError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    for name, value in (("seed", seed), ("offset", offset)):
+        if value is None and name == "seed":
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < SEED_LIMIT:
+            raise InputError(f"{name} must be an int in [0, 2**63), got {value!r}")
+    return float(dropout_p)
+
+
+def _padded_copy(mask: torch.Tensor) -> torch.Tensor:
+    """mask ([B or 1, H or 1, Nq, Nk] view) copied into rows padded to a multiple of ALIGN_ELEMENTS: the
+    kernel reads the mask in 16-byte vectors, up to the padded end of a row."""
+    b, h, nq, nk = mask.shape
+    padded = -(-nk // ALIGN_ELEMENTS) * ALIGN_ELEMENTS
+    store = mask.new_empty((b, h, nq, padded))
+    store[..., :nk].copy_(mask)
+    return store[..., :nk]
+
+
+def _prepare_mask(attn_mask: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
+    """attn_mask as the op's bias: q's dtype, [B, H, Nq, Nk] by its strides (0 where it broadcasts
+    over batch, heads or rows), rows contiguous, 16-byte aligned and padded to 8 elements."""
+    if attn_mask is None:
+        return None
+    if not isinstance(attn_mask, torch.Tensor):
+        raise InputError(f"attn_mask must be a torch.Tensor, got {type(attn_mask).__name__}")
+    if attn_mask.device != q.device:
+        raise InputError(f"attn_mask must be on q's device {q.device}; got {attn_mask.device}")
+    if attn_mask.dtype == torch.bool:  # True: take part (torch's convention)
+        attn_mask = torch.zeros(attn_mask.shape, dtype=q.dtype, device=q.device).masked_fill(
+            ~attn_mask, float("-inf"))
+    if attn_mask.dtype != q.dtype:
+        raise InputError(f"attn_mask must be torch.bool or q's dtype {q.dtype}; got {attn_mask.dtype}")
+    b, h, nq, _ = q.shape
+    nk = k.shape[2]
+    if attn_mask.dim() > 4:
+        raise InputError(f"attn_mask must have at most 4 dims; got shape {tuple(attn_mask.shape)}")
+    try:
+        full = attn_mask.expand(b, h, nq, nk)
+    except RuntimeError:
+        raise InputError(f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to "
+                         f"[B, H, Nq, Nk] = {[b, h, nq, nk]}") from None
+    # Keep the broadcast over batch and heads (stride 0); materialize what the kernel cannot read.
+    compact = full[:1 if full.stride(0) == 0 else b, :1 if full.stride(1) == 0 else h]
+    s0, s1, s2, s3 = compact.stride()
+    aligned = (s3 == 1 or nk == 1) and s2 % ALIGN_ELEMENTS == 0 and s1 % ALIGN_ELEMENTS == 0 \
+        and s0 % ALIGN_ELEMENTS == 0 and nk % ALIGN_ELEMENTS == 0 and nk > 1
+    if not aligned or torch.compiler.is_compiling() or isinstance(q, FakeTensor) or \
+            compact.data_ptr() % ALIGN_BYTES:
+        compact = _padded_copy(compact)
+    return compact.expand(b, h, nq, nk)
+
+
 def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
                     causal_alignment: str = "top_left", scale: float | None = None,
                     return_lse: bool = False, instance: str | None = None,
-                    out: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                    out: torch.Tensor | None = None, dropout_p: float = 0.0, seed: int | None = None,
+                    offset: int = 0,
+                    attn_mask: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """O = softmax(scale * Q K^T + mask) V on the GPU, without copying the inputs.
 
     q: [B, H, Nq, d]; k, v: [B, Hkv, Nk, d], Hkv dividing H (GQA/MQA); fp16 or bf16; any strides
@@ -110,25 +177,98 @@ def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
     float32 natural-log LSE [B, H, Nq] (-inf and O = 0 for a row that sees no key).
     `instance` forces a built instance by name. Runs on the inputs' device and current stream, as
     the torch custom op torch.ops.gemmgen.fused_attention (torch.compile and CUDA graphs work).
+
+    dropout_p zeroes each attention weight with that probability and scales the rest by
+    1/(1 - dropout_p); the mask is a function of (seed, offset) and the weight's position
+    (Philox), so the same pair gives the same mask. seed=None draws one from torch's CUDA generator
+    (torch.manual_seed makes it reproducible; a CUDA graph replays the mask it captured).
+    attn_mask is added to the scaled scores, broadcastable to [B, H, Nq, Nk] like torch SDPA's float
+    mask, in q's dtype (a bool mask becomes 0 where True and -inf where False).
     """
     scale = _check_args(causal_alignment, scale)
-    _validate(q, k, v, out)
+    dropout_p = _check_dropout(dropout_p, seed, offset)
+    _validate(q, k, v, out, device=False)
+    bias = _prepare_mask(attn_mask, q, k)
+    _check_device(q, k, v, out)
     causal = bool(causal)
+    features = (dropout_p, seed, offset, bias)
     if out is None:
-        o, lse = torch_op.fused_attention_op(q, k, v, causal, causal_alignment, scale, return_lse, instance)
+        o, lse = torch_op.fused_attention_op(q, k, v, causal, causal_alignment, scale, return_lse, instance,
+                                             *features)
     else:
         lse = torch_op.fused_attention_out_op(q, k, v, out, causal, causal_alignment, scale, return_lse,
-                                              instance)
+                                              instance, *features)
         o = out
     return (o, lse) if return_lse else o
 
 
+def _check_cu_seqlens(name: str, cu: torch.Tensor, total: int, max_seqlen: int, device: torch.device) -> None:
+    if not isinstance(cu, torch.Tensor) or cu.dtype != torch.int32 or cu.dim() != 1 or cu.shape[0] < 2:
+        raise InputError(f"{name} must be a 1-D torch.int32 tensor of batch + 1 offsets; got "
+                         f"{getattr(cu, 'dtype', type(cu).__name__)} of shape {tuple(getattr(cu, 'shape', ()))}")
+    if cu.device != device:
+        raise InputError(f"{name} must be on the tensors' device {device}; got {cu.device}")
+    if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int) or not 0 <= max_seqlen <= INT32_MAX:
+        raise InputError(f"max_seqlen for {name} must be an int in [0, 2**31), got {max_seqlen!r}")
+    capturing = cu.is_cuda and torch.cuda.is_current_stream_capturing()
+    if torch.compiler.is_compiling() or isinstance(cu, FakeTensor) or capturing:
+        return  # the values cannot be read while tracing or capturing
+    values = cu.tolist()
+    lengths = [b - a for a, b in zip(values, values[1:])]
+    if values[0] != 0 or min(lengths) < 0:
+        raise InputError(f"{name} must start at 0 and never decrease; got {values[:8]}{'...' * (len(values) > 8)}")
+    if values[-1] != total:
+        raise InputError(f"{name} ends at {values[-1]}, the packed tensor has {total} rows")
+    if max(lengths) > max_seqlen:
+        raise InputError(f"max_seqlen {max_seqlen} is below {name}'s longest sequence, {max(lengths)}")
+
+
+def fused_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                           cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, *,
+                           causal: bool = False, scale: float | None = None, return_lse: bool = False,
+                           instance: str | None = None, dropout_p: float = 0.0, seed: int | None = None,
+                           offset: int = 0) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Attention over packed sequences of different lengths (FlashAttention's varlen API).
+
+    q: [Tq, H, d]; k, v: [Tk, Hkv, d], Hkv dividing H; sequence b is rows cu_seqlens_q[b] to
+    cu_seqlens_q[b + 1] of q and cu_seqlens_k[b] to cu_seqlens_k[b + 1] of k and v (int32, batch + 1
+    entries, starting at 0); max_seqlen_q/k bound the lengths. causal is top-left within each
+    sequence (query i sees keys j <= i). Returns O [Tq, H, d] and with return_lse the float32 LSE
+    [B, H, max_seqlen_q] (-inf past a sequence's end and where no key is seen). dropout_p, seed and
+    offset as in fused_attention. The cu_seqlens values are checked (a device-to-host copy) outside
+    torch.compile and CUDA graph capture.
+    """
+    scale = _check_args("top_left", scale)
+    dropout_p = _check_dropout(dropout_p, seed, offset)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 3:
+            raise InputError(f"{name} must be a 3-D torch.Tensor ([total_tokens, heads, head_dim]); got "
+                             f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+    if k.shape[0] != v.shape[0]:
+        raise InputError(f"k and v must have the same number of rows; got {k.shape[0]} and {v.shape[0]}")
+    # As [1, H, T, d] views the 4-D checks apply: dtype, head dim, heads, strides, device.
+    views = [t.unsqueeze(0).transpose(1, 2) for t in (q, k, v)]
+    _validate(*views, None, device=False)
+    _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q, q.device)
+    _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k, q.device)
+    if cu_seqlens_q.shape[0] != cu_seqlens_k.shape[0]:
+        raise InputError(f"cu_seqlens_q and cu_seqlens_k must have the same length; got "
+                         f"{cu_seqlens_q.shape[0]} and {cu_seqlens_k.shape[0]}")
+    _check_device(*views, None)
+    o, lse = torch_op.fused_attention_varlen_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                                bool(causal), scale, return_lse, instance, dropout_p, seed, offset)
+    return (o, lse) if return_lse else o
+
+
 def explain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
-            instance: str | None = None) -> selection.Decision:
+            instance: str | None = None, dropout_p: float = 0.0,
+            attn_mask: torch.Tensor | None = None) -> selection.Decision:
     """The decision fused_attention makes for these tensors: candidates, rejects with their reasons,
     winner and its source (decision.report() gives the text `gemmgen explain` prints)."""
     _validate(q, k, v, None)
-    return selection.decide(launch.problem_for(q, k, causal), instance)
+    dropout_p = _check_dropout(dropout_p, None, 0)
+    bias = _prepare_mask(attn_mask, q, k)
+    return selection.decide(launch.problem_for(q, k, causal, v=v, dropout=dropout_p > 0.0, bias=bias), instance)
 
 
 def selected_instance(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,

@@ -57,19 +57,24 @@ def template_text(inst: Any) -> str:
     return (templates_dir() / family_named(inst.family).TEMPLATE).read_text()
 
 
-@functools.lru_cache(maxsize=1)
-def headers_hash() -> str:
-    """Hash of the project's kernel headers: a kernel change changes every instance's key."""
+@functools.lru_cache(maxsize=None)
+def headers_hash(family: str) -> str:
+    """Hash of the C ABI header and `family`'s kernel headers: include/gemmgen/<dir>/ for each dir
+    of the family module's HEADER_DIRS (default: its own name). A kernel change changes the key of
+    every instance of its family, and of no other."""
+    root = include_dir() / "gemmgen"
+    dirs = getattr(family_named(family), "HEADER_DIRS", (family,))
     digest = hashlib.sha256()
-    for path in sorted((include_dir() / "gemmgen").rglob("*.h")):
-        digest.update(path.relative_to(include_dir()).as_posix().encode() + b"\0" + path.read_bytes())
+    for path in [root / "abi.h", *(p for d in dirs for p in sorted((root / d).rglob("*.h")))]:
+        if path.is_file():
+            digest.update(path.relative_to(include_dir()).as_posix().encode() + b"\0" + path.read_bytes())
     return digest.hexdigest()
 
 
 def content_hash(inst: Any, toolchain: Toolchain) -> str:
     """The build key of `inst`: its parameters, template and kernel-header text, flags, nvcc and
     CUTLASS versions."""
-    parts = [inst.content_hash(), hashlib.sha256(template_text(inst).encode()).hexdigest(), headers_hash(),
+    parts = [inst.content_hash(), hashlib.sha256(template_text(inst).encode()).hexdigest(), headers_hash(inst.family),
              "\0".join(toolchain.flags), toolchain.nvcc_version, toolchain.cutlass_version]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 

@@ -1,10 +1,18 @@
 """The torch custom ops behind gemmgen.fused_attention, with fake implementations, so that
 torch.compile traces them without a graph break and CUDA graphs capture them:
 
-    torch.ops.gemmgen.fused_attention(q, k, v, causal, causal_alignment, scale, return_lse, instance)
+    torch.ops.gemmgen.fused_attention(q, k, v, causal, causal_alignment, scale, return_lse, instance,
+                                      dropout_p, seed, offset, bias)
         -> (O in q's layout, LSE [B, H, Nq] float32, or an empty tensor without return_lse)
     torch.ops.gemmgen.fused_attention_out(q, k, v, out, causal, causal_alignment, scale, return_lse,
-                                          instance) -> LSE (O written into `out`)
+                                          instance, dropout_p, seed, offset, bias) -> LSE (O written into `out`)
+    torch.ops.gemmgen.fused_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                             max_seqlen_k, causal, scale, return_lse, instance,
+                                             dropout_p, seed, offset)
+        -> (O [Tq, H, d], LSE [B, H, max_seqlen_q] float32 or an empty tensor)
+
+bias is the additive mask as [B, H, Nq, Nk] by its strides (gemmgen.ops broadcasts and pads it).
+A seed of None draws one from torch's CUDA generator when the op runs (not when it is traced).
 
 The CUDA kernels expect inputs that gemmgen.ops validated. The hot path is one dictionary lookup
 per call: the kernel chosen for a (device, dtype, sizes, layout, mask, instance) key is cached;
@@ -15,18 +23,24 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from gemmgen import jit, launch, registry, selection
 from gemmgen.errors import InputError
-from gemmgen.problem import ALIGN_BYTES
+from gemmgen.problem import ALIGN_BYTES, Problem
 
 _LIB = torch.library.Library("gemmgen", "DEF")
 _ARGS = "bool causal=False, str causal_alignment='top_left', float? scale=None, bool return_lse=False, str? instance=None"
-_LIB.define(f"fused_attention(Tensor q, Tensor k, Tensor v, {_ARGS}) -> (Tensor, Tensor)")
-_LIB.define(f"fused_attention_out(Tensor q, Tensor k, Tensor v, Tensor(a!) out, {_ARGS}) -> Tensor")
+_FEATURES = "float dropout_p=0.0, int? seed=None, int offset=0"
+_LIB.define(f"fused_attention(Tensor q, Tensor k, Tensor v, {_ARGS}, {_FEATURES}, Tensor? bias=None) "
+            f"-> (Tensor, Tensor)")
+_LIB.define(f"fused_attention_out(Tensor q, Tensor k, Tensor v, Tensor(a!) out, {_ARGS}, {_FEATURES}, "
+            f"Tensor? bias=None) -> Tensor")
+_LIB.define("fused_attention_varlen(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
+            "int max_seqlen_q, int max_seqlen_k, bool causal=False, float? scale=None, bool return_lse=False, "
+            f"str? instance=None, {_FEATURES}) -> (Tensor, Tensor)")
 
 _kernels: dict[tuple, Any] = {}
 _MAX_CACHED = 4096
@@ -37,13 +51,14 @@ def autotune_enabled() -> bool:
     return os.environ.get("GEMMGEN_AUTOTUNE", "0") not in ("", "0")
 
 
-def _select(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, causal_alignment: str,
-            scale: float | None, instance: str | None) -> tuple[Any, bool]:
+def _select(problem: Problem, q: torch.Tensor, k: torch.Tensor, causal: bool,
+            instance: str | None) -> tuple[Any, bool]:
     """The kernel for this call and whether the choice may be cached."""
-    problem = launch.problem_for(q, k, causal, v=v, causal_alignment=causal_alignment, scale=scale)
     cand = jit.select_or_build(problem, instance)
     cacheable = True
-    if instance is None and autotune_enabled() and selection.needs_tuning(problem):
+    # The tuner times plain calls: dropout, bias and variable lengths keep the registry's choice.
+    plain = not (problem.dropout or problem.bias or problem.varlen)
+    if instance is None and plain and autotune_enabled() and selection.needs_tuning(problem):
         if torch.cuda.is_current_stream_capturing():  # timing synchronizes: tune after the capture
             cacheable = False
         else:
@@ -56,8 +71,31 @@ def _select(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, cau
     return cand.kernel, cacheable
 
 
+def _kernel_for(key: tuple, problem_of: Callable[[], Problem], q: torch.Tensor, k: torch.Tensor, causal: bool,
+                instance: str | None) -> Any:
+    kernel = _kernels.get(key)
+    if kernel is None:
+        kernel, cacheable = _select(problem_of(), q, k, causal, instance)
+        if cacheable:
+            if len(_kernels) >= _MAX_CACHED:
+                _kernels.clear()
+            _kernels[key] = kernel
+    return kernel
+
+
+def _dropout_seed(index: int, dropout_p: float, seed: int | None, offset: int, draws: int) -> tuple[int, int]:
+    """The (seed, offset) pair of the launch: the caller's, or one drawn from torch's generator."""
+    if dropout_p <= 0.0:
+        return 0, 0
+    if seed is None:
+        seed, base = launch.draw_seed(index, draws)
+        return seed, base + offset
+    return seed, offset
+
+
 def _run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor | None,
-         causal: bool, causal_alignment: str, scale: float | None, instance: str | None) -> None:
+         causal: bool, causal_alignment: str, scale: float | None, instance: str | None,
+         dropout_p: float = 0.0, seed: int | None = None, offset: int = 0, bias: torch.Tensor | None = None) -> None:
     if o.numel() == 0 or k.shape[2] == 0:  # nothing to launch: rows that see no key give 0 and -inf
         o.zero_()
         if lse is not None:
@@ -65,22 +103,45 @@ def _run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse
         return
     if (q.data_ptr() | k.data_ptr() | v.data_ptr() | o.data_ptr()) % ALIGN_BYTES:
         raise InputError(f"q, k, v and out must be {ALIGN_BYTES}-byte aligned")
+    if bias is not None and bias.data_ptr() % ALIGN_BYTES:
+        raise InputError(f"the attention mask must be {ALIGN_BYTES}-byte aligned")
     index = q.get_device()
     qs, ks = q.stride(), k.stride()
     # Everything a family's problem_reason may look at: shapes, layout kind, mask and its alignment,
-    # the scale's sign, offsets past int32.
-    big = launch.max_offset(q, k, v, o) >= 2**31
+    # the scale's sign, offsets past int32, dropout, a bias.
+    big = launch.max_offset(q, k, v, o, bias) >= 2**31
     key = (index, q.dtype, q.shape, k.shape, qs[2] <= qs[1], ks[2] <= ks[1], causal,
-           causal_alignment if causal else None, scale is not None and scale < 0, big, instance)
-    kernel = _kernels.get(key)
-    if kernel is None:
-        kernel, cacheable = _select(q, k, v, causal, causal_alignment, scale, instance)
-        if cacheable:
-            if len(_kernels) >= _MAX_CACHED:
-                _kernels.clear()
-            _kernels[key] = kernel
+           causal_alignment if causal else None, scale is not None and scale < 0, big, instance,
+           dropout_p > 0.0, bias is not None, False)
+    kernel = _kernel_for(key, lambda: launch.problem_for(
+        q, k, causal, v=v, causal_alignment=causal_alignment, scale=scale, dropout=dropout_p > 0.0,
+        bias=bias), q, k, causal, instance)
+    seed, offset = _dropout_seed(index, dropout_p, seed, offset, q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2])
     launch.launch(kernel, launch.params(q, k, v, o, lse, causal=causal, causal_alignment=causal_alignment,
-                                        scale=scale), index)
+                                        scale=scale, dropout_p=dropout_p, seed=seed, offset=offset, bias=bias),
+                  index)
+
+
+def _run_varlen(q, k, v, o, lse, cu_q, cu_k, max_q, max_k, causal, scale, instance, dropout_p, seed,
+                offset) -> None:
+    batch = cu_q.shape[0] - 1
+    if o.numel() == 0 or max_k == 0 or max_q == 0:  # nothing to launch
+        o.zero_()
+        if lse is not None:
+            lse.fill_(float("-inf"))
+        return
+    if (q.data_ptr() | k.data_ptr() | v.data_ptr() | o.data_ptr()) % ALIGN_BYTES:
+        raise InputError(f"q, k, v and out must be {ALIGN_BYTES}-byte aligned")
+    index = q.get_device()
+    big = launch.max_offset(q, k, v, o) >= 2**31
+    key = (index, q.dtype, q.shape, k.shape, batch, max_q, max_k, causal, scale is not None and scale < 0,
+           big, instance, dropout_p > 0.0, False, True)
+    kernel = _kernel_for(key, lambda: launch.problem_for_varlen(
+        q, k, v, batch, max_q, max_k, causal, scale=scale, dropout=dropout_p > 0.0), q, k, causal, instance)
+    seed, offset = _dropout_seed(index, dropout_p, seed, offset, batch * q.shape[1] * max_q * max_k)
+    launch.launch(kernel, launch.params_varlen(q, k, v, o, lse, cu_q, cu_k, max_q, max_k, causal=causal,
+                                               scale=scale, dropout_p=dropout_p, seed=seed, offset=offset),
+                  index)
 
 
 def _lse_like(q: torch.Tensor, return_lse: bool) -> torch.Tensor:
@@ -100,39 +161,64 @@ def _no_lse_on(device: torch.device) -> torch.Tensor:
 
 
 def _fused_attention(q, k, v, causal=False, causal_alignment="top_left", scale=None, return_lse=False,
-                     instance=None):
+                     instance=None, dropout_p=0.0, seed=None, offset=0, bias=None):
     o = launch.empty_like_layout(q)
+    features = (dropout_p, seed, offset, bias)
     if not return_lse:
-        _run(q, k, v, o, None, causal, causal_alignment, scale, instance)
+        _run(q, k, v, o, None, causal, causal_alignment, scale, instance, *features)
         return o, _no_lse_on(q.device)
     lse = _lse_like(q, True)
-    _run(q, k, v, o, lse, causal, causal_alignment, scale, instance)
+    _run(q, k, v, o, lse, causal, causal_alignment, scale, instance, *features)
     return o, lse
 
 
 def _fused_attention_out(q, k, v, out, causal=False, causal_alignment="top_left", scale=None,
-                         return_lse=False, instance=None):
+                         return_lse=False, instance=None, dropout_p=0.0, seed=None, offset=0, bias=None):
     lse = _lse_like(q, return_lse)
-    _run(q, k, v, out, lse if return_lse else None, causal, causal_alignment, scale, instance)
+    _run(q, k, v, out, lse if return_lse else None, causal, causal_alignment, scale, instance, dropout_p, seed,
+         offset, bias)
     return lse
 
 
-def _fake(q, k, v, causal=False, causal_alignment="top_left", scale=None, return_lse=False, instance=None):
+def _varlen_outputs(q, cu_seqlens_q, max_seqlen_q, return_lse):
+    o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    shape = (cu_seqlens_q.shape[0] - 1, q.shape[1], max_seqlen_q) if return_lse else (0,)
+    return o, torch.empty(shape, dtype=torch.float32, device=q.device)
+
+
+def _fused_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=False,
+                            scale=None, return_lse=False, instance=None, dropout_p=0.0, seed=None, offset=0):
+    o, lse = _varlen_outputs(q, cu_seqlens_q, max_seqlen_q, return_lse)
+    _run_varlen(q, k, v, o, lse if return_lse else None, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                causal, scale, instance, dropout_p, seed, offset)
+    return o, lse
+
+
+def _fake(q, k, v, causal=False, causal_alignment="top_left", scale=None, return_lse=False, instance=None,
+          dropout_p=0.0, seed=None, offset=0, bias=None):
     return launch.empty_like_layout(q), _lse_like(q, return_lse)
 
 
 def _fake_out(q, k, v, out, causal=False, causal_alignment="top_left", scale=None, return_lse=False,
-              instance=None):
+              instance=None, dropout_p=0.0, seed=None, offset=0, bias=None):
     return _lse_like(q, return_lse)
+
+
+def _fake_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=False, scale=None,
+                 return_lse=False, instance=None, dropout_p=0.0, seed=None, offset=0):
+    return _varlen_outputs(q, cu_seqlens_q, max_seqlen_q, return_lse)
 
 
 _LIB.impl("fused_attention", _fused_attention, "CUDA")
 _LIB.impl("fused_attention_out", _fused_attention_out, "CUDA")
+_LIB.impl("fused_attention_varlen", _fused_attention_varlen, "CUDA")
 torch.library.register_fake("gemmgen::fused_attention", _fake, lib=_LIB)
 torch.library.register_fake("gemmgen::fused_attention_out", _fake_out, lib=_LIB)
+torch.library.register_fake("gemmgen::fused_attention_varlen", _fake_varlen, lib=_LIB)
 
 fused_attention_op = torch.ops.gemmgen.fused_attention.default
 fused_attention_out_op = torch.ops.gemmgen.fused_attention_out.default
+fused_attention_varlen_op = torch.ops.gemmgen.fused_attention_varlen.default
 
 
 def clear_cache() -> None:

@@ -24,7 +24,11 @@ def compiler_layout(tmp_path, struct: str, fields: list[str]) -> list[int]:
 
 
 @pytest.mark.parametrize("struct, mirror", [("GemmgenAttnParams", abi.AttnParams),
-                                            ("GemmgenInstanceInfo", abi.InstanceInfo)])
+                                            ("GemmgenInstanceInfo", abi.InstanceInfo),
+                                            ("GemmgenBatchedGemmStridedArgs", abi.BatchedGemmStridedArgs),
+                                            ("GemmgenBatchedGemmPtrArgs", abi.BatchedGemmPtrArgs),
+                                            ("GemmgenGemmInfo", abi.GemmInfo),
+                                            ("GemmgenSoftmaxArgs", abi.SoftmaxArgs)])
 def test_layout_matches_header(tmp_path, struct, mirror):
     fields = [name for name, _ in mirror._fields_]
     expected = compiler_layout(tmp_path, struct, fields)

@@ -67,3 +67,85 @@ enum GemmgenStatus {
   GEMMGEN_INVALID_ARGUMENT = 1,  // params the instance cannot run (message says which)
   GEMMGEN_CUDA_ERROR = 2,        // a CUDA runtime call or the launch failed
 };
+
+// ---------------------------------------------------------------------------------------------
+// Batched GEMM: C[b, h] = alpha * A[b, h] * op(B[b, h]) for every batch b and head h, fp32
+// accumulation. A is [M, K] row-major; B is [K, N] row-major, or with b_transposed [N, K]
+// row-major (A * B^T: the Q x K^T case); C is [M, N] row-major. Sizes and strides are in
+// elements; the last dimension of every matrix is contiguous. Which dtypes and which value of
+// b_transposed an instance runs is fixed when it is compiled (GemmgenGemmInfo says which).
+
+// Strided strategy: every (batch, head) matrix at base + b * stride_batch + h * stride_head.
+typedef struct GemmgenBatchedGemmStridedArgs {
+  const void* A;
+  const void* B;
+  void* C;
+
+  uint32_t M;
+  uint32_t N;
+  uint32_t K;
+
+  uint32_t batch;
+  uint32_t num_heads;
+
+  int64_t stride_a_batch, stride_a_head, stride_a_row;
+  int64_t stride_b_batch, stride_b_head, stride_b_row;
+  int64_t stride_c_batch, stride_c_head, stride_c_row;
+
+  int32_t b_transposed;  // 0 or 1; must match the instance's layout
+  float alpha;           // scales A * op(B); C is overwritten, never read
+} GemmgenBatchedGemmStridedArgs;
+
+// Pointer-array strategy: batch * num_heads independently allocated matrices of one shape.
+// A_ptrs, B_ptrs and C_ptrs are device arrays of device pointers, index b * num_heads + h.
+typedef struct GemmgenBatchedGemmPtrArgs {
+  const void* const* A_ptrs;
+  const void* const* B_ptrs;
+  void* const* C_ptrs;
+
+  uint32_t M;
+  uint32_t N;
+  uint32_t K;
+
+  uint32_t batch;
+  uint32_t num_heads;
+
+  int64_t stride_a_row, stride_b_row, stride_c_row;  // one row stride per operand, all matrices
+
+  int32_t b_transposed;
+  float alpha;
+} GemmgenBatchedGemmPtrArgs;
+
+// Static facts of one compiled GEMM instance.
+typedef struct GemmgenGemmInfo {
+  int32_t abi_version;
+  int32_t tile_m;
+  int32_t tile_n;
+  int32_t tile_k;
+  int32_t stages;
+  int32_t threads;
+  int32_t smem_bytes;
+  int32_t alignment;     // elements every pointer and row stride must be a multiple of
+  int32_t b_transposed;
+  int32_t strategy;      // GEMMGEN_GEMM_STRIDED or GEMMGEN_GEMM_PTR_ARRAY
+  int32_t out_bytes;     // bytes per element of C (2: the input dtype, 4: fp32)
+} GemmgenGemmInfo;
+
+#define GEMMGEN_GEMM_STRIDED 0
+#define GEMMGEN_GEMM_PTR_ARRAY 1
+
+// Row softmax of the unfused attention path: P = softmax(S) row by row, S fp32 (already scaled),
+// P in the instance's dtype. Matrix m (index b * heads + h) at s + m * s_matrix_stride, rows
+// s_row_stride apart; rows x cols each. With causal, key j is visible to query i iff
+// j <= i + causal_offset; a row that sees no key is written as zeros.
+typedef struct GemmgenSoftmaxArgs {
+  const float* s;
+  void* p;
+  uint32_t rows;
+  uint32_t cols;
+  uint32_t matrices;
+  int64_t s_matrix_stride, s_row_stride;
+  int64_t p_matrix_stride, p_row_stride;
+  int32_t causal;
+  int32_t causal_offset;
+} GemmgenSoftmaxArgs;

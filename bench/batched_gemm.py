@@ -1,0 +1,125 @@
+"""Batched GEMM on attention shapes: gemmgen's strided and pointer-array strategies against
+torch.matmul (cuBLAS) on the same batched shapes.
+
+Shapes: B*H in {8, 64, 512, 4096} (B = 1 .. 32 batches of up to 128 heads), M = N in {64, 256,
+512, 1024, 2048, 4096}, K in {64, 128}, Q x K^T (b_transposed) and P x V, shapes whose operands
+exceed --max-gb skipped. Two numbers per strategy:
+- launch overhead: the median wall time of one call on the smallest shape, host side included
+  (CUDA events around a call, synchronized: what a Python caller pays per call);
+- throughput: TFLOP/s = 2*BH*M*N*K / t, CUDA-event median after warm-up.
+The pointer-array strategy is timed with its device arrays built once (gemm.PointerArrays) and,
+for the overhead row, also with the arrays built per call (batched_gemm_ptrs). Bar: strided
+>= 0.9x cuBLAS at M, N >= 512.
+
+    python bench/batched_gemm.py [--dtype fp16] [--out bench/results/batched_gemm_h200.md]
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import statistics
+import time
+
+import torch
+
+import gemmgen
+from gemmgen import gemm, timing
+
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def wall_us(fn, reps: int = 200) -> float:
+    """Median microseconds of fn() followed by a synchronize (host overhead included)."""
+    for _ in range(10):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1e6)
+    return statistics.median(times)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dtype", default="fp16", choices=list(DTYPES))
+    ap.add_argument("--bh", nargs="+", type=int, default=[8, 64, 512, 4096])
+    ap.add_argument("--mn", nargs="+", type=int, default=[64, 256, 512, 1024, 2048, 4096])
+    ap.add_argument("--k", nargs="+", type=int, default=[64, 128])
+    ap.add_argument("--max-gb", type=float, default=8.0, help="skip shapes whose operands exceed this")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--out", default="bench/results/batched_gemm_h200.md")
+    args = ap.parse_args()
+    dtype = DTYPES[args.dtype]
+    dev = torch.cuda.get_device_properties(0)
+    header = (f"{dev.name}, {dev.multi_processor_count} SMs, torch {torch.__version__}, gemmgen "
+              f"{gemmgen.__version__}, {datetime.date.today()}, {args.dtype}; median of {args.reps} CUDA-event "
+              f"timings; TFLOP/s = 2*BH*M*N*K/t")
+    print(header, flush=True)
+
+    # Launch overhead on the smallest shape.
+    a = torch.randn(1, 8, 64, 64, dtype=dtype, device="cuda")
+    b = torch.randn(1, 8, 64, 64, dtype=dtype, device="cuda")
+    c = torch.empty(1, 8, 64, 64, dtype=dtype, device="cuda")
+    al, bl, cl = list(a[0]), list(b[0]), list(c[0])
+    arrays = gemm.PointerArrays(al, bl, cl, b_transposed=True)
+    overhead = {
+        "strided (batched_gemm)": wall_us(lambda: gemmgen.batched_gemm(a, b, b_transposed=True, out=c)),
+        "pointer-array, arrays prepared (PointerArrays.run)": wall_us(arrays.run),
+        "pointer-array, arrays per call (batched_gemm_ptrs)":
+            wall_us(lambda: gemmgen.batched_gemm_ptrs(al, bl, b_transposed=True, out_list=cl)),
+        "torch.matmul": wall_us(lambda: torch.matmul(a, b.transpose(-2, -1), out=c)),
+    }
+    lines = [header, "", "Launch overhead, BH = 8, M = N = K = 64 (host wall time per call, synchronized):", "",
+             "| path | us |", "|---|---|"]
+    lines += [f"| {k} | {v:.1f} |" for k, v in overhead.items()]
+    lines += ["", "| op | BH | M=N | K | strided | ptr-array | cuBLAS | strided/cuBLAS | ptr/cuBLAS |",
+              "|---|---|---|---|---|---|---|---|---|"]
+    short = []
+    for bt in (True, False):
+        op = "QK^T" if bt else "PV"
+        for k in args.k:
+            for mn in args.mn:
+                for bh in args.bh:
+                    if 2 * bh * (2 * mn * k + mn * mn) > args.max_gb * 2**30:
+                        continue
+                    a = torch.randn(bh, 1, mn, k, dtype=dtype, device="cuda")
+                    b = torch.randn(bh, 1, mn, k, dtype=dtype, device="cuda") if bt else \
+                        torch.randn(bh, 1, k, mn, dtype=dtype, device="cuda")
+                    if not bt:  # P x V: A is [M, N=mn] probabilities, B is [mn, K]: C [M, K]
+                        a = torch.randn(bh, 1, mn, mn, dtype=dtype, device="cuda")
+                        b = torch.randn(bh, 1, mn, k, dtype=dtype, device="cuda")
+                    n = b.shape[2] if bt else b.shape[3]
+                    c = torch.empty(bh, 1, mn, n, dtype=dtype, device="cuda")
+                    flops = 2.0 * bh * mn * n * a.shape[3]
+                    bmat = b.transpose(-2, -1) if bt else b
+                    t_s = timing.median_ms(lambda _i: gemmgen.batched_gemm(a, b, b_transposed=bt, out=c), 1,
+                                           reps=args.reps)
+                    arrays = gemm.PointerArrays(list(a.flatten(0, 1)), list(b.flatten(0, 1)), list(c.flatten(0, 1)),
+                                                b_transposed=bt)
+                    t_p = timing.median_ms(lambda _i: arrays.run(), 1, reps=args.reps)
+                    t_c = timing.median_ms(lambda _i: torch.matmul(a, bmat, out=c), 1, reps=args.reps)
+                    tf = lambda ms: flops / ms / 1e9  # noqa: E731
+                    row = (f"| {op} | {bh} | {mn} | {k} | {tf(t_s):.1f} | {tf(t_p):.1f} | {tf(t_c):.1f} | "
+                           f"{t_c / t_s:.2f} | {t_c / t_p:.2f} |")
+                    lines.append(row)
+                    print(row, flush=True)
+                    if mn >= 512:
+                        short.append((op, bh, mn, k, t_c / t_s))
+    with open(args.out, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print(f"\nwritten to {args.out}\n")
+    print("launch overhead (us): " + ", ".join(f"{k}: {v:.1f}" for k, v in overhead.items()))
+    if short:
+        ratios = [r[4] for r in short]
+        worst = min(short, key=lambda r: r[4])
+        print(f"strided / cuBLAS at M=N>=512: min {min(ratios):.2f} ({worst[0]} BH={worst[1]} M=N={worst[2]} "
+              f"K={worst[3]}), median {statistics.median(ratios):.2f}; bar 0.90: "
+              f"{'met' if min(ratios) >= 0.9 else 'NOT met'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,205 @@
+"""CUTLASS's Hopper FMHA forward (example 88 of the CUTLASS source tree) as a gemmgen family.
+
+The kernels are CUTLASS's own (TMA loads, wgmma, warp-specialized schedules), included from the
+installed nvidia-cutlass package; templates/include/gemmgen/fmha_sm90/launch.h maps gemmgen's C ABI
+onto them. Built for sm_90a only: wgmma and setmaxnreg have no other target.
+
+One instance = one (dtype, head_dim, mask, schedule, tile, K/V stages). `problem_reason` states what
+a built instance cannot run, so the registry picks another family for those calls.
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import hashlib
+import itertools
+
+from gemmgen.arch import Arch
+
+FAMILY = "fmha_sm90"
+KIND = "attention"
+TEMPLATE = "fmha_sm90.cu.jinja"
+ARCHS = (Arch.SM90,)
+
+
+class DType(enum.Enum):
+    FP16 = "fp16"
+    BF16 = "bf16"
+
+
+class Mask(enum.Enum):
+    NONE = "none"
+    CAUSAL = "causal"  # top-left only: CUTLASS's causal fusion has no offset
+
+
+class Schedule(enum.Enum):
+    TMA = "tma"  # one producer/consumer warp group, no warp specialization
+    COOPERATIVE = "coop"  # a producer warp group and two consumer warp groups sharing a 128-row tile
+    PINGPONG = "pingpong"  # cooperative, persistent over tiles, Q loaded by its own warp
+
+
+DTYPE_CPP = {DType.FP16: "cutlass::half_t", DType.BF16: "cutlass::bfloat16_t"}
+SCHEDULE_CPP = {Schedule.TMA: "kTma", Schedule.COOPERATIVE: "kCooperative", Schedule.PINGPONG: "kPingpong"}
+ELEMENT_BYTES = 2
+
+# Axes.
+DTYPES = tuple(DType)
+HEAD_DIMS = (32, 64, 128, 256)
+MASKS = tuple(Mask)
+SCHEDULES = tuple(Schedule)
+TILES = ((64, 64), (64, 128), (128, 64), (128, 128), (128, 192))  # (block_m, block_n)
+STAGES = (2, 3, 4, 5)  # K/V pipeline stages (one stage holds a K or a V tile)
+
+# CUTLASS's defaults; an instance with fewer stages exists only when the default does not fit.
+DEFAULT_STAGES = {Schedule.TMA: 4, Schedule.COOPERATIVE: 5, Schedule.PINGPONG: 5}
+MAX_SMEM = Arch.SM90.max_smem_bytes
+# fp32 accumulator registers per consumer thread (S tile + O tile) above which the warp-specialized
+# schedules spill: setmaxnreg gives each consumer thread 240 registers.
+MAX_ACC_REGS = 192
+INT32_MAX = 2**31 - 1
+
+
+@dataclasses.dataclass(frozen=True)
+class FmhaSm90Instance:
+    dtype: DType
+    head_dim: int
+    mask: Mask
+    schedule: Schedule
+    block_m: int
+    block_n: int
+    stages: int
+
+    family = FAMILY
+
+    @property
+    def name(self) -> str:
+        """Readable, stable, unique: used for the file, the symbol, the manifest and logs."""
+        return (f"{FAMILY}_{self.dtype.value}_d{self.head_dim}_{self.mask.value}_{self.schedule.value}"
+                f"_m{self.block_m}n{self.block_n}s{self.stages}")
+
+    @property
+    def symbol(self) -> str:
+        return f"gemmgen_{self.name}"
+
+    @property
+    def consumer_groups(self) -> int:
+        """Warp groups doing the math: the warp-specialized schedules split the 128-row tile in two."""
+        return 1 if self.schedule is Schedule.TMA else 2
+
+    @property
+    def threads(self) -> int:
+        # The TMA schedule is one warp group; the others add a producer warp group.
+        return 128 * (self.consumer_groups + (0 if self.schedule is Schedule.TMA else 1))
+
+    @property
+    def smem_bytes(self) -> int:
+        """Shared memory of CUTLASS's SharedStorage (the compiled instances report the same figure;
+        a test checks one): the Q stages, the K/V stages (K and V share them), pipeline barriers, and
+        for the persistent schedule an epilogue buffer per consumer group beside them (the others
+        reuse the mainloop's space)."""
+        e = ELEMENT_BYTES
+        rows_q = self.block_m // self.consumer_groups
+        q = self.consumer_groups * rows_q * self.head_dim * e
+        kv = self.stages * self.block_n * self.head_dim * e
+        if self.persistent:
+            return q + kv + self.consumer_groups * rows_q * min(self.head_dim, 64) * e + 1536
+        return q + kv + 512
+
+    @property
+    def persistent(self) -> bool:
+        return self.schedule is Schedule.PINGPONG
+
+    @property
+    def causal(self) -> bool:
+        return self.mask is Mask.CAUSAL
+
+    def params(self) -> dict:
+        """Plain values for the manifest and the template."""
+        return {"dtype": self.dtype.value, "head_dim": self.head_dim, "mask": self.mask.value,
+                "schedule": self.schedule.value, "block_m": self.block_m, "block_n": self.block_n,
+                "stages": self.stages}
+
+    def template_values(self) -> dict:
+        return {**self.params(), "name": self.name, "symbol": self.symbol, "element": DTYPE_CPP[self.dtype],
+                "schedule_cpp": SCHEDULE_CPP[self.schedule], "causal": self.causal}
+
+    def content_hash(self) -> str:
+        text = FAMILY + repr(sorted(self.params().items()))
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def invalid_reason(inst: FmhaSm90Instance, arch: Arch = Arch.SM90) -> str | None:
+    """The one validity rule of this family: None when valid, else why not."""
+    if inst.head_dim not in HEAD_DIMS:
+        return f"head_dim {inst.head_dim} not in {HEAD_DIMS}"
+    if (inst.block_m, inst.block_n) not in TILES:
+        return f"tile {inst.block_m}x{inst.block_n} not in {TILES}"
+    rows = inst.block_m // inst.consumer_groups
+    if rows != 64:
+        return f"{inst.schedule.value} gives each consumer warp group {rows} rows; wgmma tiles here are 64"
+    # CUTLASS's causal fusion masks only the last ceil(block_m / block_n) key tiles of a row tile:
+    # the tiles before them must lie wholly left of the diagonal, which holds when one of block_m,
+    # block_n divides the other (128x192 gave 4e-2 errors on the H200).
+    if inst.causal and inst.block_m % inst.block_n and inst.block_n % inst.block_m:
+        return f"causal masking needs one of block_m {inst.block_m}, block_n {inst.block_n} to divide the other"
+    acc = (rows * inst.block_n + rows * inst.head_dim) // 128
+    if acc > MAX_ACC_REGS:
+        return f"{acc} fp32 accumulators per consumer thread exceed {MAX_ACC_REGS}"
+    if inst.smem_bytes > arch.max_smem_bytes:
+        return f"shared memory {inst.smem_bytes} B exceeds {arch.value}'s {arch.max_smem_bytes} B"
+    # The stage count is CUTLASS's default, or the most that fit when the default does not.
+    most = max((s for s in STAGES if s <= DEFAULT_STAGES[inst.schedule]
+                and dataclasses.replace(inst, stages=s).smem_bytes <= arch.max_smem_bytes), default=None)
+    if inst.stages != most:
+        return f"stages {inst.stages}: this tile uses {most}"
+    return None
+
+
+def problem_reason(params: dict, problem) -> str | None:
+    """What a built instance cannot run (the registry's reason), None when it can."""
+    for feature in ("dropout", "bias", "varlen"):
+        if getattr(problem, feature):
+            return f"{FAMILY} has no {feature}"
+    if problem.negative_scale:
+        return f"{FAMILY} runs scales >= 0 (its softmax takes the row maximum of the raw scores)"
+    if problem.causal:
+        # CUTLASS's causal fusion is top-left with no offset; the two alignments agree when Nq == Nk.
+        if problem.causal_alignment != "top_left" and problem.seqlen_q != problem.seqlen_k:
+            return f"{FAMILY} causal is top-left only (bottom-right differs when Nq != Nk)"
+        # Keys past seqlen_k are zero-filled and only the causal mask hides them: rows past
+        # seqlen_k would see them, unless the key tiles end exactly at seqlen_k.
+        if problem.seqlen_q > problem.seqlen_k and problem.seqlen_k % params["block_n"]:
+            return (f"{FAMILY} causal needs seqlen_q <= seqlen_k or seqlen_k a multiple of "
+                    f"{params['block_n']}")
+    if problem.max_offset > INT32_MAX:
+        return f"{FAMILY} indexes with int32; this call reaches element {problem.max_offset}"
+    return None
+
+
+SPACE: tuple[FmhaSm90Instance, ...] = tuple(
+    inst
+    for inst in itertools.starmap(
+        FmhaSm90Instance,
+        ((dt, d, mask, sched, bm, bn, st)
+         for dt, d, mask, sched, (bm, bn), st in itertools.product(DTYPES, HEAD_DIMS, MASKS, SCHEDULES, TILES, STAGES)))
+    if invalid_reason(inst) is None
+)
+
+# Default (schedule, block_m, block_n) per (head dim, causal): the best tiles of the H200 sweep
+# (bench/NOTES.md, experiment 6); d32 takes d64's tile, d256 CUTLASS's own choice (the only
+# warp-specialized tile whose stages fit).
+DEFAULT_TILE = {
+    (32, False): (Schedule.TMA, 64, 128), (32, True): (Schedule.TMA, 64, 128),
+    (64, False): (Schedule.TMA, 64, 128), (64, True): (Schedule.TMA, 64, 128),
+    (128, False): (Schedule.PINGPONG, 128, 128), (128, True): (Schedule.COOPERATIVE, 128, 128),
+    (256, False): (Schedule.COOPERATIVE, 128, 64), (256, True): (Schedule.COOPERATIVE, 128, 64),
+}
+
+DEFAULT: tuple[FmhaSm90Instance, ...] = tuple(
+    inst for inst in SPACE
+    if (inst.schedule, inst.block_m, inst.block_n) == DEFAULT_TILE[inst.head_dim, inst.causal]
+)
+
+# Throughput per unit of tile work against fa2_sm80's on the H200 sweep (the heuristic's weight
+# between families): 1.6-2.1x at d64-d128, N >= 1024, for the default tiles.
+RELATIVE_SPEED = 1.8

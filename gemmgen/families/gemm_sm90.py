@@ -1,0 +1,143 @@
+"""Batched GEMM for Hopper (sm_90a): CUTLASS 3.x kernels from the collective builders (TMA loads,
+wgmma, warp-specialized persistent schedules), strided (batch mode, L = batch * heads where the
+strides nest, else one launch per outer index) or pointer-array (CUTLASS's ptr-array kernels).
+TMA needs 16-byte aligned pointers and strides: odd strides and extents fall back to gemm_sm80's
+alignment-1 instances, whose sm_90 code runs here too.
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import hashlib
+import itertools
+
+from gemmgen.arch import Arch
+from gemmgen.families.gemm_sm80 import (B_TRANSPOSED, DTYPE_BYTES, DTYPE_CPP, DTYPES, OUT_FP32, STRATEGIES,
+                                        STRATEGY_CPP, DType, Strategy)
+
+FAMILY = "gemm_sm90"
+KIND = "gemm"
+HEADER_DIRS = ("gemm_sm90", "gemm")  # under templates/include/gemmgen/: its build key covers them
+BUILT_BY_DEFAULT = False  # built when named: gemmgen generate --family gemm_sm90
+TEMPLATE = "gemm_sm90.cu.jinja"
+ARCHS = (Arch.SM90,)
+
+
+class Schedule(enum.Enum):
+    COOPERATIVE = "coop"
+    PINGPONG = "pp"
+
+
+SCHEDULE_CPP = {Schedule.COOPERATIVE: "Cooperative", Schedule.PINGPONG: "Pingpong"}
+
+# Axes.
+TILE_MS = (64, 128, 256)
+TILE_NS = (64, 128, 256)
+TILE_KS = (64,)  # 128 bytes of fp16/bf16: one TMA box row, the 128-byte swizzle
+SCHEDULES = tuple(Schedule)
+CLUSTER_MS = (1, 2)
+MIN_STAGES = 2
+EPILOGUE_SMEM = 32 * 1024  # upper bound of the collective epilogue's staging buffers
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmSm90Instance:
+    dtype: DType
+    out_fp32: bool
+    b_transposed: bool
+    strategy: Strategy
+    tile_m: int
+    tile_n: int
+    tile_k: int
+    schedule: Schedule
+    cluster_m: int
+
+    family = FAMILY
+    align = 8  # TMA: 16-byte vectors of fp16/bf16
+
+    @property
+    def name(self) -> str:
+        """Readable, stable, unique: used for the file, the symbol, the manifest and logs."""
+        out = "f32" if self.out_fp32 else self.dtype.value
+        layout = "nt" if self.b_transposed else "nn"
+        return (f"{FAMILY}_{self.strategy.value}_{self.dtype.value}_{out}_{layout}"
+                f"_m{self.tile_m}n{self.tile_n}k{self.tile_k}_{self.schedule.value}_c{self.cluster_m}")
+
+    @property
+    def symbol(self) -> str:
+        return f"gemmgen_{self.name}"
+
+    @property
+    def threads(self) -> int:
+        """A producer warpgroup and two consumer warpgroups."""
+        return 384
+
+    @property
+    def out_dtype(self) -> DType:
+        return DType.FP32 if self.out_fp32 else self.dtype
+
+    @property
+    def align_c(self) -> int:
+        return 16 // DTYPE_BYTES[self.out_dtype]
+
+    @property
+    def smem_bytes(self) -> int:
+        """The smallest footprint the builder accepts: MIN_STAGES stages and the epilogue's buffers
+        (the builder then fills the rest of shared memory with stages)."""
+        return MIN_STAGES * (self.tile_m + self.tile_n) * self.tile_k * DTYPE_BYTES[self.dtype] + EPILOGUE_SMEM
+
+    def params(self) -> dict:
+        """Plain values for the manifest and the template."""
+        return {"dtype": self.dtype.value, "out_dtype": self.out_dtype.value, "b_transposed": self.b_transposed,
+                "strategy": self.strategy.value, "tile_m": self.tile_m, "tile_n": self.tile_n,
+                "tile_k": self.tile_k, "schedule": self.schedule.value, "cluster_m": self.cluster_m,
+                "align": self.align, "align_c": self.align_c}
+
+    def template_values(self) -> dict:
+        run, args, strategy = STRATEGY_CPP[self.strategy]
+        return {**self.params(), "name": self.name, "symbol": self.symbol, "element": DTYPE_CPP[self.dtype],
+                "element_out": DTYPE_CPP[self.out_dtype], "schedule_cpp": SCHEDULE_CPP[self.schedule],
+                "run": run, "args_type": args, "strategy_cpp": strategy}
+
+    def content_hash(self) -> str:
+        """Hash of the family and parameters (template text and toolchain join it in the build key)."""
+        return hashlib.sha256((FAMILY + repr(sorted(self.params().items()))).encode()).hexdigest()[:16]
+
+
+def invalid_reason(inst: GemmSm90Instance, arch: Arch = Arch.SM90) -> str | None:
+    """The one validity rule of this family: None when valid, else why not."""
+    if arch is not Arch.SM90:
+        return "wgmma and TMA exist only in sm_90a"
+    if inst.dtype not in DTYPES:
+        return f"input dtype {inst.dtype.value} not in {[d.value for d in DTYPES]}"
+    if inst.schedule is Schedule.COOPERATIVE and inst.tile_m < 128:
+        return "the cooperative schedule splits tile_m over two 64-row consumer warpgroups: tile_m >= 128"
+    if inst.schedule is Schedule.PINGPONG and inst.tile_m > 128:
+        return "a ping-pong consumer warpgroup holds the whole tile: tile_m <= 128"
+    if inst.tile_m * inst.tile_n > 128 * 256:
+        return f"a {inst.tile_m}x{inst.tile_n} fp32 accumulator exceeds two warpgroups' registers"
+    if inst.cluster_m > 1 and inst.strategy is Strategy.PTR_ARRAY:
+        return "the pointer-array kernels gain no multicast: matrices differ per block"
+    if inst.smem_bytes > arch.max_smem_bytes:
+        return f"shared memory {inst.smem_bytes} B exceeds {arch.value}'s {arch.max_smem_bytes} B"
+    return None
+
+
+def problem_reason(params: dict, problem) -> str | None:
+    """Nothing beyond gemmgen.gemm_select's functional checks: any K, any batch count."""
+    return None
+
+
+SPACE: tuple[GemmSm90Instance, ...] = tuple(
+    inst
+    for inst in itertools.starmap(GemmSm90Instance, itertools.product(
+        DTYPES, OUT_FP32, B_TRANSPOSED, STRATEGIES, TILE_MS, TILE_NS, TILE_KS, SCHEDULES, CLUSTER_MS))
+    if invalid_reason(inst) is None
+)
+
+# One tile per (dtype, output, layout, strategy): 128x128x64 cooperative, no cluster, the
+# builder's auto stage count; enough tiles at M = N = 512 and B*H >= 8 to fill 132 SMs.
+DEFAULT: tuple[GemmSm90Instance, ...] = tuple(
+    inst for inst in SPACE
+    if (inst.tile_m, inst.tile_n, inst.tile_k, inst.schedule, inst.cluster_m) == (128, 128, 64, Schedule.COOPERATIVE, 1)
+)

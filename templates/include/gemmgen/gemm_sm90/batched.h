@@ -1,0 +1,196 @@
+// The gemm_sm90 family: CUTLASS 3.x GEMMs built by the collective builders (TMA + wgmma, warp
+// specialized), batch mode L = the batch index (strided strategy, one L stride: (batch, head) is
+// mapped onto it by gemmgen::gemm::for_each_launch) and pointer-array mode (KernelPtrArray*,
+// as CUTLASS's example 56 configures it).
+#pragma once
+#include <type_traits>
+
+#include "cute/tensor.hpp"
+#include "cutlass/cutlass.h"
+#include "cutlass/epilogue/collective/collective_builder.hpp"
+#include "cutlass/gemm/collective/collective_builder.hpp"
+#include "cutlass/gemm/device/gemm_universal_adapter.h"
+#include "cutlass/gemm/group_array_problem_shape.hpp"
+#include "cutlass/gemm/kernel/gemm_universal.hpp"
+#include "cutlass/kernel_hardware_info.h"
+
+#include "gemmgen/gemm/batched_host.h"
+
+namespace gemmgen::gemm_sm90 {
+
+using gemmgen::gemm::report;
+
+struct Cooperative {  // two consumer warpgroups share one tile (tile_m >= 128)
+  using Kernel = cutlass::gemm::KernelTmaWarpSpecializedCooperative;
+  using Epilogue = cutlass::epilogue::TmaWarpSpecializedCooperative;
+  using PtrKernel = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
+  using PtrEpilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
+};
+struct Pingpong {  // two consumer warpgroups alternate tiles: one's epilogue hides under the other's MMAs
+  using Kernel = cutlass::gemm::KernelTmaWarpSpecializedPingpong;
+  using Epilogue = cutlass::epilogue::TmaWarpSpecialized;
+  using PtrKernel = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong;
+  using PtrEpilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
+};
+
+// Derives the CUTLASS 3.x kernel from the instance's integers. TMA needs 16-byte aligned
+// pointers and strides: alignment is one 16-byte vector for every operand.
+template <class Element_, class ElementOut_, bool BTransposed, int TileM, int TileN, int TileK,
+          int ClusterM, class Schedule, bool PtrArray>
+struct Traits {
+  using Element = Element_;
+  using ElementOut = ElementOut_;
+  static constexpr bool kBTransposed = BTransposed;
+  static constexpr int kAlign = 128 / cutlass::sizeof_bits<Element>::value;
+  static constexpr int kAlignC = 128 / cutlass::sizeof_bits<ElementOut>::value;
+  using LayoutA = cutlass::layout::RowMajor;
+  using LayoutB = std::conditional_t<BTransposed, cutlass::layout::ColumnMajor, cutlass::layout::RowMajor>;
+  using LayoutC = cutlass::layout::RowMajor;
+  using TileShape = cute::Shape<cute::Int<TileM>, cute::Int<TileN>, cute::Int<TileK>>;
+  using ClusterShape = cute::Shape<cute::Int<ClusterM>, cute::_1, cute::_1>;
+  using KernelSchedule = std::conditional_t<PtrArray, typename Schedule::PtrKernel, typename Schedule::Kernel>;
+  using EpilogueSchedule = std::conditional_t<PtrArray, typename Schedule::PtrEpilogue, typename Schedule::Epilogue>;
+  // C is never read (beta = 0): void source.
+  using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
+      cutlass::epilogue::collective::EpilogueTileAuto, float, float,
+      void, LayoutC, kAlignC, ElementOut, LayoutC, kAlignC, EpilogueSchedule>::CollectiveOp;
+  using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, LayoutA, kAlign, Element, LayoutB, kAlign,
+      float, TileShape, ClusterShape,
+      cutlass::gemm::collective::StageCountAutoCarveout<
+          static_cast<int>(sizeof(typename CollectiveEpilogue::SharedStorage))>,
+      KernelSchedule>::CollectiveOp;
+  using ProblemShape = std::conditional_t<PtrArray, cutlass::gemm::ArrayProblemShape<cute::Shape<int, int, int, int>>,
+                                          cute::Shape<int, int, int, int>>;
+  using GemmKernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop, CollectiveEpilogue>;
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<GemmKernel>;
+  static constexpr int kTileM = TileM, kTileN = TileN, kTileK = TileK;
+  static constexpr int kStages = CollectiveMainloop::DispatchPolicy::Stages;
+  static constexpr int kThreads = GemmKernel::MaxThreadsPerBlock;
+};
+
+// A CUTLASS 3.x stride (row mode and unit mode in either order, then L) from a row stride and
+// an L stride; static modes (the unit stride, a ptr-array kernel's L) are left as they are.
+template <class Stride>
+Stride make_stride(int64_t row, int64_t batch) {
+  Stride s{};
+  if constexpr (!cute::is_static<std::decay_t<decltype(cute::get<0>(s))>>::value) {
+    cute::get<0>(s) = row;
+  } else {
+    cute::get<1>(s) = row;
+  }
+  if constexpr (!cute::is_static<std::decay_t<decltype(cute::get<2>(s))>>::value) cute::get<2>(s) = batch;
+  return s;
+}
+
+template <class Traits>
+int launch(typename Traits::Gemm::Arguments& args, cudaStream_t stream, char* err, int err_len) {
+  using Gemm = typename Traits::Gemm;
+  Gemm gemm;
+  cutlass::Status status = gemm.can_implement(args);
+  if (status != cutlass::Status::kSuccess) {
+    return report(err, err_len, GEMMGEN_INVALID_ARGUMENT, "CUTLASS cannot run these arguments: %s",
+                  cutlassGetStatusString(status));
+  }
+  size_t bytes = Gemm::get_workspace_size(args);
+  void* workspace = nullptr;
+  if (bytes > 0) {
+    if (cudaError_t e = cudaMallocAsync(&workspace, bytes, stream)) {
+      return report(err, err_len, GEMMGEN_CUDA_ERROR, "workspace: %s", cudaGetErrorString(e));
+    }
+  }
+  status = gemm.initialize(args, workspace, stream);
+  if (status == cutlass::Status::kSuccess) status = gemm.run(stream);
+  cudaError_t e = cudaGetLastError();
+  if (workspace != nullptr) cudaFreeAsync(workspace, stream);
+  if (status != cutlass::Status::kSuccess || e != cudaSuccess) {
+    return report(err, err_len, GEMMGEN_CUDA_ERROR, "CUTLASS launch failed: %s (%s)",
+                  cutlassGetStatusString(status), cudaGetErrorString(e));
+  }
+  return GEMMGEN_OK;
+}
+
+inline cutlass::KernelHardwareInfo hardware() {
+  cutlass::KernelHardwareInfo hw;
+  cudaGetDevice(&hw.device_id);
+  hw.sm_count = cutlass::KernelHardwareInfo::query_device_multiprocessor_count(hw.device_id);
+  return hw;
+}
+
+template <class Traits>
+int check_pointers(std::initializer_list<const void*> ptrs, char* err, int err_len) {
+  for (const void* p : ptrs) {
+    if (p == nullptr || !gemm::aligned(p, 16)) {
+      return report(err, err_len, GEMMGEN_INVALID_ARGUMENT, "a pointer is NULL or not 16-byte aligned");
+    }
+  }
+  return GEMMGEN_OK;
+}
+
+template <class Traits>
+int run_strided(const GemmgenBatchedGemmStridedArgs* p, cudaStream_t stream, char* err, int err_len) {
+  using Kernel = typename Traits::GemmKernel;
+  if (p == nullptr) return report(err, err_len, GEMMGEN_INVALID_ARGUMENT, "args is NULL");
+  if (int s = gemm::check_sizes(*p, Traits::kBTransposed, Traits::kAlign, Traits::kAlignC, err, err_len)) return s;
+  if (int s = check_pointers<Traits>({p->A, p->B, p->C}, err, err_len)) return s;
+  const int64_t a = Traits::kAlign, c = Traits::kAlignC;
+  if (!gemm::multiple(p->stride_a_batch, a) || !gemm::multiple(p->stride_a_head, a) ||
+      !gemm::multiple(p->stride_b_batch, a) || !gemm::multiple(p->stride_b_head, a) ||
+      !gemm::multiple(p->stride_c_batch, c) || !gemm::multiple(p->stride_c_head, c)) {
+    return report(err, err_len, GEMMGEN_INVALID_ARGUMENT,
+                  "batch and head strides must be multiples of %lld (A, B) and %lld (C) elements",
+                  (long long)a, (long long)c);
+  }
+  const auto hw = hardware();
+  using Element = typename Traits::Element;
+  using ElementOut = typename Traits::ElementOut;
+  return gemm::for_each_launch(*p, [&](const gemm::Launch& l) {
+    typename Traits::Gemm::Arguments args{
+        cutlass::gemm::GemmUniversalMode::kGemm,
+        {int(p->M), int(p->N), int(p->K), l.count},
+        {static_cast<const Element*>(p->A) + l.a, make_stride<typename Kernel::StrideA>(p->stride_a_row, l.step_a),
+         static_cast<const Element*>(p->B) + l.b, make_stride<typename Kernel::StrideB>(p->stride_b_row, l.step_b)},
+        {{p->alpha, 0.0f}, nullptr, make_stride<typename Kernel::StrideC>(p->stride_c_row, l.step_c),
+         static_cast<ElementOut*>(p->C) + l.c, make_stride<typename Kernel::StrideD>(p->stride_c_row, l.step_c)},
+        hw};
+    return launch<Traits>(args, stream, err, err_len);
+  });
+}
+
+template <class Traits>
+int run_ptrs(const GemmgenBatchedGemmPtrArgs* p, cudaStream_t stream, char* err, int err_len) {
+  using Kernel = typename Traits::GemmKernel;
+  using Element = typename Traits::Element;
+  using ElementOut = typename Traits::ElementOut;
+  if (p == nullptr) return report(err, err_len, GEMMGEN_INVALID_ARGUMENT, "args is NULL");
+  if (int s = gemm::check_sizes(*p, Traits::kBTransposed, Traits::kAlign, Traits::kAlignC, err, err_len)) return s;
+  if (p->A_ptrs == nullptr || p->B_ptrs == nullptr || p->C_ptrs == nullptr) {
+    return report(err, err_len, GEMMGEN_INVALID_ARGUMENT, "a pointer array is NULL");
+  }
+  const int64_t total = int64_t(p->batch) * p->num_heads;
+  if (total > INT32_MAX) return report(err, err_len, GEMMGEN_INVALID_ARGUMENT, "too many matrices");
+  typename Traits::Gemm::Arguments args{
+      cutlass::gemm::GemmUniversalMode::kArray,
+      {{int(p->M), int(p->N), int(p->K), int(total)}},
+      {reinterpret_cast<const Element**>(const_cast<const void**>(p->A_ptrs)),
+       make_stride<typename Kernel::StrideA>(p->stride_a_row, 0),
+       reinterpret_cast<const Element**>(const_cast<const void**>(p->B_ptrs)),
+       make_stride<typename Kernel::StrideB>(p->stride_b_row, 0)},
+      {{p->alpha, 0.0f}, nullptr, make_stride<typename Kernel::StrideC>(p->stride_c_row, 0),
+       reinterpret_cast<ElementOut**>(const_cast<void**>(p->C_ptrs)),
+       make_stride<typename Kernel::StrideD>(p->stride_c_row, 0)},
+      hardware()};
+  return launch<Traits>(args, stream, err, err_len);
+}
+
+template <class Traits, int Strategy>
+int info(GemmgenGemmInfo* info) {
+  if (info == nullptr) return GEMMGEN_INVALID_ARGUMENT;
+  *info = GemmgenGemmInfo{GEMMGEN_ABI_VERSION, Traits::kTileM, Traits::kTileN, Traits::kTileK,
+                          Traits::kStages, Traits::kThreads, int(Traits::GemmKernel::SharedStorageSize),
+                          Traits::kAlign, int(Traits::kBTransposed), Strategy, int(sizeof(typename Traits::ElementOut))};
+  return GEMMGEN_OK;
+}
+
+}  // namespace gemmgen::gemm_sm90

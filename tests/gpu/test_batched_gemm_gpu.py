@@ -1,0 +1,158 @@
+"""Batched GEMM (strided and pointer-array) and the unfused attention path on the GPU against
+float64 references. Needs the GEMM and softmax families built into the build directories
+($GEMMGEN_BUILD_DIR or ./build):
+
+    gemmgen generate --arch sm80 --family gemm_sm80 --family softmax_sm80
+    gemmgen generate --arch sm90 --family gemm_sm90        # optional, Hopper
+
+Inputs are fresh random tensors (a seed per case); outputs are poisoned with NaN first."""
+from __future__ import annotations
+
+import zlib
+
+import pytest
+import torch
+
+import gemmgen
+from gemmgen import gemm_select, registry
+from gemmgen.errors import InputError
+from gemmgen.reference import attention_reference
+
+pytestmark = pytest.mark.gpu
+
+DTYPES = (torch.float16, torch.bfloat16)
+TOLERANCE = {torch.float16: 2e-3, torch.bfloat16: 1e-2}  # ||out - ref|| / ||ref||
+# Every odd size in every position: (M, N, K).
+SIZES = [(1, 1, 1), (17, 127, 129), (129, 17, 1000), (1000, 129, 17), (127, 1000, 127), (1, 1000, 64),
+         (1000, 1, 128), (64, 64, 64), (512, 512, 128)]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _built():
+    if not any(gemm_select.is_gemm(c) and c.entry.state == "built" for c in registry.load()[0]):
+        pytest.fail("no GEMM instances built: run `gemmgen generate --arch sm80 --family gemm_sm80 "
+                    "--family softmax_sm80` (and set GEMMGEN_BUILD_DIR if not ./build)")
+
+
+def randn(shape, dtype, key) -> torch.Tensor:
+    gen = torch.Generator(device="cuda").manual_seed(zlib.crc32(repr(key).encode()))
+    return torch.randn(shape, dtype=dtype, device="cuda", generator=gen)
+
+
+def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    assert not out.isnan().any(), "NaN in the output (an element never written?)"
+    return ((out.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def ref_gemm(a, b, b_transposed, alpha=1.0):
+    b64 = b.double().transpose(-2, -1) if b_transposed else b.double()
+    return alpha * (a.double() @ b64)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+@pytest.mark.parametrize("b_transposed", [False, True], ids=["nn", "nt"])
+@pytest.mark.parametrize("m, n, k", SIZES)
+def test_strided(dtype, b_transposed, m, n, k):
+    key = ("strided", dtype, b_transposed, m, n, k)
+    a = randn((2, 3, m, k), dtype, (key, "a"))
+    b = randn((2, 3, n, k) if b_transposed else (2, 3, k, n), dtype, (key, "b"))
+    out = torch.full((2, 3, m, n), float("nan"), dtype=dtype, device="cuda")
+    gemmgen.batched_gemm(a, b, b_transposed=b_transposed, out=out, alpha=0.5)
+    assert rel_error(out, ref_gemm(a, b, b_transposed, 0.5)) <= TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+@pytest.mark.parametrize("b_transposed", [False, True], ids=["nn", "nt"])
+@pytest.mark.parametrize("m, n, k", [(17, 127, 129), (512, 512, 128), (1000, 1000, 64)])
+def test_pointer_array(dtype, b_transposed, m, n, k):
+    key = ("ptrs", dtype, b_transposed, m, n, k)
+    a_list = [randn((m, k), dtype, (key, "a", i)) for i in range(5)]
+    b_list = [randn((n, k) if b_transposed else (k, n), dtype, (key, "b", i)) for i in range(5)]
+    outs = [torch.full((m, n), float("nan"), dtype=dtype, device="cuda") for _ in range(5)]
+    gemmgen.batched_gemm_ptrs(a_list, b_list, b_transposed=b_transposed, out_list=outs)
+    for a, b, out in zip(a_list, b_list, outs):
+        assert rel_error(out, ref_gemm(a, b, b_transposed)) <= TOLERANCE[dtype]
+    fresh = gemmgen.batched_gemm_ptrs(a_list, b_list, b_transposed=b_transposed)
+    assert all(torch.equal(x, y) for x, y in zip(fresh, outs))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+@pytest.mark.parametrize("b_transposed", [False, True], ids=["nn", "nt"])
+@pytest.mark.parametrize("k", [64, 17])
+def test_fp32_out(dtype, b_transposed, k):
+    key = ("fp32", dtype, b_transposed, k)
+    a = randn((2, 4, 129, k), dtype, (key, "a"))
+    b = randn((2, 4, 127, k) if b_transposed else (2, 4, k, 127), dtype, (key, "b"))
+    out = gemmgen.batched_gemm(a, b, b_transposed=b_transposed, out_dtype=torch.float32)
+    assert out.dtype == torch.float32
+    assert rel_error(out, ref_gemm(a, b, b_transposed)) <= 1e-5  # fp32 accumulate and store: no rounding of C
+    # Separate allocations: views into one tensor are 16-byte aligned only when a matrix's size is.
+    outs = gemmgen.batched_gemm_ptrs([t.clone() for t in a.flatten(0, 1)], [t.clone() for t in b.flatten(0, 1)],
+                                     b_transposed=b_transposed, out_dtype=torch.float32)
+    assert rel_error(torch.stack(outs).view_as(out), ref_gemm(a, b, b_transposed)) <= 1e-5
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+@pytest.mark.parametrize("k, pad", [(64, 8), (17, 3)], ids=["aligned", "odd"])
+def test_non_contiguous_views(dtype, k, pad):
+    """[B, N, H, d] storage seen as [B, H, N, d] (heads do not nest in batches), padded rows, and
+    an output written through a transposed view."""
+    key = ("views", dtype, k, pad)
+    b, h, m, n = 3, 4, 129, 100
+    a = randn((b, m, h, k + pad), dtype, (key, "a"))[..., :k].transpose(1, 2)  # [B, H, M, K]
+    kt = randn((b, h, n, k + pad), dtype, (key, "k"))[..., :k]  # [B, H, N, K] padded rows
+    store = torch.full((b, m, h, n + 8), float("nan"), dtype=dtype, device="cuda")
+    out = store[..., :n].transpose(1, 2)  # [B, H, M, N]
+    gemmgen.batched_gemm(a, kt, b_transposed=True, out=out)
+    assert rel_error(out, ref_gemm(a, kt, True)) <= TOLERANCE[dtype]
+    assert store[..., n:].isnan().all(), "wrote past the view"
+    v = randn((b, h, k + pad, n), dtype, (key, "v"))[:, :, :k]  # [B, H, K, N]
+    o2 = gemmgen.batched_gemm(a, v)
+    assert rel_error(o2, ref_gemm(a, v, False)) <= TOLERANCE[dtype]
+
+
+def test_batch_above_grid_limit():
+    """65536 + 17 matrices: more than grid.z holds in one launch."""
+    a = randn((65553, 1, 16, 8), torch.float16, "big-a")
+    b = randn((65553, 1, 8, 16), torch.float16, "big-b")
+    out = torch.full((65553, 1, 16, 16), float("nan"), dtype=torch.float16, device="cuda")
+    gemmgen.batched_gemm(a, b, out=out)
+    assert rel_error(out, ref_gemm(a, b, False)) <= TOLERANCE[torch.float16]
+
+
+def test_bad_input_on_gpu():
+    a = randn((1, 2, 64, 64), torch.float16, "bad")
+    with pytest.raises(InputError, match="16-byte aligned"):
+        gemmgen.batched_gemm(a.flatten()[1:4097].view(1, 1, 64, 64), a[:, :1])
+    with pytest.raises(InputError, match="one device"):
+        gemmgen.batched_gemm(a, a.cpu())
+    with pytest.raises(InputError, match="row stride"):
+        gemmgen.batched_gemm_ptrs([a[0, 0], a[0, 1, :, :32]], [a[0, 0, :32], a[0, 1, :32]])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+@pytest.mark.parametrize("causal, alignment", [(False, "top_left"), (True, "top_left"), (True, "bottom_right")],
+                         ids=["none", "causal-top-left", "causal-bottom-right"])
+@pytest.mark.parametrize("nq, nk", [(1, 1), (17, 17), (127, 129), (129, 127), (1000, 1000), (1000, 17), (17, 1000)])
+@pytest.mark.parametrize("d", [64, 128])
+def test_unfused_attention(dtype, causal, alignment, nq, nk, d):
+    key = ("unfused", dtype, causal, alignment, nq, nk, d)
+    q = randn((2, 4, nq, d), dtype, (key, "q"))
+    k = randn((2, 4, nk, d), dtype, (key, "k"))
+    v = randn((2, 4, nk, d), dtype, (key, "v"))
+    o = gemmgen.unfused_attention(q, k, v, causal=causal, causal_alignment=alignment)
+    ref, _ = attention_reference(q, k, v, causal, alignment)
+    if ref.norm() == 0:  # every row masked out (bottom-right with Nq > Nk): zeros expected
+        assert not o.isnan().any() and (o == 0).all()
+    else:
+        assert rel_error(o, ref) <= TOLERANCE[dtype]
+
+
+def test_unfused_gqa_and_strided_inputs():
+    dtype = torch.bfloat16
+    q = randn((2, 77, 8, 64), dtype, "gqa-q").transpose(1, 2)  # [B, H, N, d] view of [B, N, H, d]
+    k = randn((2, 2, 77, 64), dtype, "gqa-k")
+    v = randn((2, 2, 77, 64), dtype, "gqa-v")
+    o = gemmgen.unfused_attention(q, k, v, causal=True, scale=0.2)
+    ref, _ = attention_reference(q, k, v, True, "top_left", 0.2)
+    assert rel_error(o, ref) <= TOLERANCE[dtype]

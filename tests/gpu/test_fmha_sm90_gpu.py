@@ -1,0 +1,112 @@
+"""The fmha_sm90 family (CUTLASS's Hopper FMHA) on an sm_90 GPU against the float64 reference: every
+built instance forced by name on the lengths it accepts, then one instance per dtype through
+layouts, strides, GQA, scales and big batch counts. Needs `gemmgen generate --arch sm90`."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import gemmgen
+from gemmgen import launch, registry
+from gemmgen.errors import NoInstanceError
+
+from test_fused_attention import check, make_qkv, randn
+
+pytestmark = pytest.mark.gpu
+
+
+def _built() -> list[str]:
+    try:
+        return sorted(c.name for c in registry.load()[0]
+                      if c.entry.family == "fmha_sm90" and c.entry.state == "built")
+    except Exception:  # no manifest: the tests below skip
+        return []
+
+
+BUILT = _built()
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+LENGTHS = [(1, 1), (17, 17), (127, 129), (129, 127), (128, 1000), (1000, 1000), (1000, 17), (4097, 4097)]
+
+
+def _sm90() -> None:
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("needs an sm_90 GPU")
+    if not BUILT:
+        pytest.skip("no fmha_sm90 instance built (gemmgen generate --arch sm90)")
+
+
+def _entry(name: str):
+    return next(c.entry for c in registry.load()[0] if c.name == name)
+
+
+@pytest.mark.parametrize("name", BUILT or ["none"])
+def test_every_instance(name):
+    _sm90()
+    p = _entry(name).params
+    dtype, d, causal = DTYPES[p["dtype"]], p["head_dim"], p["mask"] == "causal"
+    ran = 0
+    for nq, nk in LENGTHS:
+        q, k, v = make_qkv(1 if nq > 1000 else 2, 3, 3, nq, nk, d, dtype, (name, nq, nk))
+        problem = launch.problem_for(q, k, causal, v=v)
+        if registry.functional_reason(registry.family_named("fmha_sm90"), p, problem) is not None:
+            continue  # a call the instance refuses: the registry never sends it there
+        check(q, k, v, causal=causal, instance=name)
+        ran += 1
+    assert ran >= 5
+
+
+def _instance(dtype: str, d: int, causal: bool) -> str:
+    names = [n for n in BUILT if n.startswith(f"fmha_sm90_{dtype}_d{d}_{'causal' if causal else 'none'}_")]
+    if not names:
+        pytest.skip(f"no fmha_sm90 {dtype} d{d} instance built")
+    return names[0]
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("causal", [False, True], ids=["none", "causal"])
+def test_bnhd_and_strided_views(dtype, causal):
+    _sm90()
+    name = _instance(dtype, 128, causal)
+    t = DTYPES[dtype]
+    q, k, v = (randn((2, n, 4, 128), t, ("bnhd", n, dtype)).transpose(1, 2) for n in (200, 256, 256))
+    o = check(q, k, v, causal=causal, instance=name)
+    assert o.stride() == q.stride()
+    qq = randn((2, 3, 136, 256), t, ("slice-q", dtype))[..., :128]
+    kv = randn((2, 264, 3, 256), t, ("slice-kv", dtype))
+    check(qq, kv[..., :128].transpose(1, 2), kv[..., 128:].transpose(1, 2), causal=causal, instance=name)
+
+
+@pytest.mark.parametrize("hkv", [2, 1], ids=["gqa", "mqa"])
+@pytest.mark.parametrize("causal", [False, True], ids=["none", "causal"])
+def test_gqa_mqa(hkv, causal):
+    _sm90()
+    q, k, v = make_qkv(2, 8, hkv, 136, 300, 128, torch.bfloat16, ("gqa90", hkv, causal))
+    check(q, k, v, causal=causal, instance=_instance("bf16", 128, causal))
+
+
+@pytest.mark.parametrize("scale", [0.3, 0.0, 2.0])
+def test_scale(scale):
+    _sm90()
+    q, k, v = make_qkv(2, 3, 3, 136, 200, 64, torch.float16, ("scale90", scale))
+    check(q, k, v, causal=True, scale=scale, instance=_instance("fp16", 64, True))
+
+
+def test_batch_beyond_grid_limit():
+    _sm90()
+    q, k, v = make_qkv(70000, 1, 1, 8, 8, 64, torch.bfloat16, "bigbatch90")
+    check(q, k, v, instance=_instance("bf16", 64, False))
+
+
+def test_refused_calls_go_elsewhere():
+    """A negative scale or bottom-right causal with Nq != Nk never selects fmha_sm90, and forcing it
+    is an error naming the reason."""
+    _sm90()
+    q, k, v = make_qkv(1, 2, 2, 64, 128, 128, torch.bfloat16, "refused")
+    for kw in (dict(scale=-0.5), dict(causal=True, causal_alignment="bottom_right")):
+        causal = kw.get("causal", False)
+        problem = launch.problem_for(q, k, causal, v=v, causal_alignment=kw.get("causal_alignment", "top_left"),
+                                     scale=kw.get("scale"))
+        good = [c.name for c in registry.candidates(problem)[0]]
+        assert not any(n.startswith("fmha_sm90") for n in good)
+        with pytest.raises(NoInstanceError):
+            gemmgen.fused_attention(q, k, v, instance=_instance("bf16", 128, causal), **kw)

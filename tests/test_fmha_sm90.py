@@ -1,0 +1,132 @@
+"""The fmha_sm90 family (CUTLASS's Hopper FMHA): its instance space, validity rule, what a built
+instance refuses (problem_reason), rendering, and a real nvcc build of one instance."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from conftest import run_cli
+from gemmgen import abi, device, manifest, registry, render, space
+from gemmgen.arch import Arch
+from gemmgen.families import fmha_sm90 as fam
+from gemmgen.families.fmha_sm90 import DType, FmhaSm90Instance, Mask, Schedule
+from gemmgen.problem import Problem
+
+H200 = device.synthetic((9, 0), 132)
+BUILD_ONE = "fmha_sm90_fp16_d64_causal_tma_m64n64s4"  # the quickest to compile
+
+
+def test_space_names_unique_and_stable():
+    names = [inst.name for inst in fam.SPACE]
+    assert len(names) == len(set(names))
+    assert "fmha_sm90_bf16_d128_none_pingpong_m128n128s5" in names
+    assert {inst.name for inst in fam.DEFAULT} >= {"fmha_sm90_fp16_d256_causal_coop_m128n64s5",
+                                                    "fmha_sm90_bf16_d64_none_tma_m64n128s4"}
+
+
+def test_default_covers_every_dtype_head_dim_mask_once():
+    keys = [(i.dtype, i.head_dim, i.mask) for i in fam.DEFAULT]
+    assert sorted(keys, key=str) == sorted(set(keys), key=str)
+    assert set(keys) == {(dt, d, m) for dt in DType for d in fam.HEAD_DIMS for m in Mask}
+
+
+def test_every_instance_fits_and_is_built_only_for_sm90():
+    for inst in fam.SPACE:
+        assert inst.smem_bytes <= Arch.SM90.max_smem_bytes
+    assert fam.ARCHS == (Arch.SM90,)
+    assert [i for i in space.select_instances(Arch.SM90) if i.family == fam.FAMILY] == list(fam.DEFAULT)
+    assert not any(i.family == fam.FAMILY for i in space.select_instances(Arch.SM80, all_instances=True))
+
+
+@pytest.mark.parametrize("change, reason", [
+    (dict(block_m=128, schedule=Schedule.TMA), "128 rows"),
+    (dict(block_m=64, schedule=Schedule.COOPERATIVE), "32 rows"),
+    (dict(block_n=192, stages=3), None),  # one of the two tiles the causal rule removes
+    (dict(head_dim=96), "head_dim 96"),
+    (dict(block_n=256), "tile 128x256"),
+    (dict(head_dim=256, block_n=128, stages=5), "shared memory"),
+    (dict(stages=3), "stages 3: this tile uses 5"),
+    (dict(mask=Mask.CAUSAL, block_n=192, stages=4), "divide the other"),
+])
+def test_invalid_reason(change, reason):
+    base = FmhaSm90Instance(DType.BF16, 128, Mask.NONE, Schedule.PINGPONG, 128, 128, 5)
+    assert fam.invalid_reason(base) is None
+    got = fam.invalid_reason(dataclasses.replace(base, **change))
+    assert got is None if reason is None else reason in got
+
+
+def problem(**kw) -> Problem:
+    return Problem(**{"dtype": "bf16", "head_dim": 128, "causal": False, "device": H200, "batch_heads": 32,
+                      "seqlen_q": 1024, "seqlen_k": 1024, **kw})
+
+
+PARAMS = {"dtype": "bf16", "head_dim": 128, "mask": "causal", "block_m": 128, "block_n": 128}
+
+
+@pytest.mark.parametrize("kw, reason", [
+    (dict(), None),
+    (dict(dropout=True), "no dropout"),
+    (dict(bias=True), "no bias"),
+    (dict(varlen=True), "no varlen"),
+    (dict(negative_scale=True), "scales >= 0"),
+    (dict(causal=True, causal_alignment="bottom_right", seqlen_q=1000), "top-left only"),
+    (dict(causal=True, causal_alignment="bottom_right"), None),  # Nq == Nk: both alignments agree
+    (dict(causal=True, seqlen_q=1000), None),
+    (dict(causal=True, seqlen_q=1100, seqlen_k=1000), "seqlen_k a multiple of 128"),
+    (dict(causal=True, seqlen_q=1100), None),  # the key tiles end exactly at seqlen_k = 1024
+    (dict(max_offset=2**31), "int32"),
+])
+def test_problem_reason(kw, reason):
+    got = fam.problem_reason(PARAMS, problem(**kw))
+    assert got is None if reason is None else reason in got
+
+
+def test_registry_prefers_the_family_that_can_run(tmp_path):
+    """With an sm90 and an sm80 instance built, a negative scale goes to fa2_sm80 with the reason."""
+    from conftest import make_entry, write_build_dir
+    from gemmgen.families import fa2_sm80
+
+    sm90 = next(i for i in fam.DEFAULT if i.name == "fmha_sm90_bf16_d128_none_pingpong_m128n128s5")
+    assert sm90 in fam.DEFAULT
+    sm80 = next(i for i in fa2_sm80.DEFAULT if i.name == "fa2_sm80_bf16_d128_none_m128n64w4s1")
+    entries = [make_entry(sm80), dataclasses.replace(make_entry(sm90), arch="sm90", gencode=list(Arch.SM90.gencode))]
+    registry.set_build_dirs([write_build_dir(tmp_path, entries)])
+    try:
+        good, rejected = registry.candidates(problem())
+        assert {c.name for c in good} == {sm80.name, sm90.name}
+        assert registry.select(problem()).name == sm90.name  # the heuristic weighs the family's speed
+        good, rejected = registry.candidates(problem(negative_scale=True))
+        assert [c.name for c in good] == [sm80.name]
+        assert any(sm90.name in label and "scales >= 0" in reason for label, reason in rejected)
+        # sm_90a code runs on compute capability 9.0 only.
+        good, rejected = registry.candidates(problem(device=device.synthetic((10, 0), 148)))
+        assert any(sm90.name in label and "no code for this GPU" in reason for label, reason in rejected)
+    finally:
+        registry.set_build_dirs(None)
+
+
+def test_rendered_text():
+    inst = next(i for i in fam.SPACE if i.name == "fmha_sm90_bf16_d128_causal_pingpong_m128n128s5")
+    tc = render.Toolchain(flags=("-O3",), nvcc_version="13.0.88", cutlass_version="4.2.0")
+    text = render.render_text(inst, tc)
+    assert '#include "gemmgen/fmha_sm90/launch.h"' in text
+    assert "Config<cutlass::bfloat16_t, /*BlockM=*/128, /*BlockN=*/128," in text
+    assert "Schedule::kPingpong" in text and "/*Causal=*/true, /*StagesKV=*/5>" in text
+    assert f"GEMMGEN_EXPORT int {inst.symbol}(const GemmgenAttnParams* params" in text
+
+
+def test_real_build_and_info(tmp_path):
+    """nvcc compiles one sm_90a instance; its library loads without a GPU and reports what the
+    manifest says (shared memory to within the estimate's margin, which must not undercount)."""
+    proc = run_cli("generate", "--arch", "sm90", "--all", "--filter", BUILD_ONE, "--out", str(tmp_path),
+                   "--jobs", "1")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    entry = manifest.load(tmp_path / "sm90" / "manifest.json").instances[0]
+    assert entry.name == BUILD_ONE and entry.state == "built" and entry.gencode == list(Arch.SM90.gencode)
+    kernel = abi.bind(tmp_path / "sm90" / entry.library, entry.symbol)
+    info = kernel.info().as_dict()
+    assert kernel.needs_lse
+    assert (info["head_dim"], info["block_m"], info["block_n"], info["causal"], info["threads"]) == (
+        64, 64, 64, 1, entry.threads)
+    assert 0 <= entry.smem_bytes - info["smem_bytes"] <= 2048
