@@ -54,6 +54,7 @@ def problem_for(q: torch.Tensor, k: torch.Tensor, causal: bool, *, v: torch.Tens
                    seqlen_k=k.shape[2], gqa=h // k.shape[1],
                    layout=layout_kind(q.stride(), k.stride()), align=ALIGN_BYTES,
                    causal_alignment=causal_alignment, negative_scale=scale is not None and scale < 0,
+                   zero_scale=scale == 0,
                    dropout=dropout, bias=bias is not None and bias is not False, varlen=varlen,
                    max_offset=max_offset(q, k, v, bias_tensor))
 
@@ -67,6 +68,7 @@ def problem_for_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch:
                    device=device.facts(q.get_device()), batch_heads=batch * h, seqlen_q=max_seqlen_q,
                    seqlen_k=max_seqlen_k, gqa=h // k.shape[1], layout="bnhd", align=ALIGN_BYTES,
                    causal_alignment=causal_alignment, negative_scale=scale is not None and scale < 0,
+                   zero_scale=scale == 0,
                    dropout=dropout, varlen=True, max_offset=max_offset(q, k, v))
 
 

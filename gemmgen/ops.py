@@ -210,8 +210,10 @@ def _check_cu_seqlens(name: str, cu: torch.Tensor, total: int, max_seqlen: int, 
         raise InputError(f"{name} must be on the tensors' device {device}; got {cu.device}")
     if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int) or not 0 <= max_seqlen <= INT32_MAX:
         raise InputError(f"max_seqlen for {name} must be an int in [0, 2**31), got {max_seqlen!r}")
-    capturing = cu.is_cuda and torch.cuda.is_current_stream_capturing()
-    if torch.compiler.is_compiling() or isinstance(cu, FakeTensor) or capturing:
+    # Reading the values needs a sync: not while tracing (checked first: tracing cannot evaluate
+    # is_current_stream_capturing) nor while capturing a CUDA graph.
+    if torch.compiler.is_compiling() or isinstance(cu, FakeTensor) or (
+            cu.is_cuda and torch.cuda.is_current_stream_capturing()):
         return  # the values cannot be read while tracing or capturing
     values = cu.tolist()
     lengths = [b - a for a, b in zip(values, values[1:])]

@@ -26,7 +26,7 @@ class Problem:
 
     Functional key (selects the candidates): dtype, head_dim, causal, the GPU (`device`), the
     layout kind, the GQA ratio H / Hkv and the byte alignment of the data, and what only some
-    families run: the causal alignment, a negative scale, dropout, an additive bias, variable
+    families run: the causal alignment, a negative or zero scale, dropout, an additive bias, variable
     lengths, element offsets past int32. Sizes (select the winner, through `bucket`):
     batch_heads = B * H, seqlen_q, seqlen_k.
     """
@@ -43,6 +43,7 @@ class Problem:
     align: int = ALIGN_BYTES
     causal_alignment: str = "top_left"
     negative_scale: bool = False
+    zero_scale: bool = False
     dropout: bool = False
     bias: bool = False
     varlen: bool = False

@@ -111,7 +111,7 @@ def _run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse
     # the scale's sign, offsets past int32, dropout, a bias.
     big = launch.max_offset(q, k, v, o, bias) >= 2**31
     key = (index, q.dtype, q.shape, k.shape, qs[2] <= qs[1], ks[2] <= ks[1], causal,
-           causal_alignment if causal else None, scale is not None and scale < 0, big, instance,
+           causal_alignment if causal else None, _sign(scale), big, instance,
            dropout_p > 0.0, bias is not None, False)
     kernel = _kernel_for(key, lambda: launch.problem_for(
         q, k, causal, v=v, causal_alignment=causal_alignment, scale=scale, dropout=dropout_p > 0.0,
@@ -120,6 +120,11 @@ def _run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse
     launch.launch(kernel, launch.params(q, k, v, o, lse, causal=causal, causal_alignment=causal_alignment,
                                         scale=scale, dropout_p=dropout_p, seed=seed, offset=offset, bias=bias),
                   index)
+
+
+def _sign(scale: float | None) -> int | None:
+    """The scale as families see it: None (default), or its sign (-1, 0, 1)."""
+    return None if scale is None else (scale > 0) - (scale < 0)
 
 
 def _run_varlen(q, k, v, o, lse, cu_q, cu_k, max_q, max_k, causal, scale, instance, dropout_p, seed,
@@ -134,7 +139,7 @@ def _run_varlen(q, k, v, o, lse, cu_q, cu_k, max_q, max_k, causal, scale, instan
         raise InputError(f"q, k, v and out must be {ALIGN_BYTES}-byte aligned")
     index = q.get_device()
     big = launch.max_offset(q, k, v, o) >= 2**31
-    key = (index, q.dtype, q.shape, k.shape, batch, max_q, max_k, causal, scale is not None and scale < 0,
+    key = (index, q.dtype, q.shape, k.shape, batch, max_q, max_k, causal, _sign(scale),
            big, instance, dropout_p > 0.0, False, True)
     kernel = _kernel_for(key, lambda: launch.problem_for_varlen(
         q, k, v, batch, max_q, max_k, causal, scale=scale, dropout=dropout_p > 0.0), q, k, causal, instance)

@@ -77,6 +77,7 @@ def test_render(tmp_path):
     ({"align": 8}, "16-byte aligned"),
     ({"varlen": True, "causal": True, "causal_alignment": "bottom_right"}, "top-left only"),
     ({"max_offset": 2**31}, "exceed int32"),
+    ({"zero_scale": True}, "scale 0"),
 ])
 def test_problem_reason_rejects(kw, words):
     params = MeaSm80Instance(DType.FP16, 128, 32, 128).params()

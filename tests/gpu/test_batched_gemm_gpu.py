@@ -126,8 +126,9 @@ def test_bad_input_on_gpu():
         gemmgen.batched_gemm(a.flatten()[1:4097].view(1, 1, 64, 64), a[:, :1])
     with pytest.raises(InputError, match="one device"):
         gemmgen.batched_gemm(a, a.cpu())
-    with pytest.raises(InputError, match="row stride"):
-        gemmgen.batched_gemm_ptrs([a[0, 0], a[0, 1, :, :32]], [a[0, 0, :32], a[0, 1, :32]])
+    b = randn((32, 64), torch.float16, "bad-b")
+    with pytest.raises(InputError, match="row stride"):  # same shapes, rows 64 and 32 elements apart
+        gemmgen.batched_gemm_ptrs([a[0, 0, :, :32], a[0, 1, :, :32].contiguous()], [b, b])
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])

@@ -4,6 +4,7 @@
 // offset of the C ABI, variable lengths through cu_seqlens. After the kernel, the block writes LSE
 // ([batch, heads, seqlen_q] float32, natural log) and clears the rows that saw no key.
 #pragma once
+#include <cfloat>
 #include <cmath>
 #include <cstdint>
 
@@ -124,7 +125,9 @@ __global__ void __launch_bounds__(Traits::Kernel::kNumThreads, Traits::Kernel::k
             h * a.bias_head_stride + skip * a.bias_row_stride
       : nullptr;
   p.bias_strideM = int32_t(a.bias_row_stride);
-  p.scale = a.scale;
+  // A scale of exactly 0 turns masked scores (-inf) into NaN (0 * -inf); the smallest normal
+  // float gives the same uniform weights.
+  p.scale = a.scale == 0.f ? FLT_MIN : a.scale;
   p.head_dim = a.head_dim;
   p.head_dim_value = a.head_dim;
   p.num_heads = a.heads;  // row stride of the workspace is heads * head_dim
