@@ -16,7 +16,7 @@ from typing import Sequence
 
 import torch
 
-from gemmgen import abi, device, gemm_select
+from gemmgen import abi, device, gemm_select, registry
 from gemmgen.errors import DeviceError, InputError
 from gemmgen.gemm_select import GemmProblem
 from gemmgen.launch import _raw_stream
@@ -130,6 +130,9 @@ def batched_gemm(a: torch.Tensor, b: torch.Tensor, *, b_transposed: bool = False
     the input dtype or float32, written in place), else a new contiguous tensor of `out_dtype`
     (default: the input dtype). fp32 accumulation. `instance` forces a built instance by name.
     """
+    hit = _fast_path(a, b, out, b_transposed, alpha, out_dtype, instance)
+    if hit is not None:
+        return hit
     _check_tensor("a", a, 4)
     _check_tensor("b", b, 4)
     if a.dtype not in DTYPES or b.dtype != a.dtype:
@@ -164,6 +167,52 @@ def batched_gemm(a: torch.Tensor, b: torch.Tensor, *, b_transposed: bool = False
                                       sa[0], sa[1], sa[2], sb[0], sb[1], sb[2], sc[0], sc[1], sc[2],
                                       int(bool(b_transposed)), float(alpha))
     _launch(problem, args, a.get_device(), instance)
+    if len(_calls) >= _MAX_CALLS:
+        _calls.clear()
+    _calls[_call_key(a, b, out, b_transposed, instance)] = (
+        _kernel(gemm_select.select(problem, instance)), (m, n, k, bb, h, *sa, *sb, *sc, int(bool(b_transposed))))
+    return out
+
+
+# A call's kernel and its size/stride fields, keyed by everything the checks and the selection read
+# (shapes, strides, dtypes, devices, b_transposed, instance): a repeated call skips straight to the
+# launch, as cuBLAS's host path does (bench/NOTES.md, experiment 8). refresh() empties it.
+_calls: dict[tuple, tuple[abi.Kernel, tuple[int, ...]]] = {}
+_MAX_CALLS = 4096
+registry.on_refresh(_calls.clear)
+
+
+def _call_key(a, b, out, b_transposed, instance) -> tuple:
+    return (a.shape, a.stride(), a.dtype, a.device, b.shape, b.stride(), b.dtype, b.device,
+            None if out is None else (out.shape, out.stride(), out.dtype, out.device), bool(b_transposed), instance)
+
+
+def _fast_path(a, b, out, b_transposed, alpha, out_dtype, instance) -> torch.Tensor | None:
+    """Launch a call seen before (same key; with out=None, that of the tensor allocated) and return
+    C, or None when the call is new or needs the full checks (non-tensors, alpha not a float, an
+    out_dtype that disagrees with out, unaligned data)."""
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or type(alpha) not in (int, float):
+        return None
+    if out is not None and (not isinstance(out, torch.Tensor) or out_dtype not in (None, out.dtype)):
+        return None
+    key = _call_key(a, b, out, b_transposed, instance)
+    hit = _calls.get(key)
+    if hit is None:
+        return None
+    kernel, fields = hit
+    if out is None:
+        out = torch.empty(fields[3], fields[4], fields[0], fields[1], dtype=out_dtype or a.dtype, device=a.device)
+        if _call_key(a, b, out, b_transposed, instance) not in _calls:  # first call with out=None
+            return None
+    if (a.data_ptr() | b.data_ptr() | out.data_ptr()) % 16:
+        return None
+    args = abi.BatchedGemmStridedArgs(a.data_ptr(), b.data_ptr(), out.data_ptr(), *fields, float(alpha))
+    index = a.get_device()
+    if torch.cuda.current_device() == index:
+        kernel.run(args, _raw_stream(index))
+    else:
+        with torch.cuda.device(index):
+            kernel.run(args, _raw_stream(index))
     return out
 
 

@@ -61,6 +61,28 @@ def test_strided(dtype, b_transposed, m, n, k):
     assert rel_error(out, ref_gemm(a, b, b_transposed, 0.5)) <= TOLERANCE[dtype]
 
 
+@pytest.mark.parametrize("out_dtype", [None, torch.float32], ids=["out-input-dtype", "out-fp32"])
+def test_repeated_calls_take_the_fast_path(out_dtype):
+    """A call seen before skips the checks and the selection: fresh inputs each time, poisoned or
+    newly allocated outputs, alpha changing, and a changed stride falling back to the full path."""
+    from gemmgen import gemm
+
+    for rep in range(3):
+        key = ("fast", rep, out_dtype)
+        a = randn((2, 3, 129, 64), torch.bfloat16, (key, "a"))
+        b = randn((2, 3, 127, 64), torch.bfloat16, (key, "b"))
+        out = gemmgen.batched_gemm(a, b, b_transposed=True, alpha=0.5 + rep, out_dtype=out_dtype)
+        assert out.dtype == (out_dtype or torch.bfloat16)
+        assert rel_error(out, ref_gemm(a, b, True, 0.5 + rep)) <= TOLERANCE[torch.bfloat16]
+        given = torch.full_like(out, float("nan"))
+        gemmgen.batched_gemm(a, b, b_transposed=True, alpha=2.0, out=given)
+        assert rel_error(given, ref_gemm(a, b, True, 2.0)) <= TOLERANCE[torch.bfloat16]
+    assert gemm._calls, "repeated calls were not cached"
+    wide = randn((2, 3, 129, 128), torch.bfloat16, "fast-wide")[..., :64]  # same shape, new strides
+    out = gemmgen.batched_gemm(wide, b, b_transposed=True, out_dtype=out_dtype)
+    assert rel_error(out, ref_gemm(wide, b, True)) <= TOLERANCE[torch.bfloat16]
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
 @pytest.mark.parametrize("b_transposed", [False, True], ids=["nn", "nt"])
 @pytest.mark.parametrize("m, n, k", [(17, 127, 129), (512, 512, 128), (1000, 1000, 64)])
