@@ -23,7 +23,7 @@ import time
 import torch
 
 import gemmgen
-from gemmgen import gemm, timing
+from gemmgen import cli_gemm, gemm, gemm_select, timing
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -51,6 +51,9 @@ def main() -> int:
     ap.add_argument("--max-gb", type=float, default=8.0, help="skip shapes whose operands exceed this")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--out", default="bench/results/batched_gemm_h200.md")
+    ap.add_argument("--tune", action="store_true",
+                    help="first time every strided candidate on each shape and record it in the tuning "
+                         "database (as `gemmgen profile-gemm --record`), so the strided column is the tuned pick")
     args = ap.parse_args()
     dtype = DTYPES[args.dtype]
     dev = torch.cuda.get_device_properties(0)
@@ -95,6 +98,13 @@ def main() -> int:
                     c = torch.empty(bh, 1, mn, n, dtype=dtype, device="cuda")
                     flops = 2.0 * bh * mn * n * a.shape[3]
                     bmat = b.transpose(-2, -1) if bt else b
+                    if args.tune:
+                        problem = gemm.strided_problem(a, b, c, b_transposed=bt)
+                        cands = gemm_select.candidates(problem)[0]
+                        _, records = cli_gemm.measure(
+                            cands, lambda name: gemmgen.batched_gemm(a, b, b_transposed=bt, out=c, instance=name),
+                            reps=args.reps, shape=f"{bh}x1x{mn}x{n}x{a.shape[3]}")
+                        cli_gemm.record(problem, records)
                     t_s = timing.median_ms(lambda _i: gemmgen.batched_gemm(a, b, b_transposed=bt, out=c), 1,
                                            reps=args.reps)
                     arrays = gemm.PointerArrays(list(a.flatten(0, 1)), list(b.flatten(0, 1)), list(c.flatten(0, 1)),

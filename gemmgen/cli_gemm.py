@@ -102,20 +102,14 @@ def run_profile(args: argparse.Namespace) -> int:
         arrays = gemm.PointerArrays(list(a.flatten(0, 1)), list(bm.flatten(0, 1)), list(c.flatten(0, 1)),
                                     b_transposed=args.b_transposed)
     flops = 2.0 * b * h * m * n * k
-    rows, records = [], {}
-    for cand in decision.candidates:
-        def call(_i: int, name: str = cand.name) -> None:
-            if arrays is not None:
-                arrays.run(instance=name)
-            else:
-                gemm.batched_gemm(a, bm, b_transposed=args.b_transposed, out=c, instance=name)
-        try:
-            ms, reason = timing.median_ms(call, 1, reps=args.reps), None
-        except Exception as exc:  # a failing candidate is infinitely slow, not a crash
-            ms, reason = math.inf, str(exc).splitlines()[0]
-        rows.append((cand.name, ms, reason))
-        records[cand.content_hash] = tuning_db.Record(name=cand.name, ms=ms, reason=reason,
-                                                      shape=f"{b}x{h}x{m}x{n}x{k}", at=time.time())
+
+    def call(name: str) -> None:
+        if arrays is not None:
+            arrays.run(instance=name)
+        else:
+            gemm.batched_gemm(a, bm, b_transposed=args.b_transposed, out=c, instance=name)
+
+    rows, records = measure(decision.candidates, call, reps=args.reps, shape=f"{b}x{h}x{m}x{n}x{k}")
     bt = bm.transpose(-2, -1) if args.b_transposed else bm
     ms_torch = timing.median_ms(lambda _i: torch.matmul(a, bt, out=c) if out_dtype == dtype
                                 else torch.matmul(a, bt).float(), 1, reps=args.reps)
@@ -128,7 +122,32 @@ def run_profile(args: argparse.Namespace) -> int:
     print(f" {'torch.matmul (cuBLAS)':59} {ms_torch:9.4f} {flops / ms_torch / 1e9:8.1f}")
     print(f"(* = the pick before profiling: {decision.source})")
     if args.record:
-        entries = {problem.functional_key: {problem.bucket: {h_: r.to_json() for h_, r in records.items()}}}
-        db = tuning_db.update(facts.fingerprint(), entries)
+        db = record(problem, records)
         print(f"recorded {len(records)} times in {db.path}")
     return 0
+
+
+def measure(cands: list, call, *, reps: int, shape: str) -> tuple[list[tuple[str, float, str | None]], dict]:
+    """Time `call(name)` for every candidate (CUDA events, median of `reps`): (name, ms, reason)
+    rows and tuning-database records by build hash; a failing candidate is infinitely slow."""
+    from gemmgen import timing
+
+    rows, records = [], {}
+    for cand in cands:
+        try:
+            ms, reason = timing.median_ms(lambda _i, name=cand.name: call(name), 1, reps=reps), None
+        except Exception as exc:  # a failing candidate is infinitely slow, not a crash
+            ms, reason = math.inf, str(exc).splitlines()[0]
+        rows.append((cand.name, ms, reason))
+        records[cand.content_hash] = tuning_db.Record(name=cand.name, ms=ms, reason=reason, shape=shape,
+                                                      at=time.time())
+    return rows, records
+
+
+def record(problem: gemm_select.GemmProblem, records: dict) -> tuning_db.TuningDB:
+    """Store `records` under the problem's functional key and bucket in its GPU's tuning database,
+    and forget cached selections so the next call reads them."""
+    entries = {problem.functional_key: {problem.bucket: {h_: r.to_json() for h_, r in records.items()}}}
+    db = tuning_db.update(problem.device.fingerprint(), entries)
+    registry.refresh()
+    return db
