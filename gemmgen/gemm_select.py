@@ -90,16 +90,9 @@ def reject_reason(cand: Candidate, problem: GemmProblem) -> str | None:
     reason = family_named(entry.family).problem_reason(params, problem)
     if reason is not None:
         return reason
-    if entry.state == "rendered":
-        return "rendered but not compiled (run `gemmgen generate` without --no-compile)"
-    if entry.state == "failed":
-        first = (entry.error or "").strip().splitlines()
-        return f"failed to build ({first[0] if first else 'no message'})"
-    if not cand.library.is_file():
-        return f"library {cand.library} is missing"
-    if not registry.runs_on(entry.gencode, problem.device.cc):
-        cc = problem.device.cc
-        return f"no code for this GPU's arch sm_{cc[0]}{cc[1]} (built for {' '.join(entry.gencode)})"
+    reason = registry.build_reason(cand, problem.device.cc)
+    if reason is not None:
+        return reason
     if entry.smem_bytes > problem.device.smem_per_block:
         return f"needs {entry.smem_bytes} B of shared memory, this GPU allows {problem.device.smem_per_block} B"
     return None

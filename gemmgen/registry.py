@@ -161,6 +161,22 @@ def functional_reason(family: Any, params: dict, problem: Problem) -> str | None
     return family.problem_reason(params, problem)
 
 
+def build_reason(cand: Candidate, cc: tuple[int, int]) -> str | None:
+    """Why `cand`'s build cannot run on a GPU of compute capability `cc` (any kind of family):
+    not compiled, failed, library gone, or no code for the arch. None when it can."""
+    entry = cand.entry
+    if entry.state == "rendered":
+        return "rendered but not compiled (run `gemmgen generate` without --no-compile)"
+    if entry.state == "failed":
+        first = (entry.error or "").strip().splitlines()
+        return f"failed to build ({first[0] if first else 'no message'})"
+    if not cand.library.is_file():
+        return f"library {cand.library} is missing"
+    if not runs_on(entry.gencode, cc):
+        return f"no code for this GPU's arch sm_{cc[0]}{cc[1]} (built for {' '.join(entry.gencode)})"
+    return None
+
+
 def reject_reason(cand: Candidate, problem: Problem) -> str | None:
     """Why `cand` cannot run `problem`, or None if it can."""
     entry, params = cand.entry, cand.entry.params
@@ -182,15 +198,9 @@ def reject_reason(cand: Candidate, problem: Problem) -> str | None:
     need = int(params.get("align_bytes", 16))
     if problem.align < need:
         return f"needs {need}-byte aligned data and strides, the problem's are {problem.align}-byte aligned"
-    if entry.state == "rendered":
-        return "rendered but not compiled (run `gemmgen generate` without --no-compile)"
-    if entry.state == "failed":
-        first = (entry.error or "").strip().splitlines()
-        return f"failed to build ({first[0] if first else 'no message'})"
-    if not cand.library.is_file():
-        return f"library {cand.library} is missing"
-    if not runs_on(entry.gencode, problem.cc):
-        return f"no code for this GPU's arch sm_{problem.cc[0]}{problem.cc[1]} (built for {' '.join(entry.gencode)})"
+    reason = build_reason(cand, problem.cc)
+    if reason is not None:
+        return reason
     if entry.smem_bytes > problem.smem_limit:
         return f"needs {entry.smem_bytes} B of shared memory, this GPU allows {problem.smem_limit} B per block"
     return None

@@ -1,7 +1,6 @@
 // Host side of the fa2_sm80 family: checks the params an instance cannot run, sizes the
 // grid and launches on the caller's stream. Errors come back as a status and a message.
 #pragma once
-#include <cstdarg>
 #include <atomic>
 #include <cfloat>
 #include <cstdio>
@@ -9,19 +8,10 @@
 #include <cuda_runtime.h>
 
 #include "gemmgen/abi.h"
+#include "gemmgen/report.h"
 #include "gemmgen/fa2_sm80/kernel.h"
 
 namespace gemmgen::fa2_sm80 {
-
-inline int report(char* err, int err_len, int status, const char* fmt, ...) {
-  if (err != nullptr && err_len > 0) {
-    va_list args;
-    va_start(args, fmt);
-    vsnprintf(err, static_cast<size_t>(err_len), fmt, args);
-    va_end(args);
-  }
-  return status;
-}
 
 // CUDA caps grid.y and grid.z at 65535: batch*heads is spread over both.
 constexpr int64_t kMaxGridYZ = 65535;

@@ -10,7 +10,6 @@
 #include <atomic>
 #include <cfloat>
 #include <cmath>
-#include <cstdarg>
 #include <cstdio>
 
 #include <cuda_runtime.h>
@@ -24,6 +23,7 @@
 #include "88_hopper_fmha/kernel/fmha_kernel_builder.hpp"
 
 #include "gemmgen/abi.h"
+#include "gemmgen/report.h"
 
 namespace gemmgen::fmha_sm90 {
 
@@ -61,16 +61,6 @@ struct Config {
   static constexpr bool kCausal = Causal;
   static constexpr bool kPersistent = S == Schedule::kPingpong;
 };
-
-inline int report(char* err, int err_len, int status, const char* fmt, ...) {
-  if (err != nullptr && err_len > 0) {
-    va_list args;
-    va_start(args, fmt);
-    vsnprintf(err, static_cast<size_t>(err_len), fmt, args);
-    va_end(args);
-  }
-  return status;
-}
 
 constexpr int64_t kMaxGridYZ = 65535;
 constexpr int64_t kInt32Max = 2147483647;

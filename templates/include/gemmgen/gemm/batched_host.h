@@ -1,25 +1,15 @@
 // Host side shared by the batched GEMM families: argument checks and the plan that maps
 // (batch, head) onto CUTLASS's single batch index L with a single L stride.
 #pragma once
-#include <cstdarg>
 #include <cstdint>
 #include <cstdio>
 
 #include <cuda_runtime.h>
 
 #include "gemmgen/abi.h"
+#include "gemmgen/report.h"
 
 namespace gemmgen::gemm {
-
-inline int report(char* err, int err_len, int status, const char* fmt, ...) {
-  if (err != nullptr && err_len > 0) {
-    va_list args;
-    va_start(args, fmt);
-    vsnprintf(err, static_cast<size_t>(err_len), fmt, args);
-    va_end(args);
-  }
-  return status;
-}
 
 // The batch index of CUTLASS 2.x batched GEMMs is grid.z, capped at 65535 by CUDA.
 constexpr int64_t kMaxBatchPerLaunch = 65535;

@@ -12,7 +12,7 @@
 
 namespace gemmgen::gemm_sm80 {
 
-using gemmgen::gemm::report;
+using gemmgen::report;
 
 // Derives the CUTLASS device GEMM from the instance's few integers. Alignment 8 (16-byte
 // vectors) uses the cp.async multistage mainloop; alignment 1 runs any row stride and extent,

@@ -18,7 +18,7 @@
 
 namespace gemmgen::gemm_sm90 {
 
-using gemmgen::gemm::report;
+using gemmgen::report;
 
 struct Cooperative {  // two consumer warpgroups share one tile (tile_m >= 128)
   using Kernel = cutlass::gemm::KernelTmaWarpSpecializedCooperative;

@@ -7,26 +7,16 @@
 // i and j count from the start of each sequence.
 #pragma once
 #include <atomic>
-#include <cstdarg>
 #include <cstdint>
 #include <cstdio>
 
 #include <cuda_runtime.h>
 
 #include "gemmgen/abi.h"
+#include "gemmgen/report.h"
 #include "gemmgen/mea_sm80/kernel.h"
 
 namespace gemmgen::mea_sm80 {
-
-inline int report(char* err, int err_len, int status, const char* fmt, ...) {
-  if (err != nullptr && err_len > 0) {
-    va_list args;
-    va_start(args, fmt);
-    vsnprintf(err, static_cast<size_t>(err_len), fmt, args);
-    va_end(args);
-  }
-  return status;
-}
 
 constexpr int64_t kMaxGridYZ = 65535;  // CUDA's limit on grid.y (heads) and grid.z (batches)
 constexpr int64_t kInt32Max = 2147483647;

@@ -68,7 +68,7 @@ __global__ void __launch_bounds__(Threads) row_softmax_kernel(GemmgenSoftmaxArgs
 
 template <class Element, int Threads>
 int run(const GemmgenSoftmaxArgs* p, cudaStream_t stream, char* err, int err_len) {
-  using gemm::report;
+  using gemmgen::report;
   if (p == nullptr) return report(err, err_len, GEMMGEN_INVALID_ARGUMENT, "args is NULL");
   if (p->s == nullptr || p->p == nullptr || p->rows < 1 || p->cols < 1 || p->matrices < 1) {
     return report(err, err_len, GEMMGEN_INVALID_ARGUMENT, "bad softmax args: rows %u cols %u matrices %u",
