@@ -46,15 +46,80 @@ template <bool Causal>
 using FusionOf = std::conditional_t<Causal, cutlass::fmha::collective::CausalFusion,
                                     cutlass::fmha::collective::ResidualFusion>;
 
+// The persistent schedule for causal attention. CUTLASS's persistent scheduler walks row tiles
+// first, so each SM's fixed stride of tiles mixes short (top) and long (bottom) causal rows
+// unevenly; this one orders all tiles longest first (the last row tile of every head, then the
+// one before, ...), which makes a static round-robin over the SMs an even share of the work.
+struct LongestFirstScheduler {
+  struct Params {
+    int num_blocks;
+    int num_m_blocks;
+    cutlass::FastDivmod divmod_bh;  // tile index -> (rank from the bottom, batch * heads index)
+    cutlass::FastDivmod divmod_h;   // batch * heads index -> (batch, head)
+    cutlass::KernelHardwareInfo hw_info;
+  };
+
+  int block_idx = 0;
+  Params params;
+
+  CUTLASS_DEVICE LongestFirstScheduler(Params const& p) : block_idx(blockIdx.x), params(p) {}
+
+  template <class ProblemSize, class ClusterShape, class TileShape>
+  static Params to_underlying_arguments(ProblemSize const& problem_size, cutlass::KernelHardwareInfo hw_info,
+                                        ClusterShape const&, TileShape const& tile_shape) {
+    const int m_blocks = ceil_div(size<2>(problem_size), size<0>(tile_shape));
+    const int bh = size<0>(problem_size) * size<1>(problem_size);
+    return Params{m_blocks * bh, m_blocks, cutlass::FastDivmod(bh), cutlass::FastDivmod(size<1>(problem_size)),
+                  hw_info};
+  }
+
+  static dim3 get_grid_shape(Params const& params) {
+    return dim3(std::min(params.num_blocks, params.hw_info.sm_count), 1, 1);
+  }
+
+  CUTLASS_DEVICE bool is_valid() { return block_idx < params.num_blocks; }
+
+  CUTLASS_DEVICE auto get_block_coord() {
+    int rank, bh, b, h;
+    params.divmod_bh(rank, bh, block_idx);
+    params.divmod_h(b, h, bh);
+    return make_coord(params.num_m_blocks - 1 - rank, _0{}, make_coord(b, h));
+  }
+
+  CUTLASS_DEVICE LongestFirstScheduler& operator++() {
+    block_idx += gridDim.x;
+    return *this;
+  }
+};
+
+template <class Element, class TileShape, class Stride, Schedule S, bool Causal, int StagesKV>
+struct KernelOf {  // CUTLASS's own composition of the kernel
+  using type = typename cutlass::fmha::kernel::FmhaBuilder<
+      Element, float, float, TileShape, Stride, Stride, Stride, FusionOf<Causal>, typename DispatchOf<S>::type,
+      cutlass::fmha::kernel::Option<cutlass::fmha::kernel::Tag::kStagesKV, Int<StagesKV>>>::Kernel;
+};
+
+template <class Element, class TileShape, class Stride, int StagesKV>
+struct KernelOf<Element, TileShape, Stride, Schedule::kPingpong, true, StagesKV> {
+  // The same pieces as CUTLASS's ping-pong composition, with the longest-first scheduler.
+  using Tag = cutlass::fmha::kernel::Tag;
+  template <Tag T, class V> using Opt = cutlass::fmha::kernel::Option<T, V>;
+  using Mainloop = cutlass::fmha::collective::FmhaMainloopTmaWarpSpecialized<
+      Element, float, float, TileShape, Stride, Stride, Stride, FusionOf<true>, Opt<Tag::kStagesKV, Int<StagesKV>>,
+      Opt<Tag::kIsPersistent, cute::true_type>, Opt<Tag::kLoadsQSeparately, cute::true_type>>;
+  using Epilogue = cutlass::fmha::collective::FmhaFwdEpilogue<Element, float, typename Mainloop::TileShapePV>;
+  using type = cutlass::fmha::kernel::FmhaKernelTmaWarpSpecialized<
+      Mainloop, Epilogue, LongestFirstScheduler, Opt<Tag::kStagesKV, Int<StagesKV>>,
+      Opt<Tag::kIsPersistent, cute::true_type>, Opt<Tag::kLoadsQSeparately, cute::true_type>>;
+};
+
 template <class Element_, int BlockM, int BlockN, int HeadDim, Schedule S, bool Causal, int StagesKV>
 struct Config {
   using Element = Element_;
   using Stride = cute::tuple<int, _1, cute::tuple<int, int>>;  // (row, 1, (batch, head)) in elements
   using StrideLSE = cute::tuple<_1, cute::tuple<int, int>>;
   using TileShape = Shape<Int<BlockM>, Int<BlockN>, Int<HeadDim>>;
-  using Kernel = typename cutlass::fmha::kernel::FmhaBuilder<
-      Element, float, float, TileShape, Stride, Stride, Stride, FusionOf<Causal>, typename DispatchOf<S>::type,
-      cutlass::fmha::kernel::Option<cutlass::fmha::kernel::Tag::kStagesKV, Int<StagesKV>>>::Kernel;
+  using Kernel = typename KernelOf<Element, TileShape, Stride, S, Causal, StagesKV>::type;
   static constexpr int kHeadDim = HeadDim;
   static constexpr int kBlockM = BlockM;
   static constexpr int kBlockN = BlockN;
