@@ -1,7 +1,6 @@
 // Host side of the fa2_sm80 family: checks the params an instance cannot run, sizes the
 // grid and launches on the caller's stream. Errors come back as a status and a message.
 #pragma once
-#include <atomic>
 #include <cfloat>
 #include <cstdio>
 
@@ -9,6 +8,7 @@
 
 #include "gemmgen/abi.h"
 #include "gemmgen/report.h"
+#include "gemmgen/smem.h"
 #include "gemmgen/fa2_sm80/kernel.h"
 
 namespace gemmgen::fa2_sm80 {
@@ -40,21 +40,7 @@ int run(const GemmgenAttnParams* p, cudaStream_t stream, char* err, int err_len)
   }
   auto kernel = &fwd_kernel<Traits, Causal>;
   constexpr int kSmem = Traits::kSmemSize;
-  if constexpr (kSmem > 48 * 1024) {
-    // Opting into more than 48 KB is a per-device function attribute: set it once per device.
-    static std::atomic<uint64_t> configured{0};
-    int device = 0;
-    cudaError_t e = cudaGetDevice(&device);
-    const uint64_t bit = device < 64 ? uint64_t(1) << device : 0;
-    if (e == cudaSuccess && (bit == 0 || !(configured.load(std::memory_order_relaxed) & bit))) {
-      e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
-      if (e == cudaSuccess) configured.fetch_or(bit, std::memory_order_relaxed);
-    }
-    if (e != cudaSuccess) {
-      return report(err, err_len, GEMMGEN_CUDA_ERROR, "setting the shared memory limit: %s (%s)",
-                    cudaGetErrorString(e), cudaGetErrorName(e));
-    }
-  }
+  if (int status = opt_in_smem<&fwd_kernel<Traits, Causal>>(kSmem, err, err_len)) return status;
   const unsigned grid_y = static_cast<unsigned>(bh < kMaxGridYZ ? bh : kMaxGridYZ);
   const unsigned grid_z = static_cast<unsigned>((bh + grid_y - 1) / grid_y);
   const dim3 grid((p->seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM, grid_y, grid_z);

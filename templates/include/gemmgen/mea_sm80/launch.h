@@ -6,7 +6,6 @@
 // visible to query i iff j <= i + causal_offset, so INT32_MAX means no mask. With cu_seqlens,
 // i and j count from the start of each sequence.
 #pragma once
-#include <atomic>
 #include <cstdint>
 #include <cstdio>
 
@@ -14,6 +13,7 @@
 
 #include "gemmgen/abi.h"
 #include "gemmgen/report.h"
+#include "gemmgen/smem.h"
 #include "gemmgen/mea_sm80/kernel.h"
 
 namespace gemmgen::mea_sm80 {
@@ -80,21 +80,7 @@ int run(const GemmgenAttnParams* p, cudaStream_t stream, char* err, int err_len)
   if (int status = check<Traits>(p, err, err_len)) return status;
   auto kernel = &fwd_kernel<Traits>;
   constexpr int kSmem = Traits::kSmemSize;
-  if constexpr (kSmem > 48 * 1024) {
-    // Opting into more than 48 KB is a per-device function attribute: set it once per device.
-    static std::atomic<uint64_t> configured{0};
-    int device = 0;
-    cudaError_t e = cudaGetDevice(&device);
-    const uint64_t bit = device < 64 ? uint64_t(1) << device : 0;
-    if (e == cudaSuccess && (bit == 0 || !(configured.load(std::memory_order_relaxed) & bit))) {
-      e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
-      if (e == cudaSuccess) configured.fetch_or(bit, std::memory_order_relaxed);
-    }
-    if (e != cudaSuccess) {
-      return report(err, err_len, GEMMGEN_CUDA_ERROR, "setting the shared memory limit: %s (%s)",
-                    cudaGetErrorString(e), cudaGetErrorName(e));
-    }
-  }
+  if (int status = opt_in_smem<&fwd_kernel<Traits>>(kSmem, err, err_len)) return status;
   LaunchArgs args{*p, nullptr, 0};
   if constexpr (Traits::kNeedsWorkspace) {
     // Rows of every sequence: batch * seqlen_q bounds the packed rows too (seqlen_q is their maximum).
