@@ -4,6 +4,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+import threading
 from pathlib import Path
 
 from gemmgen.errors import GemmgenLaunchError
@@ -11,6 +12,16 @@ from gemmgen.errors import GemmgenLaunchError
 ABI_VERSION = 2  # GEMMGEN_ABI_VERSION
 INFO_NEEDS_LSE = 1  # GEMMGEN_INFO_NEEDS_LSE
 ERR_LEN = 1024  # bytes of the message buffer handed to the entry points
+_local = threading.local()
+
+
+def _err_buffer() -> ctypes.Array:
+    """This thread's message buffer, emptied: one allocation per thread, not one per launch."""
+    buf = getattr(_local, "err", None)
+    if buf is None:
+        buf = _local.err = ctypes.create_string_buffer(ERR_LEN)
+    buf[0] = b"\0"
+    return buf
 STATUS_NAMES = {0: "GEMMGEN_OK", 1: "GEMMGEN_INVALID_ARGUMENT", 2: "GEMMGEN_CUDA_ERROR"}
 
 
@@ -83,7 +94,7 @@ class Instance:
 
         Raises GemmgenLaunchError with the library's message on a non-zero status.
         """
-        err = ctypes.create_string_buffer(ERR_LEN)
+        err = _err_buffer()
         status = self._run(ctypes.byref(params), ctypes.c_void_p(stream or None), err, ERR_LEN)
         if status != 0:
             message = err.value.decode(errors="replace") or "no message"
@@ -194,7 +205,7 @@ class Kernel:
         """Launch on `stream`; raise GemmgenLaunchError with the library's message on failure."""
         if not isinstance(args, self.args_type):
             raise TypeError(f"{self.symbol} takes {self.args_type.__name__}, got {type(args).__name__}")
-        err = ctypes.create_string_buffer(ERR_LEN)
+        err = _err_buffer()
         status = self._run(ctypes.byref(args), ctypes.c_void_p(stream or None), err, ERR_LEN)
         if status != 0:
             message = err.value.decode(errors="replace") or "no message"

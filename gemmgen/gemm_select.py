@@ -9,7 +9,9 @@ one that cannot run the problem is rejected with a reason: input or output dtype
    (gemmgen.tuning_db; `gemmgen profile-gemm --record` writes it);
 3. "heuristic": the lowest estimated time, where
        time ~ waves * blocks_per_sm * tile_m * tile_n * K / (tile efficiency * arch rate)
-   waves = ceil(tiles / (SMs * blocks_per_sm)), blocks_per_sm from shared memory (at most 2),
+   waves = ceil(tiles / (SMs * blocks_per_sm)), blocks_per_sm from shared memory (at most 2);
+   for stream-K instances, which split the K loops over idle SMs, tiles / (SMs * blocks_per_sm)
+   times STREAM_K_FIXUP;
    tile efficiency = min(1, tile_m*tile_n / (tile_m+tile_n) / 64) (operand reuse of a tile
    against 128x128's), arch rate 2 for sm_90a wgmma kernels, 1 for mma.sync, 0.5 for the
    2-stage alignment-1 kernels; ties go to the earlier build directory, then the name.
@@ -27,6 +29,7 @@ from gemmgen.space import FAMILIES, family_named
 KIND = "gemm"
 STRATEGIES = ("strided", "ptr")
 MAX_BLOCKS_PER_SM = 2
+STREAM_K_FIXUP = 1.1  # stream-K's estimate: perfectly balanced work, plus the partial-sum fixup
 _MAX_CACHED = 4096
 
 
@@ -119,7 +122,9 @@ def estimate(cand: Candidate, problem: GemmProblem) -> float:
     smem_per_sm = problem.device.smem_per_sm or problem.device.smem_per_block
     per_sm = max(1, min(MAX_BLOCKS_PER_SM, smem_per_sm // max(cand.entry.smem_bytes, 1)))
     tiles = math.ceil(problem.m / tm) * math.ceil(problem.n / tn) * problem.batch_count
-    waves = math.ceil(tiles / (problem.device.sm_count * per_sm))
+    slots = problem.device.sm_count * per_sm
+    # Stream-K splits the K loops of the last wave over the idle SMs (less a fixup's cost).
+    waves = tiles / slots * STREAM_K_FIXUP if p.get("tile_scheduler") == "streamk" else math.ceil(tiles / slots)
     efficiency = min(1.0, tm * tn / (tm + tn) / 64)
     rate = 0.5 if int(p.get("align", 8)) == 1 else 2.0 if any("90a" in g for g in cand.entry.gencode) else 1.0
     return waves * per_sm * tm * tn * math.ceil(problem.k / tk) * tk / (efficiency * rate)

@@ -44,6 +44,41 @@ def test_predicates_give_reasons():
     assert "sm_90a" in gemm_sm90.invalid_reason(gemm_sm90.DEFAULT[0], Arch.SM80)
 
 
+def test_stream_k_axis():
+    sk = gemm_sm90.TileScheduler.STREAM_K
+    names = {i.name for i in gemm_sm90.SPACE if i.tile_scheduler is sk}
+    assert "gemm_sm90_strided_fp16_fp16_nn_m128n64k64_coop_c1_sk" in names
+    assert all(n.startswith("gemm_sm90_strided_") and "_coop_" in n and n.endswith("_sk") for n in names)
+    assert all(i.tile_scheduler is gemm_sm90.TileScheduler.PERSISTENT for i in gemm_sm90.DEFAULT)
+    import dataclasses
+
+    coop = gemm_sm90.DEFAULT[0]  # strided fp16 nn 128x128 cooperative
+    assert "cooperative schedule only" in gemm_sm90.invalid_reason(
+        dataclasses.replace(coop, schedule=gemm_sm90.Schedule.PINGPONG, tile_scheduler=sk))
+    ptr = next(i for i in gemm_sm90.DEFAULT if i.strategy.value == "ptr")
+    assert "grouped scheduler" in gemm_sm90.invalid_reason(dataclasses.replace(ptr, tile_scheduler=sk))
+    streamk = dataclasses.replace(coop, tile_scheduler=sk)
+    assert streamk.name == coop.name + "_sk" and streamk.content_hash() != coop.content_hash()
+    assert streamk.params()["tile_scheduler"] == "streamk"
+
+
+def test_stream_k_heuristic_on_few_tiles(tmp_path):
+    """Eight 1024 x 64 outputs are 64 tiles of 128 x 64 on 132 SMs: stream-K's estimate (balanced
+    K loops) beats the same tile's one half-empty wave; with thousands of tiles it does not."""
+    import dataclasses
+
+    base = next(i for i in gemm_sm90.SPACE if i.name == "gemm_sm90_strided_fp16_fp16_nn_m128n64k64_coop_c1")
+    streamk = dataclasses.replace(base, tile_scheduler=gemm_sm90.TileScheduler.STREAM_K)
+    registry.set_build_dirs([write_build_dir(tmp_path, [make_entry(base), make_entry(streamk)])])
+    try:
+        few = gemm_select.decide(_problem(m=1024, n=64, k=1024, batch_count=8, b_transposed=False))
+        assert few.winner.name == streamk.name, few.report()
+        many = gemm_select.decide(_problem(m=4096, n=64, k=1024, batch_count=512, b_transposed=False))
+        assert many.winner.name == base.name, many.report()
+    finally:
+        registry.set_build_dirs(None)
+
+
 def test_generate_family_renders_only_what_is_asked(tmp_path):
     proc = run_cli("generate", "--arch", "sm80", "--family", "gemm_sm80", "--family", "softmax_sm80",
                    "--no-compile", "--out", str(tmp_path), env={"GEMMGEN_NVCC": "/nonexistent"})

@@ -30,14 +30,32 @@ class Schedule(enum.Enum):
 
 SCHEDULE_CPP = {Schedule.COOPERATIVE: "Cooperative", Schedule.PINGPONG: "Pingpong"}
 
+
+class TileScheduler(enum.Enum):
+    """How output tiles are dealt to the persistent CTAs: whole tiles (one SM per tile), or
+    stream-K, which also splits the K loop of a tile over SMs when there are too few tiles to fill
+    the GPU (a few large matrices: B*H = 8, K = N of P x V) and fixes up the partial sums."""
+    PERSISTENT = "persistent"
+    STREAM_K = "streamk"
+
+
+TILE_SCHEDULER_CPP = {TileScheduler.PERSISTENT: "cutlass::gemm::PersistentScheduler",
+                      TileScheduler.STREAM_K: "cutlass::gemm::StreamKScheduler"}
+
 # Axes.
 TILE_MS = (64, 128, 256)
 TILE_NS = (64, 128, 256)
 TILE_KS = (64,)  # 128 bytes of fp16/bf16: one TMA box row, the 128-byte swizzle
 SCHEDULES = tuple(Schedule)
-CLUSTER_MS = (1, 2)
+# CTA clusters (M, N): a 2x1 cluster multicasts B's tile to both CTAs, a 1x2 cluster A's.
+CLUSTERS = ((1, 1), (2, 1), (1, 2))
+TILE_SCHEDULERS = tuple(TileScheduler)
+# Columns of the epilogue's sub-tile: 0 is CUTLASS's choice (32); 64 halves the sub-tiles and
+# their barriers per tile and doubles the bytes of each TMA store, for GEMMs whose time is the
+# store of a large C (Q x K^T with a short K).
+EPI_TILE_NS = (0, 64)
+EPI_STAGES = 2  # the sub-tiles staged in shared memory for TMA stores (CUTLASS's count)
 MIN_STAGES = 2
-EPILOGUE_SMEM = 32 * 1024  # upper bound of the collective epilogue's staging buffers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +69,9 @@ class GemmSm90Instance:
     tile_k: int
     schedule: Schedule
     cluster_m: int
+    tile_scheduler: TileScheduler = TileScheduler.PERSISTENT
+    cluster_n: int = 1
+    epi_tile_n: int = 0  # 0: CUTLASS's automatic epilogue tile
 
     family = FAMILY
     align = 8  # TMA: 16-byte vectors of fp16/bf16
@@ -61,7 +82,10 @@ class GemmSm90Instance:
         out = "f32" if self.out_fp32 else self.dtype.value
         layout = "nt" if self.b_transposed else "nn"
         return (f"{FAMILY}_{self.strategy.value}_{self.dtype.value}_{out}_{layout}"
-                f"_m{self.tile_m}n{self.tile_n}k{self.tile_k}_{self.schedule.value}_c{self.cluster_m}")
+                f"_m{self.tile_m}n{self.tile_n}k{self.tile_k}_{self.schedule.value}_c{self.cluster_m}"
+                + (f"x{self.cluster_n}" if self.cluster_n > 1 else "")
+                + (f"_e{self.epi_tile_n}" if self.epi_tile_n else "")
+                + ("_sk" if self.tile_scheduler is TileScheduler.STREAM_K else ""))
 
     @property
     def symbol(self) -> str:
@@ -81,22 +105,32 @@ class GemmSm90Instance:
         return 16 // DTYPE_BYTES[self.out_dtype]
 
     @property
+    def epi_tile(self) -> tuple[int, int]:
+        """The epilogue's sub-tile: one consumer warpgroup's rows (both warpgroups' under the
+        cooperative schedule) by epi_tile_n columns, or 32 when CUTLASS chooses."""
+        rows = min(self.tile_m, 128 if self.schedule is Schedule.COOPERATIVE else 64)
+        return rows, self.epi_tile_n or min(32, self.tile_n)
+
+    @property
     def smem_bytes(self) -> int:
-        """The smallest footprint the builder accepts: MIN_STAGES stages and the epilogue's buffers
-        (the builder then fills the rest of shared memory with stages)."""
-        return MIN_STAGES * (self.tile_m + self.tile_n) * self.tile_k * DTYPE_BYTES[self.dtype] + EPILOGUE_SMEM
+        """The smallest footprint the builder accepts: MIN_STAGES stages and the epilogue's
+        staged sub-tiles (the builder then fills the rest of shared memory with stages)."""
+        rows, cols = self.epi_tile
+        epilogue = EPI_STAGES * rows * cols * DTYPE_BYTES[self.out_dtype]
+        return MIN_STAGES * (self.tile_m + self.tile_n) * self.tile_k * DTYPE_BYTES[self.dtype] + epilogue
 
     def params(self) -> dict:
         """Plain values for the manifest and the template."""
         return {"dtype": self.dtype.value, "out_dtype": self.out_dtype.value, "b_transposed": self.b_transposed,
                 "strategy": self.strategy.value, "tile_m": self.tile_m, "tile_n": self.tile_n,
                 "tile_k": self.tile_k, "schedule": self.schedule.value, "cluster_m": self.cluster_m,
-                "align": self.align, "align_c": self.align_c}
+                "cluster_n": self.cluster_n, "epi_tile_n": self.epi_tile_n, "tile_scheduler": self.tile_scheduler.value, "align": self.align, "align_c": self.align_c}
 
     def template_values(self) -> dict:
         run, args, strategy = STRATEGY_CPP[self.strategy]
         return {**self.params(), "name": self.name, "symbol": self.symbol, "element": DTYPE_CPP[self.dtype],
                 "element_out": DTYPE_CPP[self.out_dtype], "schedule_cpp": SCHEDULE_CPP[self.schedule],
+                "tile_scheduler_cpp": TILE_SCHEDULER_CPP[self.tile_scheduler],
                 "run": run, "args_type": args, "strategy_cpp": strategy}
 
     def content_hash(self) -> str:
@@ -116,8 +150,18 @@ def invalid_reason(inst: GemmSm90Instance, arch: Arch = Arch.SM90) -> str | None
         return "a ping-pong consumer warpgroup holds the whole tile: tile_m <= 128"
     if inst.tile_m * inst.tile_n > 128 * 256:
         return f"a {inst.tile_m}x{inst.tile_n} fp32 accumulator exceeds two warpgroups' registers"
-    if inst.cluster_m > 1 and inst.strategy is Strategy.PTR_ARRAY:
+    if inst.cluster_m * inst.cluster_n > 1 and inst.strategy is Strategy.PTR_ARRAY:
         return "the pointer-array kernels gain no multicast: matrices differ per block"
+    if inst.epi_tile_n:
+        if inst.strategy is Strategy.PTR_ARRAY:
+            return "the epilogue tile is an axis of the strided kernels only"
+        if inst.tile_n % inst.epi_tile_n or inst.epi_tile_n <= min(32, inst.tile_n):
+            return f"epilogue tile columns {inst.epi_tile_n} must divide tile_n {inst.tile_n} and exceed the automatic 32"
+    if inst.tile_scheduler is TileScheduler.STREAM_K:
+        if inst.schedule is not Schedule.COOPERATIVE:
+            return "CUTLASS's sm90 stream-K scheduler runs with the cooperative schedule only"
+        if inst.strategy is Strategy.PTR_ARRAY:
+            return "the pointer-array kernels take the grouped scheduler, not stream-K"
     if inst.smem_bytes > arch.max_smem_bytes:
         return f"shared memory {inst.smem_bytes} B exceeds {arch.value}'s {arch.max_smem_bytes} B"
     return None
@@ -130,8 +174,10 @@ def problem_reason(params: dict, problem) -> str | None:
 
 SPACE: tuple[GemmSm90Instance, ...] = tuple(
     inst
-    for inst in itertools.starmap(GemmSm90Instance, itertools.product(
-        DTYPES, OUT_FP32, B_TRANSPOSED, STRATEGIES, TILE_MS, TILE_NS, TILE_KS, SCHEDULES, CLUSTER_MS))
+    for base in itertools.starmap(GemmSm90Instance, itertools.product(
+        DTYPES, OUT_FP32, B_TRANSPOSED, STRATEGIES, TILE_MS, TILE_NS, TILE_KS, SCHEDULES, (1,),
+        TILE_SCHEDULERS, (1,), EPI_TILE_NS))
+    for inst in [dataclasses.replace(base, cluster_m=cm, cluster_n=cn) for cm, cn in CLUSTERS]
     if invalid_reason(inst) is None
 )
 
@@ -139,5 +185,6 @@ SPACE: tuple[GemmSm90Instance, ...] = tuple(
 # builder's auto stage count; enough tiles at M = N = 512 and B*H >= 8 to fill 132 SMs.
 DEFAULT: tuple[GemmSm90Instance, ...] = tuple(
     inst for inst in SPACE
-    if (inst.tile_m, inst.tile_n, inst.tile_k, inst.schedule, inst.cluster_m) == (128, 128, 64, Schedule.COOPERATIVE, 1)
+    if (inst.tile_m, inst.tile_n, inst.tile_k, inst.schedule, inst.cluster_m, inst.cluster_n, inst.epi_tile_n,
+        inst.tile_scheduler) == (128, 128, 64, Schedule.COOPERATIVE, 1, 1, 0, TileScheduler.PERSISTENT)
 )

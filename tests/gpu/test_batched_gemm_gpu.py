@@ -83,6 +83,39 @@ def test_repeated_calls_take_the_fast_path(out_dtype):
     assert rel_error(out, ref_gemm(wide, b, True)) <= TOLERANCE[torch.bfloat16]
 
 
+TORCH_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+# (B, H, M, N, K): odd M, several tiles and K blocks; then two output tiles with a long K loop,
+# which stream-K instances split over most of the GPU's SMs (partial sums fixed up in a workspace).
+EVERY_INSTANCE_SHAPES = [(2, 3, 201, 72, 1032), (1, 1, 256, 128, 8192)]
+
+
+def test_every_built_strided_instance():
+    """Each built strided GEMM instance, forced by name, on the shapes above that it can run."""
+    from gemmgen import gemm
+
+    ran, failures = 0, []
+    for cand in registry.load()[0]:
+        params = cand.entry.params
+        if not gemm_select.is_gemm(cand) or cand.entry.state != "built" or params.get("strategy") != "strided":
+            continue
+        dtype, out_dtype, bt = TORCH_DTYPES[params["dtype"]], TORCH_DTYPES[params["out_dtype"]], params["b_transposed"]
+        for bb, h, m, n, k in EVERY_INSTANCE_SHAPES:
+            key = ("every", cand.name, m, n, k)
+            a = randn((bb, h, m, k), dtype, (key, "a"))
+            b = randn((bb, h, n, k) if bt else (bb, h, k, n), dtype, (key, "b"))
+            out = torch.full((bb, h, m, n), float("nan"), dtype=out_dtype, device="cuda")
+            if gemm_select.reject_reason(cand, gemm.strided_problem(a, b, out, b_transposed=bt)) is not None:
+                continue
+            gemmgen.batched_gemm(a, b, b_transposed=bt, out=out, alpha=0.25, instance=cand.name)
+            err = rel_error(out, ref_gemm(a, b, bt, 0.25))
+            ran += 1
+            # fp32 C is not rounded to 16 bits: only the fp32 sums' rounding over K <= 8192 remains.
+            if err > (3e-5 if out_dtype == torch.float32 else TOLERANCE[dtype]):
+                failures.append(f"{cand.name} {(bb, h, m, n, k)}: relative error {err:.2e}")
+    assert ran, "no strided instance could run the shapes"
+    assert not failures, "\n".join(failures)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
 @pytest.mark.parametrize("b_transposed", [False, True], ids=["nn", "nt"])
 @pytest.mark.parametrize("m, n, k", [(17, 127, 129), (512, 512, 128), (1000, 1000, 64)])

@@ -3,6 +3,7 @@
 // mapped onto it by gemmgen::gemm::for_each_launch) and pointer-array mode (KernelPtrArray*,
 // as CUTLASS's example 56 configures it).
 #pragma once
+#include <atomic>
 #include <type_traits>
 
 #include "cute/tensor.hpp"
@@ -36,7 +37,8 @@ struct Pingpong {  // two consumer warpgroups alternate tiles: one's epilogue hi
 // Derives the CUTLASS 3.x kernel from the instance's integers. TMA needs 16-byte aligned
 // pointers and strides: alignment is one 16-byte vector for every operand.
 template <class Element_, class ElementOut_, bool BTransposed, int TileM, int TileN, int TileK,
-          int ClusterM, class Schedule, bool PtrArray>
+          int ClusterM, int ClusterN, int EpiTileN, class Schedule, bool PtrArray,
+          class TileScheduler = cutlass::gemm::PersistentScheduler>
 struct Traits {
   using Element = Element_;
   using ElementOut = ElementOut_;
@@ -47,13 +49,17 @@ struct Traits {
   using LayoutB = std::conditional_t<BTransposed, cutlass::layout::ColumnMajor, cutlass::layout::RowMajor>;
   using LayoutC = cutlass::layout::RowMajor;
   using TileShape = cute::Shape<cute::Int<TileM>, cute::Int<TileN>, cute::Int<TileK>>;
-  using ClusterShape = cute::Shape<cute::Int<ClusterM>, cute::_1, cute::_1>;
+  using ClusterShape = cute::Shape<cute::Int<ClusterM>, cute::Int<ClusterN>, cute::_1>;
+  // 0: CUTLASS's sub-tile (32 columns); else the consumer rows (128 cooperative, 64 ping-pong) by EpiTileN.
+  using EpilogueTile = std::conditional_t<
+      EpiTileN == 0, cutlass::epilogue::collective::EpilogueTileAuto,
+      cute::Shape<cute::Int<(std::is_same_v<Schedule, Cooperative> ? 128 : 64)>, cute::Int<(EpiTileN ? EpiTileN : 32)>>>;
   using KernelSchedule = std::conditional_t<PtrArray, typename Schedule::PtrKernel, typename Schedule::Kernel>;
   using EpilogueSchedule = std::conditional_t<PtrArray, typename Schedule::PtrEpilogue, typename Schedule::Epilogue>;
   // C is never read (beta = 0): void source.
   using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
-      cutlass::epilogue::collective::EpilogueTileAuto, float, float,
+      EpilogueTile, float, float,
       void, LayoutC, kAlignC, ElementOut, LayoutC, kAlignC, EpilogueSchedule>::CollectiveOp;
   using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, LayoutA, kAlign, Element, LayoutB, kAlign,
@@ -63,7 +69,10 @@ struct Traits {
       KernelSchedule>::CollectiveOp;
   using ProblemShape = std::conditional_t<PtrArray, cutlass::gemm::ArrayProblemShape<cute::Shape<int, int, int, int>>,
                                           cute::Shape<int, int, int, int>>;
-  using GemmKernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop, CollectiveEpilogue>;
+  // The pointer-array kernels bring their own (grouped) scheduler.
+  using GemmKernel = std::conditional_t<
+      PtrArray, cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop, CollectiveEpilogue>,
+      cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop, CollectiveEpilogue, TileScheduler>>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<GemmKernel>;
   static constexpr int kTileM = TileM, kTileN = TileN, kTileK = TileK;
   static constexpr int kStages = CollectiveMainloop::DispatchPolicy::Stages;
@@ -84,24 +93,51 @@ Stride make_stride(int64_t row, int64_t batch) {
   return s;
 }
 
+// The kernel's dynamic shared memory opt-in, once per device (CUTLASS's adapter repeats it on
+// every initialize(): a driver call on each launch of the host path).
+template <class Traits>
+cudaError_t opt_in_smem() {
+  using GemmKernel = typename Traits::GemmKernel;
+  constexpr int kMaxDevices = 64;
+  static std::atomic<bool> done[kMaxDevices];
+  int device = 0;
+  if (cudaError_t e = cudaGetDevice(&device)) return e;
+  if (GemmKernel::SharedStorageSize < (48 << 10) || (device < kMaxDevices && done[device].load())) {
+    return cudaSuccess;
+  }
+  cudaError_t e = cudaFuncSetAttribute(cutlass::device_kernel<GemmKernel>,
+                                       cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       int(GemmKernel::SharedStorageSize));
+  if (e == cudaSuccess && device < kMaxDevices) done[device].store(true);
+  return e;
+}
+
+// can_implement, workspace (stream-ordered; stream-K's partial sums), params, launch: what
+// GemmUniversalAdapter::initialize + run do, with the opt-in above done once.
 template <class Traits>
 int launch(typename Traits::Gemm::Arguments& args, cudaStream_t stream, char* err, int err_len) {
   using Gemm = typename Traits::Gemm;
-  Gemm gemm;
-  cutlass::Status status = gemm.can_implement(args);
+  using GemmKernel = typename Traits::GemmKernel;
+  cutlass::Status status = Gemm::can_implement(args);
   if (status != cutlass::Status::kSuccess) {
     return report(err, err_len, GEMMGEN_INVALID_ARGUMENT, "CUTLASS cannot run these arguments: %s",
                   cutlassGetStatusString(status));
   }
-  size_t bytes = Gemm::get_workspace_size(args);
+  if (cudaError_t e = opt_in_smem<Traits>()) {
+    return report(err, err_len, GEMMGEN_CUDA_ERROR, "shared memory opt-in: %s", cudaGetErrorString(e));
+  }
+  size_t bytes = GemmKernel::get_workspace_size(args);
   void* workspace = nullptr;
   if (bytes > 0) {
     if (cudaError_t e = cudaMallocAsync(&workspace, bytes, stream)) {
       return report(err, err_len, GEMMGEN_CUDA_ERROR, "workspace: %s", cudaGetErrorString(e));
     }
   }
-  status = gemm.initialize(args, workspace, stream);
-  if (status == cutlass::Status::kSuccess) status = gemm.run(stream);
+  status = GemmKernel::initialize_workspace(args, workspace, stream);
+  if (status == cutlass::Status::kSuccess) {
+    typename GemmKernel::Params params = GemmKernel::to_underlying_arguments(args, workspace);
+    status = Gemm::run(params, stream);
+  }
   cudaError_t e = cudaGetLastError();
   if (workspace != nullptr) cudaFreeAsync(workspace, stream);
   if (status != cutlass::Status::kSuccess || e != cudaSuccess) {
@@ -111,10 +147,18 @@ int launch(typename Traits::Gemm::Arguments& args, cudaStream_t stream, char* er
   return GEMMGEN_OK;
 }
 
+// The device and its SM count (the persistent grid's size), the count queried once per device.
 inline cutlass::KernelHardwareInfo hardware() {
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int> sm_counts[kMaxDevices];
   cutlass::KernelHardwareInfo hw;
   cudaGetDevice(&hw.device_id);
-  hw.sm_count = cutlass::KernelHardwareInfo::query_device_multiprocessor_count(hw.device_id);
+  int count = hw.device_id < kMaxDevices ? sm_counts[hw.device_id].load() : 0;
+  if (count == 0) {
+    count = cutlass::KernelHardwareInfo::query_device_multiprocessor_count(hw.device_id);
+    if (hw.device_id < kMaxDevices) sm_counts[hw.device_id].store(count);
+  }
+  hw.sm_count = count;
   return hw;
 }
 
