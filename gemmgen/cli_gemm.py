@@ -112,8 +112,8 @@ def run_profile(args: argparse.Namespace) -> int:
     rows, records = measure(decision.candidates, call, reps=args.reps, shape=f"{b}x{h}x{m}x{n}x{k}")
     bt = bm.transpose(-2, -1) if args.b_transposed else bm
     ms_torch = timing.median_ms(lambda _i: torch.matmul(a, bt, out=c) if out_dtype == dtype
-                                else torch.matmul(a, bt).float(), 1, reps=args.reps, graph=True)
-    print(f"{problem.describe()} on {facts.describe()}; device time per call (CUDA graph replay)")
+                                else torch.matmul(a, bt).float(), 1, reps=args.reps, hide_host=True)
+    print(f"{problem.describe()} on {facts.describe()}; device time per call (host path hidden)")
     print(f"{'instance':60} {'ms':>9} {'TFLOP/s':>8}")
     for name, ms, reason in sorted(rows, key=lambda r: r[1]):
         mark = "*" if name == decision.winner.name else " "
@@ -128,16 +128,17 @@ def run_profile(args: argparse.Namespace) -> int:
 
 
 def measure(cands: list, call, *, reps: int, shape: str) -> tuple[list[tuple[str, float, str | None]], dict]:
-    """Time `call(name)` for every candidate (median of `reps` CUDA-graph replays: device time, since
-    a kernel of a few microseconds timed eagerly measures the host path, the same for every
-    candidate, and ranks them by noise): (name, ms, reason) rows and tuning-database records by
-    build hash; a failing candidate is infinitely slow."""
+    """Time `call(name)` for every candidate (median of `reps` calls, each queued behind a spin
+    kernel so that CUDA events time its kernels alone: a kernel of a few microseconds timed with
+    its host path measures that path, the same for every candidate, and ranks them by noise):
+    (name, ms, reason) rows and tuning-database records by build hash; a failing candidate is
+    infinitely slow."""
     from gemmgen import timing
 
     rows, records = [], {}
     for cand in cands:
         try:
-            ms = timing.median_ms(lambda _i, name=cand.name: call(name), 1, reps=reps, graph=True)
+            ms = timing.median_ms(lambda _i, name=cand.name: call(name), 1, reps=reps, hide_host=True)
             reason = None
         except Exception as exc:  # a failing candidate is infinitely slow, not a crash
             ms, reason = math.inf, str(exc).splitlines()[0]

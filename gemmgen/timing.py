@@ -1,6 +1,8 @@
 """GPU timing for autotune and profile: CUDA events around each call after a warm-up, the median of
 the repeats, inputs rotated over copies so that they do not stay in L2 (or L2 flushed before each
-call when the copies cannot outgrow it), optionally the calls replayed from a CUDA graph."""
+call when the copies cannot outgrow it); optionally each call queued behind a spin kernel, so the
+events time the kernels alone (device time, the host path hidden), or the calls replayed from a
+CUDA graph."""
 from __future__ import annotations
 
 import statistics
@@ -12,6 +14,9 @@ ROTATE_FACTOR = 2  # the rotated copies together hold at least this many times t
 MAX_COPIES = 64
 MEMORY_SHARE = 0.25  # of the free GPU memory, at most, for the copies
 GRAPH_CALLS = 20  # calls per captured graph at least, so the graph's own launch is amortized
+# GPU cycles of the spin kernel ahead of each call timed with hide_host (about 0.5 ms at H200
+# clocks): far longer than any host path, so the call is queued before the GPU reaches it.
+HIDE_HOST_CYCLES = 1_000_000
 DEFAULT_L2_BYTES = 64 * 1024 * 1024
 
 
@@ -36,12 +41,15 @@ def flush_buffer(index: int, l2_bytes: int) -> torch.Tensor:
 
 
 def median_ms(run: Callable[[int], None], copies: int, *, warmup: int = 5, reps: int = 30,
-              graph: bool = False, flush: torch.Tensor | None = None) -> float:
+              graph: bool = False, flush: torch.Tensor | None = None, hide_host: bool = False) -> float:
     """Median milliseconds of one call `run(i)` (i: the copy to use), on the current stream.
 
     Without `graph`: CUDA events around each of `reps` calls (after `warmup` calls), L2 flushed
-    before each when `flush` is given. With `graph`: one CUDA graph holds at least GRAPH_CALLS calls
-    cycling over the copies; each replay is timed and divided by its calls (no launch overhead)."""
+    before each when `flush` is given. The events then time what a caller waits for, host path
+    included when the kernels are shorter than it; with `hide_host` a spin kernel runs ahead of
+    each call, so the events time the call's kernels alone, each on its own as a profiler would.
+    With `graph`: one CUDA graph holds at least GRAPH_CALLS calls cycling over the copies; each
+    replay is timed and divided by its calls (back-to-back kernels, no launch overhead)."""
     if graph:
         return _graph_median_ms(run, copies, warmup=warmup, reps=reps)
     for i in range(warmup):
@@ -51,6 +59,8 @@ def median_ms(run: Callable[[int], None], copies: int, *, warmup: int = 5, reps:
     for i in range(reps):
         if flush is not None:
             flush.zero_()
+        if hide_host:
+            torch.cuda._sleep(HIDE_HOST_CYCLES)
         start[i].record()
         run(i % copies)
         end[i].record()
