@@ -168,21 +168,31 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const Gemmgen
     gemm_ss(acc_s, tSrQ, tSrK, tSsQ, staged(tSsK, stage), tiled_mma, smem_tiled_copy_Q, smem_tiled_copy_K,
             smem_thr_copy_Q, smem_thr_copy_K);
     if constexpr (decltype(mask_tag)::value) {
-      const int col0 = n * kBlockN;
+      // One column limit per accumulator row (keys at or past it are hidden), then one int32
+      // compare per score: the mask runs on the diagonal tiles of every causal row tile, where
+      // 64-bit index math per score cost as much as a share of the tile's MMAs.
+      Tensor s = make_tensor(acc_s.data(), rowcol(acc_s.layout()));    // (rows, cols)
+      Tensor c = make_tensor(tScS.data(), rowcol(tScS.layout()));      // (row, col) of each score
+      const int cols_left = p.seqlen_k - n * kBlockN;
       CUTE_UNROLL
-      for (int i = 0; i < size(acc_s); ++i) {
-        const int row = row0 + get<0>(tScS(i));
-        const int col = col0 + get<1>(tScS(i));
-        const bool visible = col < p.seqlen_k && (!Causal || int64_t(col) <= int64_t(row) + p.causal_offset);
-        if (!visible) acc_s(i) = -INFINITY;
+      for (int mi = 0; mi < size<0>(s); ++mi) {
+        int limit = cols_left;
+        if constexpr (Causal) {  // key j visible to query i iff j <= i + causal_offset
+          const int64_t last = int64_t(row0) + get<0>(c(mi, 0)) + p.causal_offset - int64_t(n) * kBlockN;
+          limit = int(max<int64_t>(-1, min<int64_t>(cols_left - 1, last))) + 1;
+        }
+        CUTE_UNROLL
+        for (int ni = 0; ni < size<1>(s); ++ni) {
+          if (get<1>(c(0, ni)) >= limit) s(mi, ni) = -INFINITY;
+        }
       }
     }
     return acc_s;
   };
   // Online softmax on S, then O += P V (V in `stage`) with P straight from registers.
-  auto softmax_pv = [&](auto& acc_s, int stage) {
-    softmax.update(make_tensor(acc_s.data(), rowcol(acc_s.layout())),
-                   make_tensor(acc_o.data(), rowcol(acc_o.layout())));
+  auto softmax_pv = [&](auto& acc_s, int stage, auto first_tag) {
+    softmax.template update<decltype(first_tag)::value>(make_tensor(acc_s.data(), rowcol(acc_s.layout())),
+                                                        make_tensor(acc_o.data(), rowcol(acc_o.layout())));
     Tensor rP = convert_to<Element>(acc_s);
     Tensor tOrP = make_tensor(rP.data(), acc_to_a(rP.layout()));  // (MMA, MMA_M, MMA_N / 2)
     gemm_rs(acc_o, tOrP, tOrVt, staged(tOsVt, stage), tiled_mma, smem_tiled_copy_V, smem_thr_copy_V);
@@ -190,7 +200,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const Gemmgen
 
   // One key tile. One stage: a K and a V buffer alternate, V[n] loading under Q K^T and
   // K[n-1] under the softmax and P V. Two stages: tile n-2 loads while n-1 waits and n runs.
-  auto step = [&](int n, auto mask_tag) {
+  // Inlined at each of its call sites: outlined, it passed the accumulators through a 2.6 KB stack frame.
+  auto step = [&](int n, auto mask_tag, auto first_tag) __attribute__((always_inline)) {
     if constexpr (Traits::kStages == 1) {
       cp_async_wait<0>();
       __syncthreads();  // K[n] landed; every warp is done reading V[n+1]
@@ -203,13 +214,13 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const Gemmgen
         load_k(n - 1, 0, kBlockN);
         cp_async_fence();
       }
-      softmax_pv(acc_s, 0);
+      softmax_pv(acc_s, 0, first_tag);
     } else {
       const int stage = (n_block_max - 1 - n) & 1;
       cp_async_wait<1>();
       __syncthreads();  // this stage's K[n] and V[n] landed
       Tensor acc_s = qk(n, mask_tag, stage);
-      softmax_pv(acc_s, stage);
+      softmax_pv(acc_s, stage, first_tag);
       __syncthreads();  // every warp is done with this stage
       if (n > 1) {
         load_k(n - 2, stage, kBlockN);
@@ -225,8 +236,19 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const Gemmgen
     const int64_t col0 = int64_t(n) * kBlockN;
     return col0 + kBlockN > p.seqlen_k || (Causal && col0 + kBlockN - 1 > int64_t(row0) + p.causal_offset);
   };
-  for (; n_block >= 0 && needs_mask(n_block); --n_block) step(n_block, cute::true_type{});
-  for (; n_block >= 0; --n_block) step(n_block, cute::false_type{});
+  // The first tile, peeled where it measured faster (causal, and head dims from 128; non-causal
+  // d64 lost 2-4% to the larger kernel): O is still zero there, so it skips the rescale. A
+  // runtime flag in the shared loop body instead cost non-causal d128 3-6% (bench/NOTES.md, 13).
+  if constexpr (Causal || kHeadDim >= 128) {
+    if (needs_mask(n_block)) {
+      step(n_block, cute::true_type{}, cute::true_type{});
+    } else {
+      step(n_block, cute::false_type{}, cute::true_type{});
+    }
+    --n_block;
+  }
+  for (; n_block >= 0 && needs_mask(n_block); --n_block) step(n_block, cute::true_type{}, cute::false_type{});
+  for (; n_block >= 0; --n_block) step(n_block, cute::false_type{}, cute::false_type{});
 
   // Epilogue: normalize, stage O through shared memory (the Q tile's space: the last
   // barrier above ordered every read of Q) and store 16-byte rows; LSE from one lane per row.

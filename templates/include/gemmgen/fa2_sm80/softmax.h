@@ -34,8 +34,10 @@ struct OnlineSoftmax {
   }
 
   // scores: (rows, cols) view of S for one key tile, overwritten with P = exp2(S - max).
-  // acc_o: (rows, cols) view of O, rescaled to the new max.
-  template <class TS, class TO>
+  // acc_o: (rows, cols) view of O, rescaled to the new max, except on the first key tile
+  // (First), where O is still zero: a tile's worth of multiplies saved per row tile, which
+  // counts when causal row tiles see only a few key tiles.
+  template <bool First, class TS, class TO>
   CUTE_DEVICE void update(TS&& scores, TO&& acc_o) {
     static_assert(decltype(size<0>(scores))::value == kRows);
     CUTE_UNROLL
@@ -56,8 +58,10 @@ struct OnlineSoftmax {
         sum += scores(mi, ni);
       }
       row_sum(mi) = row_sum(mi) * correction + sum;
-      CUTE_UNROLL
-      for (int ni = 0; ni < size<1>(acc_o); ++ni) acc_o(mi, ni) *= correction;
+      if constexpr (!First) {
+        CUTE_UNROLL
+        for (int ni = 0; ni < size<1>(acc_o); ++ni) acc_o(mi, ni) *= correction;
+      }
     }
   }
 

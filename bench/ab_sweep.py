@@ -1,0 +1,125 @@
+"""A/B on the FlashAttention sweep: one gemmgen instance against one torch SDPA backend, timed in
+alternating order over several rounds, so that neither side is always measured in the GPU state
+(clocks under the power cap, L2 contents) the other one left behind.
+
+Shapes as bench/fa_sweep.py (batch*seqlen = 16384 tokens, heads*head_dim = 2048). Per shape:
+the gemmgen side is the fastest built instance of --family (a first pass times each candidate
+once), or the registry's pick without --family; the peer is --peer, or the fastest SDPA backend
+of a first pass with --peer best. Then --rounds rounds, in odd rounds gemmgen first, in even
+rounds the peer first, each side the median of --reps CUDA-event timings. Printed per shape: both
+sides' median TFLOP/s over the rounds, and the median, lowest and highest per-round ratio.
+
+    python bench/ab_sweep.py --family fa2_sm80 --peer FA2 --head-dim 128 --seq-len 1024 2048 4096
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import statistics
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import gemmgen
+from gemmgen import launch, registry
+from gemmgen.shapes import HIDDEN, SEQLENS, TOKENS
+
+BACKENDS = {"FA2": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
+            "cuDNN": SDPBackend.CUDNN_ATTENTION}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def time_ms(fn, warmup: int, reps: int) -> float:
+    """Median of `reps` CUDA-event timings after `warmup` calls."""
+    for _ in range(warmup):
+        fn()
+    start = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    end = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    for s, e in zip(start, end):
+        s.record()
+        fn()
+        e.record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in zip(start, end))
+
+
+def sdpa(q, k, v, causal: bool, backend: SDPBackend):
+    def run():
+        with sdpa_kernel([backend]):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    return run
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--family", help="the gemmgen side: the fastest built instance of this family "
+                                     "(default: the registry's pick)")
+    ap.add_argument("--peer", default="best", choices=[*BACKENDS, "best"])
+    ap.add_argument("--dtype", nargs="+", default=["bf16", "fp16"], choices=list(DTYPES))
+    ap.add_argument("--head-dim", nargs="+", type=int, default=[64, 128])
+    ap.add_argument("--seq-len", nargs="+", type=int, default=list(SEQLENS))
+    ap.add_argument("--mask", nargs="+", default=["none", "causal"], choices=["none", "causal"])
+    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--out", help="also write the table to this markdown file")
+    args = ap.parse_args()
+
+    dev = torch.cuda.get_device_properties(0)
+    header = (f"{dev.name}, torch {torch.__version__}, gemmgen {gemmgen.__version__}, {datetime.date.today()}; "
+              f"gemmgen side: {'fastest ' + args.family if args.family else 'registry pick'}; peer: {args.peer}; "
+              f"{args.rounds} rounds in alternating order, each side the median of {args.reps} CUDA-event "
+              f"timings; TFLOP/s = 4*B*H*N^2*d/t (halved for causal)")
+    rows = ["| dtype | d | causal | N | gemmgen instance | gemmgen | peer | peer TFLOP/s | ratio median "
+            "| ratio min | ratio max |", "|---" * 11 + "|"]
+    print(header, flush=True)
+    for dname in args.dtype:
+        for d in args.head_dim:
+            for mask in args.mask:
+                causal = mask == "causal"
+                for n in args.seq_len:
+                    b, h = TOKENS // n, HIDDEN // d
+                    q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=DTYPES[dname]) for _ in range(3))
+                    flops = 4 * b * h * n * n * d / (2 if causal else 1)
+                    ours_fn = lambda name: (lambda: gemmgen.fused_attention(q, k, v, causal=causal,  # noqa: E731
+                                                                            instance=name))
+                    if args.family:
+                        names = [c.name for c in registry.candidates(launch.problem_for(q, k, causal))[0]
+                                 if c.entry.family == args.family]
+                        if not names:
+                            print(f"{dname} d{d} {mask} N={n}: no {args.family} instance built", flush=True)
+                            continue
+                        ours = min(names, key=lambda name: time_ms(ours_fn(name), 3, args.reps))
+                    else:
+                        ours = gemmgen.selected_instance(q, k, v, causal=causal)
+                    if args.peer == "best":
+                        peers = {}
+                        for label, backend in BACKENDS.items():
+                            try:
+                                peers[label] = time_ms(sdpa(q, k, v, causal, backend), 3, args.reps)
+                            except RuntimeError:
+                                continue
+                        peer = min(peers, key=peers.get)
+                    else:
+                        peer = args.peer
+                    sides = {"ours": ours_fn(ours), "peer": sdpa(q, k, v, causal, BACKENDS[peer])}
+                    times = {"ours": [], "peer": []}
+                    for rnd in range(args.rounds):
+                        for side in (("ours", "peer") if rnd % 2 == 0 else ("peer", "ours")):
+                            times[side].append(time_ms(sides[side], 3, args.reps))
+                    ratios = [p / o for o, p in zip(times["ours"], times["peer"])]
+                    tf = lambda ms: flops / ms / 1e9  # noqa: E731
+                    row = (f"| {dname} | {d} | {'Y' if causal else 'N'} | {n} | {ours} | "
+                           f"{tf(statistics.median(times['ours'])):.0f} | {peer} | "
+                           f"{tf(statistics.median(times['peer'])):.0f} | {statistics.median(ratios):.2f} | "
+                           f"{min(ratios):.2f} | {max(ratios):.2f} |")
+                    rows.append(row)
+                    print(row, flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(header + "\n\n" + "\n".join(rows) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
