@@ -22,26 +22,9 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import gemmgen
+from fa_sweep import BACKENDS, DTYPES, time_ms  # the sweep's peers, dtypes and timing (same folder)
 from gemmgen import launch, registry
 from gemmgen.shapes import HIDDEN, SEQLENS, TOKENS
-
-BACKENDS = {"FA2": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
-            "cuDNN": SDPBackend.CUDNN_ATTENTION}
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def time_ms(fn, warmup: int, reps: int) -> float:
-    """Median of `reps` CUDA-event timings after `warmup` calls."""
-    for _ in range(warmup):
-        fn()
-    start = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    end = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    for s, e in zip(start, end):
-        s.record()
-        fn()
-        e.record()
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in zip(start, end))
 
 
 def sdpa(q, k, v, causal: bool, backend: SDPBackend):
