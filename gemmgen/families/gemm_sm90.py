@@ -124,7 +124,8 @@ class GemmSm90Instance:
         return {"dtype": self.dtype.value, "out_dtype": self.out_dtype.value, "b_transposed": self.b_transposed,
                 "strategy": self.strategy.value, "tile_m": self.tile_m, "tile_n": self.tile_n,
                 "tile_k": self.tile_k, "schedule": self.schedule.value, "cluster_m": self.cluster_m,
-                "cluster_n": self.cluster_n, "epi_tile_n": self.epi_tile_n, "tile_scheduler": self.tile_scheduler.value, "align": self.align, "align_c": self.align_c}
+                "cluster_n": self.cluster_n, "epi_tile_n": self.epi_tile_n,
+                "tile_scheduler": self.tile_scheduler.value, "align": self.align, "align_c": self.align_c}
 
     def template_values(self) -> dict:
         run, args, strategy = STRATEGY_CPP[self.strategy]
@@ -174,10 +175,10 @@ def problem_reason(params: dict, problem) -> str | None:
 
 SPACE: tuple[GemmSm90Instance, ...] = tuple(
     inst
-    for base in itertools.starmap(GemmSm90Instance, itertools.product(
-        DTYPES, OUT_FP32, B_TRANSPOSED, STRATEGIES, TILE_MS, TILE_NS, TILE_KS, SCHEDULES, (1,),
-        TILE_SCHEDULERS, (1,), EPI_TILE_NS))
-    for inst in [dataclasses.replace(base, cluster_m=cm, cluster_n=cn) for cm, cn in CLUSTERS]
+    for dtype, out_fp32, bt, strategy, tm, tn, tk, schedule, (cm, cn), scheduler, epi_n in itertools.product(
+        DTYPES, OUT_FP32, B_TRANSPOSED, STRATEGIES, TILE_MS, TILE_NS, TILE_KS, SCHEDULES, CLUSTERS,
+        TILE_SCHEDULERS, EPI_TILE_NS)
+    for inst in [GemmSm90Instance(dtype, out_fp32, bt, strategy, tm, tn, tk, schedule, cm, scheduler, cn, epi_n)]
     if invalid_reason(inst) is None
 )
 

@@ -16,6 +16,7 @@
 #include "cutlass/kernel_hardware_info.h"
 
 #include "gemmgen/gemm/batched_host.h"
+#include "gemmgen/smem.h"
 
 namespace gemmgen::gemm_sm90 {
 
@@ -93,27 +94,9 @@ Stride make_stride(int64_t row, int64_t batch) {
   return s;
 }
 
-// The kernel's dynamic shared memory opt-in, once per device (CUTLASS's adapter repeats it on
-// every initialize(): a driver call on each launch of the host path).
-template <class Traits>
-cudaError_t opt_in_smem() {
-  using GemmKernel = typename Traits::GemmKernel;
-  constexpr int kMaxDevices = 64;
-  static std::atomic<bool> done[kMaxDevices];
-  int device = 0;
-  if (cudaError_t e = cudaGetDevice(&device)) return e;
-  if (GemmKernel::SharedStorageSize < (48 << 10) || (device < kMaxDevices && done[device].load())) {
-    return cudaSuccess;
-  }
-  cudaError_t e = cudaFuncSetAttribute(cutlass::device_kernel<GemmKernel>,
-                                       cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       int(GemmKernel::SharedStorageSize));
-  if (e == cudaSuccess && device < kMaxDevices) done[device].store(true);
-  return e;
-}
-
 // can_implement, workspace (stream-ordered; stream-K's partial sums), params, launch: what
-// GemmUniversalAdapter::initialize + run do, with the opt-in above done once.
+// GemmUniversalAdapter::initialize + run do, with the shared-memory opt-in done once per device
+// (the adapter repeats it, a driver call, on every initialize()).
 template <class Traits>
 int launch(typename Traits::Gemm::Arguments& args, cudaStream_t stream, char* err, int err_len) {
   using Gemm = typename Traits::Gemm;
@@ -123,8 +106,9 @@ int launch(typename Traits::Gemm::Arguments& args, cudaStream_t stream, char* er
     return report(err, err_len, GEMMGEN_INVALID_ARGUMENT, "CUTLASS cannot run these arguments: %s",
                   cutlassGetStatusString(status));
   }
-  if (cudaError_t e = opt_in_smem<Traits>()) {
-    return report(err, err_len, GEMMGEN_CUDA_ERROR, "shared memory opt-in: %s", cudaGetErrorString(e));
+  if (int s = gemmgen::opt_in_smem<&cutlass::device_kernel<GemmKernel>>(int(GemmKernel::SharedStorageSize),
+                                                                         err, err_len)) {
+    return s;
   }
   size_t bytes = GemmKernel::get_workspace_size(args);
   void* workspace = nullptr;
