@@ -33,7 +33,8 @@ def add_arguments(p: argparse.ArgumentParser, *, profile: bool) -> None:
     p.add_argument("--build-dir", action="append", help="where to find manifests (repeatable)")
     p.add_argument("--device", type=int, default=0, help="CUDA device index (default 0)")
     if profile:
-        p.add_argument("--reps", type=int, default=30, help="timed repeats per candidate (median)")
+        p.add_argument("--reps", type=int, default=30,
+                       help="timed calls per candidate, in alternating rounds of 10-call bursts (median)")
         p.add_argument("--record", action="store_true", help="store the times in the tuning database")
     else:
         p.add_argument("--instance", help="force an instance by name")
@@ -109,11 +110,13 @@ def run_profile(args: argparse.Namespace) -> int:
         else:
             gemm.batched_gemm(a, bm, b_transposed=args.b_transposed, out=c, instance=name)
 
-    rows, records = measure(decision.candidates, call, reps=args.reps, shape=f"{b}x{h}x{m}x{n}x{k}")
     bt = bm.transpose(-2, -1) if args.b_transposed else bm
-    ms_torch = timing.median_ms(lambda _i: torch.matmul(a, bt, out=c) if out_dtype == dtype
-                                else torch.matmul(a, bt).float(), 1, reps=args.reps, hide_host=True)
-    print(f"{problem.describe()} on {facts.describe()}; device time per call (host path hidden)")
+    torch_call = (lambda: torch.matmul(a, bt, out=c)) if out_dtype == dtype else (lambda: torch.matmul(a, bt).float())
+    rows, records, peer_ms = measure(decision.candidates, call, reps=args.reps, shape=f"{b}x{h}x{m}x{n}x{k}",
+                                     peers={"torch": torch_call})
+    ms_torch = peer_ms.get("torch", math.nan)
+    print(f"{problem.describe()} on {facts.describe()}; device time per call under sustained load (host path "
+          f"hidden, alternating rounds)")
     print(f"{'instance':60} {'ms':>9} {'TFLOP/s':>8}")
     for name, ms, reason in sorted(rows, key=lambda r: r[1]):
         mark = "*" if name == decision.winner.name else " "
@@ -127,25 +130,43 @@ def run_profile(args: argparse.Namespace) -> int:
     return 0
 
 
-def measure(cands: list, call, *, reps: int, shape: str) -> tuple[list[tuple[str, float, str | None]], dict]:
-    """Time `call(name)` for every candidate (median of `reps` calls, each queued behind a spin
-    kernel so that CUDA events time its kernels alone: a kernel of a few microseconds timed with
-    its host path measures that path, the same for every candidate, and ranks them by noise):
-    (name, ms, reason) rows and tuning-database records by build hash; a failing candidate is
-    infinitely slow."""
+TUNE_BURST = 10  # back-to-back calls per timed burst when tuning
+
+
+def measure(cands: list, call, *, reps: int, shape: str,
+            peers: dict | None = None) -> tuple[list[tuple[str, float, str | None]], dict, dict]:
+    """Time `call(name)` for every candidate under sustained load (timing.sustained_ms: after a
+    settling second, rounds of back-to-back bursts in alternating order, each burst queued behind a
+    spin kernel so that the events time the kernels alone; `reps` calls per candidate in all):
+    (name, ms, reason) rows, tuning-database records by build hash, and the ms of each of `peers`
+    (name -> callable, e.g. torch.matmul), timed in the same rounds. A kernel of a few
+    microseconds timed with its host path would measure that path, the same for every candidate;
+    a ranking on a cool GPU inverts under the power cap on output-bound shapes (bench/NOTES.md,
+    experiment 16). A failing candidate is infinitely slow."""
     from gemmgen import timing
 
-    rows, records = [], {}
-    for cand in cands:
+    rows, records, runs = [], {}, {}
+    for cand in cands:  # one call each first: a candidate that fails is not timed
         try:
-            ms = timing.median_ms(lambda _i, name=cand.name: call(name), 1, reps=reps, hide_host=True)
-            reason = None
+            call(cand.name)
+            runs[cand.name] = lambda name=cand.name: call(name)
         except Exception as exc:  # a failing candidate is infinitely slow, not a crash
-            ms, reason = math.inf, str(exc).splitlines()[0]
-        rows.append((cand.name, ms, reason))
-        records[cand.content_hash] = tuning_db.Record(name=cand.name, ms=ms, reason=reason, shape=shape,
-                                                      at=time.time())
-    return rows, records
+            rows.append((cand.name, math.inf, str(exc).splitlines()[0]))
+    peer_ms = {}
+    if runs:
+        rounds = max(2, -(-reps // TUNE_BURST))
+        timed = timing.sustained_ms({**runs, **{f"peer:{k}": v for k, v in (peers or {}).items()}},
+                                    rounds=rounds, burst=TUNE_BURST)
+        for name, ms in timed.items():
+            if name.startswith("peer:"):
+                peer_ms[name.removeprefix("peer:")] = ms
+            else:
+                rows.append((name, ms, None))
+    by_name = {cand.name: cand for cand in cands}
+    for name, ms, reason in rows:
+        records[by_name[name].content_hash] = tuning_db.Record(name=name, ms=ms, reason=reason, shape=shape,
+                                                               at=time.time())
+    return rows, records, peer_ms
 
 
 def record(problem: gemm_select.GemmProblem, records: dict) -> tuning_db.TuningDB:

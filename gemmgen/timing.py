@@ -90,3 +90,39 @@ def _graph_median_ms(run: Callable[[int], None], copies: int, *, warmup: int, re
         end[i].record()
     torch.cuda.synchronize()
     return statistics.median(s.elapsed_time(e) / calls for s, e in zip(start, end))
+
+
+def burst_ms(run: Callable[[], None], calls: int) -> float:
+    """Milliseconds per call of `calls` back-to-back calls, queued behind a spin kernel so that the
+    events time the kernels alone (the host enqueues them while the spin runs)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(HIDE_HOST_CYCLES)
+    start.record()
+    for _ in range(calls):
+        run()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / calls
+
+
+def sustained_ms(runs: dict[str, Callable[[], None]], *, rounds: int = 3, burst: int = 10,
+                 settle_s: float = 1.0) -> dict[str, float]:
+    """Median milliseconds per call of each run, in the state a sustained workload runs in.
+
+    Heavy kernels bring the H200 to its power cap within about a second, and the cap lowers the SM
+    clock (bench/NOTES.md, experiment 10); kernels that spend more energy per result then slow more
+    than others, so a ranking taken on a cool GPU can invert under load. Here the runs first cycle in
+    bursts for `settle_s` seconds, then `rounds` rounds time a burst of `burst` calls of each run,
+    in alternating order (forward, then backward), so that no run always follows the same one."""
+    import time
+
+    names = list(runs)
+    end = time.monotonic() + settle_s
+    while time.monotonic() < end:
+        for name in names:
+            burst_ms(runs[name], burst)
+    got: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(rounds):
+        for name in (names if r % 2 == 0 else names[::-1]):
+            got[name].append(burst_ms(runs[name], burst))
+    return {name: statistics.median(v) for name, v in got.items()}

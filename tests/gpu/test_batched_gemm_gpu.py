@@ -116,6 +116,22 @@ def test_every_built_strided_instance():
     assert not failures, "\n".join(failures)
 
 
+def test_profile_gemm_records_sustained_times():
+    """profile-gemm times every candidate and torch.matmul under sustained load, records the
+    times, and the next selection for that shape reads them."""
+    from conftest import run_cli
+
+    shape = ["--batch", "2", "--heads", "4", "--m", "256", "--n", "256", "--k", "64", "--b-transposed"]
+    proc = run_cli("profile-gemm", *shape, "--reps", "20", "--record", timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "under sustained load" in proc.stdout and "torch.matmul (cuBLAS)" in proc.stdout
+    rows = [line for line in proc.stdout.splitlines() if line[1:].startswith("gemm_")]
+    assert rows and all("failed" not in line for line in rows), proc.stdout
+    assert "recorded" in proc.stdout
+    explain = run_cli("explain-gemm", *shape)
+    assert explain.returncode == 0 and "tuned" in explain.stdout, explain.stdout + explain.stderr
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
 @pytest.mark.parametrize("b_transposed", [False, True], ids=["nn", "nt"])
 @pytest.mark.parametrize("m, n, k", [(17, 127, 129), (512, 512, 128), (1000, 1000, 64)])

@@ -1,0 +1,102 @@
+"""Batched GEMM under sustained load: every built strided gemm_sm90 candidate against cuBLAS, after
+the GPU has settled at its power cap.
+
+bench/batched_gemm.py times each shape briefly, at the clocks a cool GPU starts with. Experiment 10
+(bench/NOTES.md) found the H200's power cap lowering the SM clock within a second of heavy load,
+and our output-bound Q Kᵀ kernels slowing more than cuBLAS's. This script measures that state:
+it first runs cuBLAS on the shape for --settle seconds, then times every candidate and cuBLAS in
+alternating order over --rounds rounds, each timing a burst of --burst back-to-back calls (the
+load a training step puts on these GEMMs).
+
+    python bench/gemm_sustained.py [--shape BH M N K ...] [--rounds 3] [--out bench/results/x.md]
+
+Prints, per shape, each candidate's median TFLOP/s over the rounds and its ratio to cuBLAS's
+median, best first.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import statistics
+import time
+
+import torch
+
+import gemmgen
+from gemmgen import registry
+
+# The output-bound Q Kᵀ shapes of bench/results/batched_gemm_h200.md (device ratio < 0.9).
+SHAPES = ((4096, 512, 512, 128), (512, 1024, 1024, 128), (512, 2048, 2048, 128), (64, 4096, 4096, 128))
+
+
+def burst_ms(fn, burst: int) -> float:
+    """Milliseconds per call over `burst` back-to-back calls."""
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    for _ in range(burst):
+        fn()
+    e.record()
+    torch.cuda.synchronize()
+    return s.elapsed_time(e) / burst
+
+
+def candidates(a: torch.Tensor, b: torch.Tensor) -> list[str]:
+    """Built strided gemm_sm90 instances that run this Q Kᵀ call."""
+    names = []
+    for c in registry.load()[0]:
+        if c.entry.family == "gemm_sm90" and c.entry.state == "built" and "_strided_" in c.name:
+            try:
+                gemmgen.batched_gemm(a, b, b_transposed=True, instance=c.name)
+                names.append(c.name)
+            except Exception:  # a layout or dtype this instance does not run
+                pass
+    torch.cuda.synchronize()
+    return sorted(names)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", nargs=4, type=int, action="append", metavar=("BH", "M", "N", "K"),
+                    help="a Q Kᵀ shape (repeatable; default: the four output-bound ones)")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--burst", type=int, default=20)
+    ap.add_argument("--settle", type=float, default=2.0, help="seconds of cuBLAS load before timing")
+    ap.add_argument("--out", help="also write the table to this markdown file")
+    args = ap.parse_args()
+
+    dev = torch.cuda.get_device_properties(0)
+    header = (f"{dev.name}, torch {torch.__version__}, gemmgen {gemmgen.__version__}, {datetime.date.today()}, "
+              f"fp16 Q Kᵀ; after {args.settle:g} s of cuBLAS load, {args.rounds} rounds in alternating order, "
+              f"each a burst of {args.burst} calls; TFLOP/s = 2*BH*M*N*K/t")
+    lines = [header, "", "| BH | M | N | K | instance | TFLOP/s | cuBLAS | ratio |", "|---|---|---|---|---|---|---|---|"]
+    print(header, flush=True)
+    for bh, m, n, k in args.shape or SHAPES:
+        a = torch.randn(bh, 1, m, k, dtype=torch.float16, device="cuda")
+        b = torch.randn(bh, 1, n, k, dtype=torch.float16, device="cuda")
+        c = torch.empty(bh, 1, m, n, dtype=torch.float16, device="cuda")
+        tflops = 2.0 * bh * m * n * k / 1e9
+        sides = {"cuBLAS": lambda: torch.matmul(a, b.transpose(-2, -1), out=c)}
+        for name in candidates(a, b):
+            sides[name] = lambda name=name: gemmgen.batched_gemm(a, b, b_transposed=True, out=c, instance=name)
+        end = time.monotonic() + args.settle
+        while time.monotonic() < end:
+            burst_ms(sides["cuBLAS"], args.burst)
+        got = {name: [] for name in sides}
+        for rnd in range(args.rounds):
+            order = list(sides) if rnd % 2 == 0 else list(reversed(sides))
+            for name in order:
+                got[name].append(tflops / burst_ms(sides[name], args.burst))
+        med = {name: statistics.median(v) for name, v in got.items()}
+        ref = med.pop("cuBLAS")
+        for name, t in sorted(med.items(), key=lambda kv: -kv[1]):
+            row = f"| {bh} | {m} | {n} | {k} | {name} | {t:.1f} | {ref:.1f} | {t / ref:.2f} |"
+            lines.append(row)
+            print(row, flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write("\n".join(lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
