@@ -10,7 +10,7 @@ exceed --max-gb skipped. Two numbers per strategy:
 - throughput: TFLOP/s = 2*BH*M*N*K / t, CUDA-event median after warm-up (events around each
   eager call, so a kernel shorter than the host path is timed with the host path); with --device
   also the device time under sustained load, as the tuning times candidates (timing.sustained_ms:
-  a settling second, then five rounds of 10-call bursts in alternating order, each burst queued
+  half a second of load, then five rounds of 10-call bursts in alternating order, each burst queued
   behind a spin kernel so that the events see the kernels alone).
 The pointer-array strategy is timed with its device arrays built once (gemm.PointerArrays) and,
 for the overhead row, also with the arrays built per call (batched_gemm_ptrs). Bar: strided
@@ -32,6 +32,9 @@ import gemmgen
 from gemmgen import cli_gemm, gemm, gemm_select, timing
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+# Seconds of load before each shape's sustained timings: the shapes run back to back, so the GPU
+# arrives warm from the one before; half a second settles the step from a small shape to a large one.
+SETTLE_S = 0.5
 
 
 def wall_us(fn, reps: int = 200) -> float:
@@ -146,7 +149,7 @@ def main() -> int:
                         cands = gemm_select.candidates(problem)[0]
                         _, records, _ = cli_gemm.measure(
                             cands, lambda name: gemmgen.batched_gemm(a, b, b_transposed=bt, out=c, instance=name),
-                            reps=args.tune_reps, shape=f"{bh}x1x{mn}x{n}x{a.shape[3]}")
+                            reps=args.tune_reps, shape=f"{bh}x1x{mn}x{n}x{a.shape[3]}", settle_s=SETTLE_S)
                         cli_gemm.record(problem, records)
                     t_s = timing.median_ms(lambda _i: gemmgen.batched_gemm(a, b, b_transposed=bt, out=c), 1,
                                            reps=args.reps)
@@ -160,7 +163,8 @@ def main() -> int:
                     device_ratio = None
                     if args.device:
                         d = timing.sustained_ms({"ours": lambda: gemmgen.batched_gemm(a, b, b_transposed=bt, out=c),
-                                                 "cuBLAS": lambda: torch.matmul(a, bmat, out=c)}, rounds=5)
+                                                 "cuBLAS": lambda: torch.matmul(a, bmat, out=c)},
+                                                rounds=5, settle_s=SETTLE_S)
                         d_s, d_c = d["ours"], d["cuBLAS"]
                         device_ratio = d_c / d_s
                         row += f" {tf(d_s):.1f} | {tf(d_c):.1f} | {device_ratio:.2f} |"
