@@ -135,15 +135,15 @@ TUNE_BURST = 10  # back-to-back calls per timed burst when tuning
 
 def measure(cands: list, call, *, reps: int, shape: str, peers: dict | None = None,
             settle_s: float = 1.0) -> tuple[list[tuple[str, float, str | None]], dict, dict]:
-    """Time `call(name)` for every candidate under sustained load (timing.sustained_ms: after a
-    settling second, rounds of back-to-back bursts in alternating order, each burst queued behind a
-    spin kernel so that the events time the kernels alone; `reps` calls per candidate in all):
-    (name, ms, reason) rows, tuning-database records by build hash, and the ms of each of `peers`
-    (name -> callable, e.g. torch.matmul), timed in the same rounds, after `settle_s` seconds of
-    load. A kernel of a few
-    microseconds timed with its host path would measure that path, the same for every candidate;
-    a ranking on a cool GPU inverts under the power cap on output-bound shapes (bench/NOTES.md,
-    experiment 16). A failing candidate is infinitely slow."""
+    """Time `call(name)` for every candidate under sustained load (timing.sustained_ms: `settle_s`
+    seconds of load, then rounds of back-to-back bursts in alternating order, each burst queued
+    behind a spin kernel so that the events time the kernels alone; `reps` calls per candidate in
+    all). Returns (name, ms, reason) rows, tuning-database records by build hash, and the ms of
+    each of `peers` (name -> callable, e.g. torch.matmul), timed in the same rounds.
+
+    A kernel of a few microseconds timed with its host path would measure that path, the same for
+    every candidate; a ranking taken on a cool GPU inverts under the power cap on output-bound
+    shapes (bench/NOTES.md, experiment 17). A failing candidate is infinitely slow."""
     from gemmgen import timing
 
     rows, records, runs = [], {}, {}
