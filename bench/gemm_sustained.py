@@ -5,7 +5,8 @@ bench/batched_gemm.py times each shape briefly, at the clocks a cool GPU starts 
 (bench/NOTES.md) found the H200's power cap lowering the SM clock within a second of heavy load,
 and our output-bound Q Kᵀ kernels slowing more than cuBLAS's. This script measures that state:
 it first runs cuBLAS on the shape for --settle seconds, then times every candidate and cuBLAS in
-alternating order over --rounds rounds, each timing a burst of --burst back-to-back calls (the
+alternating order over --rounds rounds, each timing a burst of --burst back-to-back calls queued
+behind a spin kernel (the
 load a training step puts on these GEMMs).
 
     python bench/gemm_sustained.py [--shape BH M N K ...] [--rounds 3] [--out bench/results/x.md]
@@ -24,20 +25,10 @@ import torch
 
 import gemmgen
 from gemmgen import registry
+from gemmgen.timing import burst_ms  # calls queued behind a spin kernel: the kernels alone
 
 # The output-bound Q Kᵀ shapes of bench/results/batched_gemm_h200.md (device ratio < 0.9).
 SHAPES = ((4096, 512, 512, 128), (512, 1024, 1024, 128), (512, 2048, 2048, 128), (64, 4096, 4096, 128))
-
-
-def burst_ms(fn, burst: int) -> float:
-    """Milliseconds per call over `burst` back-to-back calls."""
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    s.record()
-    for _ in range(burst):
-        fn()
-    e.record()
-    torch.cuda.synchronize()
-    return s.elapsed_time(e) / burst
 
 
 def candidates(a: torch.Tensor, b: torch.Tensor) -> list[str]:
