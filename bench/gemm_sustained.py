@@ -1,13 +1,12 @@
 """Batched GEMM under sustained load: every built strided gemm_sm90 candidate against cuBLAS, after
 the GPU has settled at its power cap.
 
-bench/batched_gemm.py times each shape briefly, at the clocks a cool GPU starts with. Experiment 10
-(bench/NOTES.md) found the H200's power cap lowering the SM clock within a second of heavy load,
-and our output-bound Q Kᵀ kernels slowing more than cuBLAS's. This script measures that state:
-it first runs cuBLAS on the shape for --settle seconds, then times every candidate and cuBLAS in
-alternating order over --rounds rounds, each timing a burst of --burst back-to-back calls queued
-behind a spin kernel (the
-load a training step puts on these GEMMs).
+Experiment 10 (bench/NOTES.md) found the H200's power cap lowering the SM clock within a second of
+heavy load, and our output-bound Q Kᵀ kernels slowing more than cuBLAS's; bench/batched_gemm.py
+times only the pick there. This script times every candidate in that state: it first runs cuBLAS
+on the shape for --settle seconds, then times every candidate and cuBLAS in alternating order
+over --rounds rounds, each timing a burst of --burst back-to-back calls queued behind a spin
+kernel (the load a training step puts on these GEMMs).
 
     python bench/gemm_sustained.py [--shape BH M N K ...] [--rounds 3] [--out bench/results/x.md]
 
