@@ -54,7 +54,7 @@ def test_every_instance(name):
         ran += 1
     assert ran >= 5
     # More row tiles (8 x 64 for block_m 128) than the H200's 132 SMs: each CTA of the persistent
-    # schedule runs several, cycling its Q and K/V buffers and the consumer groups' turns.
+    # schedule runs several, cycling its Q and K/V buffers.
     q, k, v = make_qkv(4, 16, 16, 1000, 1000, d, dtype, (name, "many tiles"))
     check(q, k, v, causal=causal, instance=name)
 
