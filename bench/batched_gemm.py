@@ -10,8 +10,9 @@ exceed --max-gb skipped. Two numbers per strategy:
 - throughput: TFLOP/s = 2*BH*M*N*K / t, CUDA-event median after warm-up (events around each
   eager call, so a kernel shorter than the host path is timed with the host path); with --device
   also the device time under sustained load, as the tuning times candidates (timing.sustained_ms:
-  half a second of load, then five rounds of 10-call bursts in alternating order, each burst queued
-  behind a spin kernel so that the events see the kernels alone).
+  half a second of load, then five rounds in alternating order, each a burst of at least 10 calls
+  and, for calls of 50 us or more, 40 ms, queued behind a spin kernel so that the events see the
+  kernels alone).
 The pointer-array strategy is timed with its device arrays built once (gemm.PointerArrays) and,
 for the overhead row, also with the arrays built per call (batched_gemm_ptrs). Bar: strided
 >= 0.9x cuBLAS at M, N >= 512.
@@ -90,7 +91,8 @@ def main() -> int:
                     help="list the kernels each side runs on the shapes below the bar (torch.profiler), "
                          "in <out>_kernels.txt (the .md dropped)")
     ap.add_argument("--tune-reps", type=int, default=30,
-                    help="timed calls per candidate when tuning (alternating rounds of 10-call bursts)")
+                    help="timed calls per candidate when tuning (one alternating round per 10; "
+                         "bursts of >= 40 ms where calls are >= 50 us)")
     ap.add_argument("--tune", action="store_true",
                     help="first time every strided candidate on each shape and record it in the tuning "
                          "database (as `gemmgen profile-gemm --record`), so the strided column is the tuned pick")
@@ -164,7 +166,8 @@ def main() -> int:
                     if args.device:
                         d = timing.sustained_ms({"ours": lambda: gemmgen.batched_gemm(a, b, b_transposed=bt, out=c),
                                                  "cuBLAS": lambda: torch.matmul(a, bmat, out=c)},
-                                                rounds=5, settle_s=SETTLE_S)
+                                                rounds=5, settle_s=SETTLE_S,
+                                                min_burst_ms=cli_gemm.TUNE_MIN_BURST_MS)
                         d_s, d_c = d["ours"], d["cuBLAS"]
                         device_ratio = d_c / d_s
                         row += f" {tf(d_s):.1f} | {tf(d_c):.1f} | {device_ratio:.2f} |"

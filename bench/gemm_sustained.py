@@ -3,12 +3,13 @@ the GPU has settled at its power cap.
 
 Experiment 10 (bench/NOTES.md) found the H200's power cap lowering the SM clock within a second of
 heavy load, and our output-bound Q Kᵀ kernels slowing more than cuBLAS's; bench/batched_gemm.py
-times only the pick there. This script times every candidate in that state: it first runs cuBLAS
-on the shape for --settle seconds, then times every candidate and cuBLAS in alternating order
-over --rounds rounds, each timing a burst of --burst back-to-back calls queued behind a spin
-kernel (the load a training step puts on these GEMMs).
+times only the pick there. This script times every candidate in that state, with
+timing.sustained_ms: all candidates and cuBLAS cycle for --settle seconds, then --rounds rounds
+in alternating order each time a burst of back-to-back calls of every side, queued behind a spin
+kernel, lasting at least --min-burst-ms (the load a training step puts on these GEMMs).
 
-    python bench/gemm_sustained.py [--shape BH M N K ...] [--rounds 3] [--out bench/results/x.md]
+    python bench/gemm_sustained.py [--shape BH M N K ...] [--rounds 3] [--min-burst-ms 40]
+                                   [--out bench/results/x.md]
 
 Prints, per shape, each candidate's median TFLOP/s over the rounds and its ratio to cuBLAS's
 median, best first.
@@ -17,14 +18,11 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import statistics
-import time
 
 import torch
 
 import gemmgen
-from gemmgen import registry
-from gemmgen.timing import burst_ms  # calls queued behind a spin kernel: the kernels alone
+from gemmgen import registry, timing
 
 # The output-bound Q Kᵀ shapes of bench/results/batched_gemm_h200.md (device ratio < 0.9).
 SHAPES = ((4096, 512, 512, 128), (512, 1024, 1024, 128), (512, 2048, 2048, 128), (64, 4096, 4096, 128))
@@ -49,15 +47,16 @@ def main() -> int:
     ap.add_argument("--shape", nargs=4, type=int, action="append", metavar=("BH", "M", "N", "K"),
                     help="a Q Kᵀ shape (repeatable; default: the four output-bound ones)")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--burst", type=int, default=20)
-    ap.add_argument("--settle", type=float, default=2.0, help="seconds of cuBLAS load before timing")
+    ap.add_argument("--burst", type=int, default=10, help="calls per burst, at least")
+    ap.add_argument("--min-burst-ms", type=float, default=40.0, help="bursts last this long, at least")
+    ap.add_argument("--settle", type=float, default=2.0, help="seconds of load before timing")
     ap.add_argument("--out", help="also write the table to this markdown file")
     args = ap.parse_args()
 
     dev = torch.cuda.get_device_properties(0)
     header = (f"{dev.name}, torch {torch.__version__}, gemmgen {gemmgen.__version__}, {datetime.date.today()}, "
-              f"fp16 Q Kᵀ; after {args.settle:g} s of cuBLAS load, {args.rounds} rounds in alternating order, "
-              f"each a burst of {args.burst} calls; TFLOP/s = 2*BH*M*N*K/t")
+              f"fp16 Q Kᵀ; after {args.settle:g} s of load, {args.rounds} rounds in alternating order, each a "
+              f"burst of >= {args.burst} calls lasting >= {args.min_burst_ms:g} ms; TFLOP/s = 2*BH*M*N*K/t")
     lines = [header, "", "| BH | M | N | K | instance | TFLOP/s | cuBLAS | ratio |", "|---|---|---|---|---|---|---|---|"]
     print(header, flush=True)
     for bh, m, n, k in args.shape or SHAPES:
@@ -68,15 +67,9 @@ def main() -> int:
         sides = {"cuBLAS": lambda: torch.matmul(a, b.transpose(-2, -1), out=c)}
         for name in candidates(a, b):
             sides[name] = lambda name=name: gemmgen.batched_gemm(a, b, b_transposed=True, out=c, instance=name)
-        end = time.monotonic() + args.settle
-        while time.monotonic() < end:
-            burst_ms(sides["cuBLAS"], args.burst)
-        got = {name: [] for name in sides}
-        for rnd in range(args.rounds):
-            order = list(sides) if rnd % 2 == 0 else list(reversed(sides))
-            for name in order:
-                got[name].append(tflops / burst_ms(sides[name], args.burst))
-        med = {name: statistics.median(v) for name, v in got.items()}
+        ms = timing.sustained_ms(sides, rounds=args.rounds, burst=args.burst, settle_s=args.settle,
+                                 min_burst_ms=args.min_burst_ms)
+        med = {name: tflops / t for name, t in ms.items()}
         ref = med.pop("cuBLAS")
         for name, t in sorted(med.items(), key=lambda kv: -kv[1]):
             row = f"| {bh} | {m} | {n} | {k} | {name} | {t:.1f} | {ref:.1f} | {t / ref:.2f} |"

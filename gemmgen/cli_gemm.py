@@ -34,7 +34,8 @@ def add_arguments(p: argparse.ArgumentParser, *, profile: bool) -> None:
     p.add_argument("--device", type=int, default=0, help="CUDA device index (default 0)")
     if profile:
         p.add_argument("--reps", type=int, default=30,
-                       help="timed calls per candidate, in alternating rounds of 10-call bursts (median)")
+                       help="timed calls per candidate: one alternating round per 10 (median of the rounds; "
+                            "each round a burst of >= 10 calls lasting >= 40 ms where calls are >= 50 us)")
         p.add_argument("--record", action="store_true", help="store the times in the tuning database")
     else:
         p.add_argument("--instance", help="force an instance by name")
@@ -130,20 +131,24 @@ def run_profile(args: argparse.Namespace) -> int:
     return 0
 
 
-TUNE_BURST = 10  # back-to-back calls per timed burst when tuning
+TUNE_BURST = 10  # back-to-back calls per timed burst when tuning, at least
+TUNE_MIN_BURST_MS = 40.0  # and bursts of calls >= 50 us last this long (timing.burst_calls)
+TUNE_PRUNE = 1.3  # candidates this much slower than the fastest after settling skip the rounds
 
 
 def measure(cands: list, call, *, reps: int, shape: str, peers: dict | None = None,
             settle_s: float = 1.0) -> tuple[list[tuple[str, float, str | None]], dict, dict]:
     """Time `call(name)` for every candidate under sustained load (timing.sustained_ms: `settle_s`
     seconds of load, then rounds of back-to-back bursts in alternating order, each burst queued
-    behind a spin kernel so that the events time the kernels alone; `reps` calls per candidate in
-    all). Returns (name, ms, reason) rows, tuning-database records by build hash, and the ms of
-    each of `peers` (name -> callable, e.g. torch.matmul), timed in the same rounds.
+    behind a spin kernel so that the events time the kernels alone and lasting TUNE_MIN_BURST_MS
+    where the calls are long enough; one round per TUNE_BURST of `reps`, at least two; candidates
+    more than TUNE_PRUNE times slower than the fastest after settling keep their settling time).
+    Returns (name, ms, reason) rows, tuning-database records by build hash, and the ms of each of
+    `peers` (name -> callable, e.g. torch.matmul), timed in the same rounds.
 
     A kernel of a few microseconds timed with its host path would measure that path, the same for
     every candidate; a ranking taken on a cool GPU inverts under the power cap on output-bound
-    shapes (bench/NOTES.md, experiment 17). A failing candidate is infinitely slow."""
+    shapes (bench/NOTES.md, experiments 17 and 19). A failing candidate is infinitely slow."""
     from gemmgen import timing
 
     rows, records, runs = [], {}, {}
@@ -156,8 +161,9 @@ def measure(cands: list, call, *, reps: int, shape: str, peers: dict | None = No
     peer_ms = {}
     if runs:
         rounds = max(2, -(-reps // TUNE_BURST))
-        timed = timing.sustained_ms({**runs, **{f"peer:{k}": v for k, v in (peers or {}).items()}},
-                                    rounds=rounds, burst=TUNE_BURST, settle_s=settle_s)
+        peer_runs = {f"peer:{k}": v for k, v in (peers or {}).items()}
+        timed = timing.sustained_ms({**runs, **peer_runs}, rounds=rounds, burst=TUNE_BURST, settle_s=settle_s,
+                                    min_burst_ms=TUNE_MIN_BURST_MS, prune=TUNE_PRUNE, fixed=tuple(peer_runs))
         for name, ms in timed.items():
             if name.startswith("peer:"):
                 peer_ms[name.removeprefix("peer:")] = ms

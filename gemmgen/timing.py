@@ -5,6 +5,7 @@ events time the kernels alone (device time, the host path hidden), or the calls 
 CUDA graph."""
 from __future__ import annotations
 
+import math
 import statistics
 from typing import Callable
 
@@ -105,24 +106,54 @@ def burst_ms(run: Callable[[], None], calls: int) -> float:
     return start.elapsed_time(end) / calls
 
 
+# A call shorter than this may be host-bound in a long burst (the host path costs 10-20 us per
+# call), so its bursts keep their fixed count; longer calls get bursts of at least min_burst_ms.
+HOST_BOUND_MS = 0.05
+
+
+def burst_calls(est_ms: float, burst: int, min_burst_ms: float) -> int:
+    """Calls per timed burst: `burst`, or enough to last `min_burst_ms` when one call (`est_ms`)
+    is long enough for the host to stay ahead of the GPU."""
+    if min_burst_ms <= 0 or not est_ms < math.inf or est_ms < HOST_BOUND_MS:
+        return burst
+    return max(burst, math.ceil(min_burst_ms / est_ms))
+
+
 def sustained_ms(runs: dict[str, Callable[[], None]], *, rounds: int = 3, burst: int = 10,
-                 settle_s: float = 1.0) -> dict[str, float]:
+                 settle_s: float = 1.0, min_burst_ms: float = 0.0, prune: float = 0.0,
+                 fixed: tuple[str, ...] = ()) -> dict[str, float]:
     """Median milliseconds per call of each run, in the state a sustained workload runs in.
 
     Heavy kernels bring the H200 to its power cap within about a second, and the cap lowers the SM
     clock (bench/NOTES.md, experiment 10); kernels that spend more energy per result then slow more
     than others, so a ranking taken on a cool GPU can invert under load. Here the runs first cycle in
-    bursts for `settle_s` seconds, then `rounds` rounds time a burst of `burst` calls of each run,
-    in alternating order (forward, then backward), so that no run always follows the same one."""
+    bursts of `burst` calls for `settle_s` seconds (at least one pass, which also estimates each
+    call's time), then `rounds` rounds time one burst of each run, in alternating order (forward,
+    then backward), so that no run always follows the same one. With `min_burst_ms`, a run's timed
+    bursts last at least that long (burst_calls): a burst of a few milliseconds is about as long as
+    the power controller takes to react, so it would partly run at the clock its predecessor left
+    (bench/NOTES.md, experiment 19). With `prune`, runs slower than `prune` times the fastest in
+    the last settling pass skip the rounds and keep that pass's time: they cannot win, and their
+    lighter bursts would raise the clock the next run is timed at; the runs named in `fixed` (a
+    reference such as cuBLAS) are always timed."""
     import time
 
     names = list(runs)
+    est: dict[str, float] = {}
     end = time.monotonic() + settle_s
-    while time.monotonic() < end:
+    while True:
         for name in names:
-            burst_ms(runs[name], burst)
-    got: dict[str, list[float]] = {name: [] for name in names}
+            est[name] = burst_ms(runs[name], burst)
+        if time.monotonic() >= end:
+            break
+    if prune > 0:
+        fastest = min((t for name, t in est.items() if name not in fixed), default=0.0)
+        timed = [name for name in names if name in fixed or est[name] <= prune * fastest]
+    else:
+        timed = names
+    calls = {name: burst_calls(est[name], burst, min_burst_ms) for name in timed}
+    got: dict[str, list[float]] = {name: [] for name in timed}
     for r in range(rounds):
-        for name in (names if r % 2 == 0 else names[::-1]):
-            got[name].append(burst_ms(runs[name], burst))
-    return {name: statistics.median(v) for name, v in got.items()}
+        for name in (timed if r % 2 == 0 else timed[::-1]):
+            got[name].append(burst_ms(runs[name], calls[name]))
+    return {name: statistics.median(got[name]) if name in got else est[name] for name in names}

@@ -28,6 +28,34 @@ def test_rotation_plan():
     assert timing.plan_copies(16 * MB, 60 * MB, 32 * MB) == (1, True)  # no memory for copies
 
 
+def test_sustained_bursts_last_long_enough_unless_host_bound():
+    assert timing.burst_calls(1.0, 10, 40.0) == 40  # 1 ms calls: a 40 ms burst
+    assert timing.burst_calls(0.3, 10, 40.0) == 134
+    assert timing.burst_calls(8.0, 10, 40.0) == 10  # never below the fixed count
+    assert timing.burst_calls(0.01, 10, 40.0) == 10  # 10 us calls: the host path would be timed
+    assert timing.burst_calls(1.0, 10, 0.0) == 10  # no minimum asked
+    assert timing.burst_calls(math.inf, 10, 40.0) == 10  # a failing run
+
+
+def test_sustained_rounds_skip_runs_that_cannot_win(monkeypatch):
+    """After the settling pass, runs slower than `prune` x the fastest candidate keep that pass's
+    time and are not re-timed; a `fixed` reference is always timed, and is not the yardstick."""
+    per_call = {"a": 1.0, "b": 1.2, "slow": 2.0, "ref": 0.2}
+    bursts = []
+
+    def fake_burst(run, calls):
+        bursts.append((run(), calls))
+        return per_call[run()]
+
+    monkeypatch.setattr(timing, "burst_ms", fake_burst)
+    runs = {name: (lambda name=name: name) for name in per_call}
+    got = timing.sustained_ms(runs, rounds=2, settle_s=0, min_burst_ms=40, prune=1.3, fixed=("ref",))
+    assert got == per_call
+    rounds = bursts[len(per_call):]  # after one settling pass of every run
+    assert [name for name, _ in rounds] == ["a", "b", "ref", "ref", "b", "a"]  # forward, then backward
+    assert dict(rounds) == {"a": 40, "b": 34, "ref": 200}  # bursts of >= 40 ms
+
+
 def test_results_are_stored_and_failures_never_win(tmp_path):
     problem = Problem("bf16", 64, False, H200, batch_heads=64, seqlen_q=512, seqlen_k=512)
     result = tuner.TuneResult(Shape(2, 32, 512, 512, 64), problem, [
