@@ -52,8 +52,8 @@ CLUSTERS = ((1, 1), (2, 1), (1, 2))
 TILE_SCHEDULERS = tuple(TileScheduler)
 # Columns of the epilogue's sub-tile: 0 is CUTLASS's choice (32); 64 halves the sub-tiles and
 # their barriers per tile and doubles the bytes of each TMA store, for GEMMs whose time is the
-# store of a large C (Q x K^T with a short K).
-EPI_TILE_NS = (0, 64)
+# store of a large C (Q x K^T with a short K); 128 halves them again.
+EPI_TILE_NS = (0, 64, 128)
 EPI_STAGES = 2  # the sub-tiles staged in shared memory for TMA stores (CUTLASS's count)
 MIN_STAGES = 2
 
