@@ -5,8 +5,8 @@ Experiment 10 (bench/NOTES.md) found the H200's power cap lowering the SM clock 
 heavy load, and our output-bound Q Kᵀ kernels slowing more than cuBLAS's; bench/batched_gemm.py
 times only the pick there. This script times every candidate in that state, with
 timing.sustained_ms: all candidates and cuBLAS cycle for --settle seconds, then --rounds rounds
-in alternating order each time a burst of back-to-back calls of every side, queued behind a spin
-kernel, lasting at least --min-burst-ms (the load a training step puts on these GEMMs).
+in alternating order each time one burst of back-to-back calls per side, queued behind a spin
+kernel and lasting at least --min-burst-ms (the load a training step puts on these GEMMs).
 
     python bench/gemm_sustained.py [--shape BH M N K ...] [--rounds 3] [--min-burst-ms 40]
                                    [--out bench/results/x.md]
