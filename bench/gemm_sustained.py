@@ -12,7 +12,9 @@ kernel and lasting at least --min-burst-ms (the load a training step puts on the
                                    [--out bench/results/x.md]
 
 Prints, per shape, each candidate's median TFLOP/s over the rounds and its ratio to cuBLAS's
-median, best first.
+median, best first; with --per-call also each side timed as bench/batched_gemm.py's eager column
+does (median of 20 CUDA-event timings after 5 warm-up calls), before the load, so that a tile's
+standing on a cool GPU shows beside its standing at the power cap.
 """
 from __future__ import annotations
 
@@ -50,6 +52,7 @@ def main() -> int:
     ap.add_argument("--burst", type=int, default=10, help="calls per burst, at least")
     ap.add_argument("--min-burst-ms", type=float, default=40.0, help="bursts last this long, at least")
     ap.add_argument("--settle", type=float, default=2.0, help="seconds of load before timing")
+    ap.add_argument("--per-call", action="store_true", help="also time each side per call before the load")
     ap.add_argument("--out", help="also write the table to this markdown file")
     args = ap.parse_args()
 
@@ -57,7 +60,8 @@ def main() -> int:
     header = (f"{dev.name}, torch {torch.__version__}, gemmgen {gemmgen.__version__}, {datetime.date.today()}, "
               f"fp16 Q Kᵀ; after {args.settle:g} s of load, {args.rounds} rounds in alternating order, each a "
               f"burst of >= {args.burst} calls lasting >= {args.min_burst_ms:g} ms; TFLOP/s = 2*BH*M*N*K/t")
-    lines = [header, "", "| BH | M | N | K | instance | TFLOP/s | cuBLAS | ratio |", "|---|---|---|---|---|---|---|---|"]
+    cols = "| BH | M | N | K | instance | TFLOP/s | cuBLAS | ratio |" + (" per call | cuBLAS | ratio |" if args.per_call else "")
+    lines = [header, "", cols, "|---" * (cols.count("|") - 1) + "|"]
     print(header, flush=True)
     for bh, m, n, k in args.shape or SHAPES:
         a = torch.randn(bh, 1, m, k, dtype=torch.float16, device="cuda")
@@ -67,12 +71,16 @@ def main() -> int:
         sides = {"cuBLAS": lambda: torch.matmul(a, b.transpose(-2, -1), out=c)}
         for name in candidates(a, b):
             sides[name] = lambda name=name: gemmgen.batched_gemm(a, b, b_transposed=True, out=c, instance=name)
+        eager = {name: tflops / timing.median_ms(lambda _i, f=f: f(), 1, reps=20) for name, f in sides.items()
+                 } if args.per_call else {}
         ms = timing.sustained_ms(sides, rounds=args.rounds, burst=args.burst, settle_s=args.settle,
                                  min_burst_ms=args.min_burst_ms)
         med = {name: tflops / t for name, t in ms.items()}
         ref = med.pop("cuBLAS")
         for name, t in sorted(med.items(), key=lambda kv: -kv[1]):
             row = f"| {bh} | {m} | {n} | {k} | {name} | {t:.1f} | {ref:.1f} | {t / ref:.2f} |"
+            if eager:
+                row += f" {eager[name]:.1f} | {eager['cuBLAS']:.1f} | {eager[name] / eager['cuBLAS']:.2f} |"
             lines.append(row)
             print(row, flush=True)
     if args.out:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import statistics
 import time
 
 from gemmgen import device, gemm_select, registry, tuning_db
@@ -116,12 +117,14 @@ def run_profile(args: argparse.Namespace) -> int:
     rows, records, peer_ms = measure(decision.candidates, call, reps=args.reps, shape=f"{b}x{h}x{m}x{n}x{k}",
                                      peers={"torch": torch_call})
     ms_torch = peer_ms.get("torch", math.nan)
-    print(f"{problem.describe()} on {facts.describe()}; device time per call under sustained load (host path "
-          f"hidden, alternating rounds)")
-    print(f"{'instance':60} {'ms':>9} {'TFLOP/s':>8}")
-    for name, ms, reason in sorted(rows, key=lambda r: r[1]):
+    print(f"{problem.describe()} on {facts.describe()}; device time per call (host path hidden) under "
+          f"sustained load (alternating rounds) and over short runs (calls timed one by one)")
+    print(f"{'instance':60} {'ms':>9} {'TFLOP/s':>8} {'short ms':>9} {'TFLOP/s':>8}")
+    for name, ms, ms_short, reason in sorted(rows, key=lambda r: r[1]):
         mark = "*" if name == decision.winner.name else " "
         shown = f"{ms:9.4f} {flops / ms / 1e9:8.1f}" if math.isfinite(ms) else f"failed: {reason}"
+        if ms_short is not None:
+            shown += f" {ms_short:9.4f} {flops / ms_short / 1e9:8.1f}"
         print(f"{mark}{name:59} {shown}")
     print(f" {'torch.matmul (cuBLAS)':59} {ms_torch:9.4f} {flops / ms_torch / 1e9:8.1f}")
     print(f"(* = the pick before profiling: {decision.source})")
@@ -134,21 +137,29 @@ def run_profile(args: argparse.Namespace) -> int:
 TUNE_BURST = 10  # back-to-back calls per timed burst when tuning, at least
 TUNE_MIN_BURST_MS = 40.0  # and bursts of calls >= 50 us last this long (timing.burst_calls)
 TUNE_PRUNE = 1.3  # candidates this much slower than the fastest after settling skip the rounds
+TUNE_SHORT_REPS = 10  # calls per pass when timing calls one by one (two passes, alternating order)
 
 
 def measure(cands: list, call, *, reps: int, shape: str, peers: dict | None = None,
-            settle_s: float = 1.0) -> tuple[list[tuple[str, float, str | None]], dict, dict]:
-    """Time `call(name)` for every candidate under sustained load (timing.sustained_ms: `settle_s`
-    seconds of load, then rounds of back-to-back bursts in alternating order, each burst queued
-    behind a spin kernel so that the events time the kernels alone and lasting TUNE_MIN_BURST_MS
-    where the calls are long enough; one round per TUNE_BURST of `reps`, at least two; candidates
-    more than TUNE_PRUNE times slower than the fastest after settling keep their settling time).
-    Returns (name, ms, reason) rows, tuning-database records by build hash, and the ms of each of
-    `peers` (name -> callable, e.g. torch.matmul), timed in the same rounds.
+            settle_s: float = 1.0) -> tuple[list[tuple[str, float, float | None, str | None]], dict, dict]:
+    """Time `call(name)` for every candidate in the two states a GEMM runs in.
+
+    Sustained load (the record's ms; timing.sustained_ms): `settle_s` seconds of load, then rounds
+    of back-to-back bursts in alternating order, each queued behind a spin kernel so that the events
+    time the kernels alone and lasting TUNE_MIN_BURST_MS where the calls are long enough; one round
+    per TUNE_BURST of `reps`, at least two; candidates more than TUNE_PRUNE times slower than the
+    fastest after settling keep their settling time. Short runs (ms_short): the candidates that
+    were timed in the rounds, then each call timed on its own (timing.median_ms, host path hidden),
+    TUNE_SHORT_REPS calls per candidate and pass, two passes in alternating order, the mean of the
+    passes' medians: the clock a cooler GPU gives a few calls. gemm_select picks the candidate
+    closest to the best in both (tuned_costs).
+
+    Returns (name, ms, ms_short, reason) rows, tuning-database records by build hash, and the
+    sustained ms of each of `peers` (name -> callable, e.g. torch.matmul), timed in the same rounds.
 
     A kernel of a few microseconds timed with its host path would measure that path, the same for
-    every candidate; a ranking taken on a cool GPU inverts under the power cap on output-bound
-    shapes (bench/NOTES.md, experiments 17 and 19). A failing candidate is infinitely slow."""
+    every candidate; a ranking taken in one state can invert in the other on output-bound shapes
+    (bench/NOTES.md, experiments 17, 19 and 21). A failing candidate is infinitely slow."""
     from gemmgen import timing
 
     rows, records, runs = [], {}, {}
@@ -157,22 +168,27 @@ def measure(cands: list, call, *, reps: int, shape: str, peers: dict | None = No
             call(cand.name)
             runs[cand.name] = lambda name=cand.name: call(name)
         except Exception as exc:  # a failing candidate is infinitely slow, not a crash
-            rows.append((cand.name, math.inf, str(exc).splitlines()[0]))
+            rows.append((cand.name, math.inf, None, str(exc).splitlines()[0]))
     peer_ms = {}
     if runs:
         rounds = max(2, -(-reps // TUNE_BURST))
         peer_runs = {f"peer:{k}": v for k, v in (peers or {}).items()}
         timed = timing.sustained_ms({**runs, **peer_runs}, rounds=rounds, burst=TUNE_BURST, settle_s=settle_s,
                                     min_burst_ms=TUNE_MIN_BURST_MS, prune=TUNE_PRUNE, fixed=tuple(peer_runs))
-        for name, ms in timed.items():
-            if name.startswith("peer:"):
-                peer_ms[name.removeprefix("peer:")] = ms
-            else:
-                rows.append((name, ms, None))
+        peer_ms = {name.removeprefix("peer:"): ms for name, ms in timed.items() if name.startswith("peer:")}
+        fastest = min(timed[name] for name in runs)
+        contenders = [name for name in runs if timed[name] <= TUNE_PRUNE * fastest]
+        short = {name: [] for name in contenders}
+        for p in range(2):
+            for name in contenders if p == 0 else contenders[::-1]:
+                short[name].append(timing.median_ms(lambda _i, f=runs[name]: f(), 1, warmup=2,
+                                                    reps=TUNE_SHORT_REPS, hide_host=True))
+        rows += [(name, timed[name], statistics.mean(short[name]) if name in short else None, None)
+                 for name in runs]
     by_name = {cand.name: cand for cand in cands}
-    for name, ms, reason in rows:
+    for name, ms, ms_short, reason in rows:
         records[by_name[name].content_hash] = tuning_db.Record(name=name, ms=ms, reason=reason, shape=shape,
-                                                               at=time.time())
+                                                               at=time.time(), ms_short=ms_short)
     return rows, records, peer_ms
 
 

@@ -5,8 +5,9 @@ one that cannot run the problem is rejected with a reason: input or output dtype
 (b_transposed), strategy, alignment, build state, GPU arch, shared memory. Among the rest:
 
 1. "forced": an instance named by the caller;
-2. "tuned": the fastest measured in the problem's size bucket in this GPU's tuning database
-   (gemmgen.tuning_db; `gemmgen profile-gemm --record` writes it);
+2. "tuned": the lowest cost measured in the problem's size bucket in this GPU's tuning database
+   (gemmgen.tuning_db; `gemmgen profile-gemm --record` writes it): tuned_costs, a candidate's
+   time over the fastest's under sustained load or over short runs, whichever is larger;
 3. "heuristic": the lowest estimated time, where
        time ~ waves * blocks_per_sm * tile_m * tile_n * K / (tile efficiency * arch rate)
    waves = ceil(tiles / (SMs * blocks_per_sm)), blocks_per_sm from shared memory (at most 2);
@@ -141,6 +142,8 @@ class GemmDecision:
     rejected: list[tuple[str, str]]
     measured: dict[str, float]  # name -> ms in the problem's bucket
     estimates: dict[str, float]
+    short: dict[str, float] = dataclasses.field(default_factory=dict)  # name -> ms_short, where taken
+    costs: dict[str, float] = dataclasses.field(default_factory=dict)  # name -> tuned_costs
 
     def report(self) -> str:
         """The decision as `gemmgen explain-gemm` prints it."""
@@ -152,6 +155,10 @@ class GemmDecision:
             mark = "*" if cand is self.winner else " "
             ms = self.measured.get(cand.name)
             tuned = "not measured" if ms is None else f"{ms:.4f} ms" if math.isfinite(ms) else "failed"
+            if cand.name in self.short:
+                tuned += f", short runs {self.short[cand.name]:.4f} ms"
+            if cand.name in self.costs:
+                tuned += f", cost {self.costs[cand.name]:.3f}"
             est = self.estimates.get(cand.name)
             lines.append(f"  {mark} {cand.name}  [{tuned}]" + (f"  heuristic cost {est:.3g}" if est else ""))
         lines.append(f"rejected ({len(self.rejected)}):")
@@ -197,6 +204,24 @@ def database_for(problem: GemmProblem) -> tuning_db.TuningDB:
     return tuning_db.cached(problem.device.fingerprint())
 
 
+def tuned_costs(records: dict[str, tuning_db.Record]) -> dict[str, float]:
+    """Each successful record's cost: its time over the fastest record's, under sustained load
+    (ms) and over short runs (ms_short), whichever ratio is larger; the sustained ratio alone where
+    no short time was taken (the tuning skips candidates that cannot win).
+
+    Which state a call runs in depends on the work around it, and on output-bound shapes the
+    ranking of one state can invert in the other (bench/NOTES.md, experiment 21): the pick is the
+    candidate closest to the best in both, not the best in one."""
+    ok = {name: r for name, r in records.items() if r.ok}
+    if not ok:
+        return {}
+    best = min(r.ms for r in ok.values())
+    shorts = [r.ms_short for r in ok.values() if r.ms_short is not None]
+    best_short = min(shorts, default=None)
+    return {name: max(r.ms / best, r.ms_short / best_short if r.ms_short is not None else 0.0)
+            for name, r in ok.items()}
+
+
 def decide(problem: GemmProblem, instance: str | None = None, *,
            db: tuning_db.TuningDB | None = None) -> GemmDecision:
     """The decision for `problem` (not cached). Raises InputError for an unknown instance name and
@@ -221,10 +246,13 @@ def decide(problem: GemmProblem, instance: str | None = None, *,
             usable.append(cand)
     if not usable:
         raise no_instance_error(problem, rejected, f"No gemmgen instance can run {problem.describe()}:")
-    measured = {c.name: here[c.content_hash].ms for c in good if c.content_hash in here}
-    timed = [(here[c.content_hash].ms, c.order, c.name, i) for i, c in enumerate(usable) if c.content_hash in here]
+    recs = {c.name: here[c.content_hash] for c in good if c.content_hash in here}
+    measured = {name: r.ms for name, r in recs.items()}
+    short = {name: r.ms_short for name, r in recs.items() if r.ms_short is not None}
+    costs = tuned_costs({c.name: recs[c.name] for c in usable if c.name in recs})
+    timed = [(costs[c.name], c.order, c.name, i) for i, c in enumerate(usable) if c.name in costs]
     if timed:
-        return GemmDecision(problem, usable[min(timed)[3]], "tuned", usable, rejected, measured, {})
+        return GemmDecision(problem, usable[min(timed)[3]], "tuned", usable, rejected, measured, {}, short, costs)
     estimates = {c.name: estimate(c, problem) for c in usable}
     pick = min(range(len(usable)), key=lambda i: (estimates[usable[i].name], usable[i].order, usable[i].name))
     return GemmDecision(problem, usable[pick], "heuristic", usable, rejected, measured, estimates)

@@ -47,6 +47,9 @@ class Record:
     error: float | None = None
     shape: str | None = None
     at: float = 0.0
+    # Batched GEMM tuning: ms is the time under sustained load, ms_short per call over short runs
+    # (gemmgen.cli_gemm.measure); None where only one was taken.
+    ms_short: float | None = None
 
     @property
     def ok(self) -> bool:
@@ -55,16 +58,21 @@ class Record:
 
     def to_json(self) -> dict[str, Any]:
         """The record as stored (ms null for infinity)."""
-        return {"name": self.name, "ms": self.ms if self.ok else None, "reason": self.reason,
-                "error": self.error, "shape": self.shape, "at": self.at}
+        out = {"name": self.name, "ms": self.ms if self.ok else None, "reason": self.reason,
+               "error": self.error, "shape": self.shape, "at": self.at}
+        if self.ms_short is not None:
+            out["ms_short"] = self.ms_short
+        return out
 
     @staticmethod
     def from_json(data: dict[str, Any]) -> "Record":
         """The record of a stored dict; raise TuningDatabaseError if malformed."""
         try:
             ms = math.inf if data["ms"] is None else float(data["ms"])
+            short = data.get("ms_short")
             return Record(name=str(data["name"]), ms=ms, reason=data.get("reason"),
-                          error=data.get("error"), shape=data.get("shape"), at=float(data.get("at", 0.0)))
+                          error=data.get("error"), shape=data.get("shape"), at=float(data.get("at", 0.0)),
+                          ms_short=None if short is None else float(short))
         except (KeyError, TypeError, ValueError) as exc:
             raise TuningDatabaseError(f"malformed record {data!r}: {exc}") from None
 

@@ -56,6 +56,44 @@ def test_sustained_rounds_skip_runs_that_cannot_win(monkeypatch):
     assert dict(rounds) == {"a": 40, "b": 34, "ref": 200}  # bursts of >= 40 ms
 
 
+def test_gemm_tuning_times_both_states_and_picks_the_best_in_both(monkeypatch):
+    """cli_gemm.measure: sustained times for all, short-run times (two passes, alternating order)
+    for the candidates within TUNE_PRUNE of the fastest; gemm_select.tuned_costs then prefers the
+    candidate near the best in both states over the best in one."""
+    from types import SimpleNamespace
+
+    from gemmgen import cli_gemm, gemm_select
+
+    sustained = {"fast_hot": 1.00, "even": 1.03, "fast_cool": 1.25, "slow": 2.0}
+    short = {"fast_hot": 0.95, "even": 0.82, "fast_cool": 0.80}
+    monkeypatch.setattr(timing, "sustained_ms", lambda runs, **kw: {name: sustained[name] for name in runs})
+    order = []
+
+    def fake_median(run, copies, **kw):
+        name = run(0)
+        order.append(name)
+        return short[name]
+
+    monkeypatch.setattr(timing, "median_ms", fake_median)
+    cands = [SimpleNamespace(name=n, content_hash=f"h_{n}") for n in [*sustained, "broken"]]
+
+    def call(name):
+        if name == "broken":
+            raise RuntimeError("cannot run this shape\nmore")
+        return name
+
+    rows, records, _ = cli_gemm.measure(cands, call, reps=20, shape="s")
+    assert order == ["fast_hot", "even", "fast_cool", "fast_cool", "even", "fast_hot"]  # not "slow"
+    got = {name: (ms, ms_short) for name, ms, ms_short, _ in rows}
+    assert got == {"fast_hot": (1.0, 0.95), "even": (1.03, 0.82), "fast_cool": (1.25, 0.8),
+                   "slow": (2.0, None), "broken": (math.inf, None)}
+    assert records["h_broken"].reason == "cannot run this shape" and records["h_even"].ms_short == 0.82
+    costs = gemm_select.tuned_costs({r.name: r for r in records.values()})
+    assert "broken" not in costs and costs["slow"] == 2.0
+    assert math.isclose(costs["fast_hot"], 0.95 / 0.8) and math.isclose(costs["even"], 1.03)
+    assert min(costs, key=costs.get) == "even"  # 1.03 and 1.025 of the best, not 1.0 and 1.19
+
+
 def test_results_are_stored_and_failures_never_win(tmp_path):
     problem = Problem("bf16", 64, False, H200, batch_heads=64, seqlen_q=512, seqlen_k=512)
     result = tuner.TuneResult(Shape(2, 32, 512, 512, 64), problem, [

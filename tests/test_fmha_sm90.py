@@ -47,6 +47,8 @@ def test_every_instance_fits_and_is_built_only_for_sm90():
     (dict(block_n=256), "tile 128x256"),
     (dict(head_dim=256, block_n=128, stages=5), "shared memory"),
     (dict(stages=3), "stages 3: this tile uses 5"),
+    (dict(schedule=Schedule.TMA, block_m=64, stages=2), "the TMA schedule needs 4"),
+    (dict(schedule=Schedule.TMA, block_m=64, head_dim=256, stages=3), "the TMA schedule needs 4"),
     (dict(mask=Mask.CAUSAL, block_n=192, stages=4), "divide the other"),
 ])
 def test_invalid_reason(change, reason):

@@ -3,6 +3,7 @@
 compile of one strided and one pointer-array instance that is then loaded with ctypes."""
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 
@@ -60,6 +61,17 @@ def test_stream_k_axis():
     streamk = dataclasses.replace(coop, tile_scheduler=sk)
     assert streamk.name == coop.name + "_sk" and streamk.content_hash() != coop.content_hash()
     assert streamk.params()["tile_scheduler"] == "streamk"
+
+
+def test_epilogue_tile_axis():
+    """The epilogue sub-tile's columns divide tile_n and name the instance; strided kernels only."""
+    base = next(i for i in gemm_sm90.SPACE if i.name == "gemm_sm90_strided_fp16_fp16_nt_m64n256k64_pp_c2")
+    wide = dataclasses.replace(base, epi_tile_n=128)
+    assert gemm_sm90.invalid_reason(wide) is None and wide.name == base.name + "_e128"
+    assert wide.epi_tile == (64, 128) and wide.content_hash() != base.content_hash()
+    assert "must divide tile_n 192" in gemm_sm90.invalid_reason(dataclasses.replace(wide, tile_n=192))
+    ptr = dataclasses.replace(wide, strategy=gemm_sm90.Strategy.PTR_ARRAY, cluster_m=1)
+    assert "strided kernels only" in gemm_sm90.invalid_reason(ptr)
 
 
 def test_stream_k_heuristic_on_few_tiles(tmp_path):

@@ -39,6 +39,13 @@ def test_roundtrip_and_infinite_times():
     assert [p.name for p in path.parent.iterdir() if p.suffix == ".tmp"] == []
 
 
+def test_short_run_time_roundtrips_and_is_optional():
+    both = tuning_db.Record(name="g", ms=0.5, ms_short=0.4, at=1.0)
+    assert tuning_db.Record.from_json(both.to_json()) == both
+    one = tuning_db.Record(name="g", ms=0.5, at=1.0)
+    assert "ms_short" not in one.to_json() and tuning_db.Record.from_json(one.to_json()).ms_short is None
+
+
 def test_merge_keeps_the_most_recent_measurement():
     tuning_db.update(FP, entries("b", "h1", 2.0, at=20.0))
     tuning_db.update(FP, entries("b", "h1", 1.0, at=10.0))  # older: ignored

@@ -147,6 +147,12 @@ def invalid_reason(inst: FmhaSm90Instance, arch: Arch = Arch.SM90) -> str | None
         return f"{acc} fp32 accumulators per consumer thread exceed {MAX_ACC_REGS}"
     if inst.smem_bytes > arch.max_smem_bytes:
         return f"shared memory {inst.smem_bytes} B exceeds {arch.value}'s {arch.max_smem_bytes} B"
+    # CUTLASS's TMA mainloop (no producer warp) issues its loads itself: the prologue fills every
+    # stage alternating K and V, and each key tile then loads one K and one V, so the stage count
+    # must be even and hold the next K and V: 2 stages deadlock, 3 put a K where a V is read
+    # (the H200 hung on them).
+    if inst.schedule is Schedule.TMA and inst.stages != DEFAULT_STAGES[Schedule.TMA]:
+        return f"stages {inst.stages}: the TMA schedule needs {DEFAULT_STAGES[Schedule.TMA]}"
     # The stage count is CUTLASS's default, or the most that fit when the default does not.
     most = max((s for s in STAGES if s <= DEFAULT_STAGES[inst.schedule]
                 and dataclasses.replace(inst, stages=s).smem_bytes <= arch.max_smem_bytes), default=None)
