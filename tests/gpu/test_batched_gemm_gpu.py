@@ -117,8 +117,9 @@ def test_every_built_strided_instance():
 
 
 def test_profile_gemm_records_sustained_times():
-    """profile-gemm times every candidate and torch.matmul under sustained load, records the
-    times, and the next selection for that shape reads them."""
+    """profile-gemm times every candidate and torch.matmul under sustained load, the contenders
+    also over short runs, records the times, and the next selection for that shape reads them:
+    the winner's cost (gemm_select.tuned_costs) is the lowest."""
     from conftest import run_cli
 
     shape = ["--batch", "2", "--heads", "4", "--m", "256", "--n", "256", "--k", "64", "--b-transposed"]
@@ -127,9 +128,15 @@ def test_profile_gemm_records_sustained_times():
     assert "under sustained load" in proc.stdout and "torch.matmul (cuBLAS)" in proc.stdout
     rows = [line for line in proc.stdout.splitlines() if line[1:].startswith("gemm_")]
     assert rows and all("failed" not in line for line in rows), proc.stdout
+    assert sum(len(line.split()) == 5 for line in rows) >= 1, proc.stdout  # name, ms, TFLOP/s, short ms, TFLOP/s
     assert "recorded" in proc.stdout
     explain = run_cli("explain-gemm", *shape)
-    assert explain.returncode == 0 and "tuned" in explain.stdout, explain.stdout + explain.stderr
+    assert explain.returncode == 0 and "decided by: tuned" in explain.stdout, explain.stdout + explain.stderr
+    lines = [line for line in explain.stdout.splitlines() if ", cost " in line]
+    costs = {next(t for t in line.split() if t.startswith("gemm_")): float(line.split(", cost ")[1].rstrip("]"))
+             for line in lines}
+    winner = next(line.split()[1] for line in lines if line.startswith("  * "))
+    assert costs[winner] == min(costs.values()) and "short runs" in explain.stdout, explain.stdout
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
