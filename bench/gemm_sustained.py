@@ -13,8 +13,8 @@ kernel and lasting at least --min-burst-ms (the load a training step puts on the
 
 Prints, per shape, each candidate's median TFLOP/s over the rounds and its ratio to cuBLAS's
 median, best first; with --per-call also each side timed as bench/batched_gemm.py's eager column
-does (median of 20 CUDA-event timings after 5 warm-up calls), before the load, so that a tile's
-standing on a cool GPU shows beside its standing at the power cap.
+does (median of 20 CUDA-event timings after 5 warm-up calls), before the shape's sustained
+rounds, so that a tile's standing over a few calls shows beside its standing at the power cap.
 """
 from __future__ import annotations
 

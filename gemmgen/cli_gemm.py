@@ -159,7 +159,7 @@ def measure(cands: list, call, *, reps: int, shape: str, peers: dict | None = No
 
     A kernel of a few microseconds timed with its host path would measure that path, the same for
     every candidate; a ranking taken in one state can invert in the other on output-bound shapes
-    (bench/NOTES.md, experiments 17, 19 and 21). A failing candidate is infinitely slow."""
+    (bench/NOTES.md, experiments 17, 19, 21 and 22). A failing candidate is infinitely slow."""
     from gemmgen import timing
 
     rows, records, runs = [], {}, {}

@@ -210,7 +210,7 @@ def tuned_costs(records: dict[str, tuning_db.Record]) -> dict[str, float]:
     no short time was taken (the tuning skips candidates that cannot win).
 
     Which state a call runs in depends on the work around it, and on output-bound shapes the
-    ranking of one state can invert in the other (bench/NOTES.md, experiment 21): the pick is the
+    ranking of one state can invert in the other (bench/NOTES.md, experiments 21 and 22): the pick is the
     candidate closest to the best in both, not the best in one."""
     ok = {name: r for name, r in records.items() if r.ok}
     if not ok:
