@@ -148,10 +148,10 @@ def measure(cands: list, call, *, reps: int, shape: str, peers: dict | None = No
     of back-to-back bursts in alternating order, each queued behind a spin kernel so that the events
     time the kernels alone and lasting TUNE_MIN_BURST_MS where the calls are long enough; one round
     per TUNE_BURST of `reps`, at least two; candidates more than TUNE_PRUNE times slower than the
-    fastest after settling keep their settling time. Short runs (ms_short): the candidates that
-    were timed in the rounds, then each call timed on its own (timing.median_ms, host path hidden),
-    TUNE_SHORT_REPS calls per candidate and pass, two passes in alternating order, the mean of the
-    passes' medians: the clock a cooler GPU gives a few calls. gemm_select picks the candidate
+    fastest after settling keep their settling time. Short runs (ms_short): the candidates within
+    TUNE_PRUNE of the fastest sustained time, each call timed on its own (timing.median_ms, host
+    path hidden), TUNE_SHORT_REPS calls per candidate and pass, two passes in alternating order,
+    the mean of the passes' medians: the clock a cooler GPU gives a few calls. gemm_select picks the candidate
     closest to the best in both (tuned_costs).
 
     Returns (name, ms, ms_short, reason) rows, tuning-database records by build hash, and the
