@@ -8,6 +8,9 @@ once), or the registry's pick without --family; the peer is --peer, or the faste
 of a first pass with --peer best. Then --rounds rounds, in odd rounds gemmgen first, in even
 rounds the peer first, each side the median of --reps CUDA-event timings. Printed per shape: both
 sides' median TFLOP/s over the rounds, and the median, lowest and highest per-round ratio.
+With --all-candidates every built instance of --family joins the rounds (the order rotates by one
+each round), the row shows the one with the lowest median, and every candidate's median goes to
+stderr, so tiles are compared in the same alternating conditions as the peer.
 
     python bench/ab_sweep.py --family fa2_sm80 --peer FA2 --head-dim 128 --seq-len 1024 2048 4096
 """
@@ -16,6 +19,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import statistics
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +42,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--family", help="the gemmgen side: the fastest built instance of this family "
                                      "(default: the registry's pick)")
+    ap.add_argument("--all-candidates", action="store_true",
+                    help="time every built instance of --family in the rounds, not only the fastest of a first pass")
     ap.add_argument("--peer", default="best", choices=[*BACKENDS, "best"])
     ap.add_argument("--dtype", nargs="+", default=["bf16", "fp16"], choices=list(DTYPES))
     ap.add_argument("--head-dim", nargs="+", type=int, default=[64, 128])
@@ -47,6 +53,8 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--out", help="also write the table to this markdown file")
     args = ap.parse_args()
+    if args.all_candidates and not args.family:
+        ap.error("--all-candidates needs --family")
 
     dev = torch.cuda.get_device_properties(0)
     header = (f"{dev.name}, torch {torch.__version__}, gemmgen {gemmgen.__version__}, {datetime.date.today()}; "
@@ -72,9 +80,12 @@ def main() -> int:
                         if not names:
                             print(f"{dname} d{d} {mask} N={n}: no {args.family} instance built", flush=True)
                             continue
-                        ours = min(names, key=lambda name: time_ms(ours_fn(name), 3, args.reps))
+                        if args.all_candidates:
+                            contenders = names
+                        else:
+                            contenders = [min(names, key=lambda name: time_ms(ours_fn(name), 3, args.reps))]
                     else:
-                        ours = gemmgen.selected_instance(q, k, v, causal=causal)
+                        contenders = [gemmgen.selected_instance(q, k, v, causal=causal)]
                     if args.peer == "best":
                         peers = {}
                         for label, backend in BACKENDS.items():
@@ -85,15 +96,22 @@ def main() -> int:
                         peer = min(peers, key=peers.get)
                     else:
                         peer = args.peer
-                    sides = {"ours": ours_fn(ours), "peer": sdpa(q, k, v, causal, BACKENDS[peer])}
-                    times = {"ours": [], "peer": []}
-                    for rnd in range(args.rounds):
-                        for side in (("ours", "peer") if rnd % 2 == 0 else ("peer", "ours")):
+                    sides = {name: ours_fn(name) for name in contenders}
+                    sides["peer"] = sdpa(q, k, v, causal, BACKENDS[peer])
+                    order = list(sides)
+                    times = {side: [] for side in order}
+                    for rnd in range(args.rounds):  # each side first in turn
+                        for side in order[rnd % len(order):] + order[:rnd % len(order)]:
                             times[side].append(time_ms(sides[side], 3, args.reps))
-                    ratios = [p / o for o, p in zip(times["ours"], times["peer"])]
+                    ours = min(contenders, key=lambda name: statistics.median(times[name]))
+                    ratios = [p / o for o, p in zip(times[ours], times["peer"])]
                     tf = lambda ms: flops / ms / 1e9  # noqa: E731
+                    if args.all_candidates:
+                        print("    all: " + ", ".join(f"{name}={tf(statistics.median(times[name])):.0f}"
+                                                  for name in sorted(contenders, key=lambda x: statistics.median(times[x]))),
+                              file=sys.stderr, flush=True)
                     row = (f"| {dname} | {d} | {'Y' if causal else 'N'} | {n} | {ours} | "
-                           f"{tf(statistics.median(times['ours'])):.0f} | {peer} | "
+                           f"{tf(statistics.median(times[ours])):.0f} | {peer} | "
                            f"{tf(statistics.median(times['peer'])):.0f} | {statistics.median(ratios):.2f} | "
                            f"{min(ratios):.2f} | {max(ratios):.2f} |")
                     rows.append(row)

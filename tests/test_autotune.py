@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import math
 
+import pytest
+
 from gemmgen import tuner, device, registry, selection, timing, tuning_db
 from gemmgen.problem import Problem
 from gemmgen.shapes import Shape
@@ -125,3 +127,26 @@ def test_autotune_is_the_function_after_its_module_is_imported():
     import gemmgen
     from gemmgen import tuner  # noqa: F401  (importing a submodule sets an attribute on the package)
     assert callable(gemmgen.autotune) and gemmgen.autotune is tuner.autotune
+
+
+def test_contenders_retimed_in_rotating_rounds():
+    """Candidates within CONTEND_MARGIN of the fastest are timed again, each round starting with
+    the next one; each keeps the median of its times; the others and failures are left alone."""
+    calls = []
+    later = {"a": [1.10, 1.10, 1.10], "b": [1.00, 1.00, 1.00]}
+
+    def timer(name):
+        def run():
+            calls.append(name)
+            return later[name].pop(0)
+        return run
+
+    result = [tuner.Measurement("a", "h1", 1.00), tuner.Measurement("b", "h2", 1.02),
+              tuner.Measurement("slow", "h3", 2.00), tuner.Measurement("bad", "h4", math.inf, "wrong")]
+    tuner._contend(result, [timer("a"), timer("b"), lambda: pytest.fail("not a contender"), None], None)
+    assert calls == ["a", "b", "b", "a", "a", "b"]
+    assert [m.ms for m in result[:3]] == [1.10, 1.00, 2.00]
+    assert not result[3].ok
+    # A single candidate close to the best is not re-timed.
+    alone = [tuner.Measurement("a", "h1", 1.0), tuner.Measurement("slow", "h3", 2.0)]
+    tuner._contend(alone, [lambda: pytest.fail("re-timed"), None], None)

@@ -46,48 +46,60 @@ template <bool Causal>
 using FusionOf = std::conditional_t<Causal, cutlass::fmha::collective::CausalFusion,
                                     cutlass::fmha::collective::ResidualFusion>;
 
-// The persistent schedule for causal attention. CUTLASS's persistent scheduler walks row tiles
-// first, so each SM's fixed stride of tiles mixes short (top) and long (bottom) causal rows
-// unevenly; this one orders all tiles longest first (the last row tile of every head, then the
-// one before, ...), which makes a static round-robin over the SMs an even share of the work.
-struct LongestFirstScheduler {
+// The persistent schedule for causal attention. CUTLASS's persistent scheduler hands each SM a
+// fixed stride of row tiles, which mixes short (top) and long (bottom) causal rows unevenly. Here
+// row tile i of a head goes with row tile m - 1 - i (m row tiles per head) and one CTA runs both,
+// the longer first: every pair holds the same number of key tiles, so a static round robin over
+// the SMs is an even share. Pairs are handed out head by head, so the CTAs running at one time
+// share a few heads' K and V in L2 (an order over all heads at once, longest tiles first, streamed
+// every head's K and V from memory and was up to 20% slower: bench/NOTES.md, experiment 23).
+struct PairedScheduler {
   struct Params {
-    int num_blocks;
+    int num_pairs;
     int num_m_blocks;
-    cutlass::FastDivmod divmod_bh;  // tile index -> (rank from the bottom, batch * heads index)
-    cutlass::FastDivmod divmod_h;   // batch * heads index -> (batch, head)
+    cutlass::FastDivmod divmod_pairs;  // pair index -> (batch * heads index, pair within the head)
+    cutlass::FastDivmod divmod_h;      // batch * heads index -> (batch, head)
     cutlass::KernelHardwareInfo hw_info;
   };
 
-  int block_idx = 0;
+  int pair_idx = 0;
+  bool second = false;  // running the shorter tile of the pair
   Params params;
 
-  CUTLASS_DEVICE LongestFirstScheduler(Params const& p) : block_idx(blockIdx.x), params(p) {}
+  CUTLASS_DEVICE PairedScheduler(Params const& p) : pair_idx(blockIdx.x), params(p) {}
 
   template <class ProblemSize, class ClusterShape, class TileShape>
   static Params to_underlying_arguments(ProblemSize const& problem_size, cutlass::KernelHardwareInfo hw_info,
                                         ClusterShape const&, TileShape const& tile_shape) {
     const int m_blocks = ceil_div(size<2>(problem_size), size<0>(tile_shape));
+    const int pairs_per_head = (m_blocks + 1) / 2;
     const int bh = size<0>(problem_size) * size<1>(problem_size);
-    return Params{m_blocks * bh, m_blocks, cutlass::FastDivmod(bh), cutlass::FastDivmod(size<1>(problem_size)),
-                  hw_info};
+    return Params{pairs_per_head * bh, m_blocks, cutlass::FastDivmod(pairs_per_head),
+                  cutlass::FastDivmod(size<1>(problem_size)), hw_info};
   }
 
   static dim3 get_grid_shape(Params const& params) {
-    return dim3(std::min(params.num_blocks, params.hw_info.sm_count), 1, 1);
+    return dim3(std::min(params.num_pairs, params.hw_info.sm_count), 1, 1);
   }
 
-  CUTLASS_DEVICE bool is_valid() { return block_idx < params.num_blocks; }
+  CUTLASS_DEVICE bool is_valid() { return pair_idx < params.num_pairs; }
 
   CUTLASS_DEVICE auto get_block_coord() {
-    int rank, bh, b, h;
-    params.divmod_bh(rank, bh, block_idx);
+    int bh, pair, b, h;
+    params.divmod_pairs(bh, pair, pair_idx);
     params.divmod_h(b, h, bh);
-    return make_coord(params.num_m_blocks - 1 - rank, _0{}, make_coord(b, h));
+    return make_coord(second ? pair : params.num_m_blocks - 1 - pair, _0{}, make_coord(b, h));
   }
 
-  CUTLASS_DEVICE LongestFirstScheduler& operator++() {
-    block_idx += gridDim.x;
+  CUTLASS_DEVICE PairedScheduler& operator++() {
+    int bh, pair;
+    params.divmod_pairs(bh, pair, pair_idx);
+    if (!second && pair != params.num_m_blocks - 1 - pair) {
+      second = true;
+    } else {
+      second = false;
+      pair_idx += gridDim.x;
+    }
     return *this;
   }
 };
@@ -101,7 +113,7 @@ struct KernelOf {  // CUTLASS's own composition of the kernel
 
 template <class Element, class TileShape, class Stride, int StagesKV>
 struct KernelOf<Element, TileShape, Stride, Schedule::kPingpong, true, StagesKV> {
-  // The same pieces as CUTLASS's ping-pong composition, with the longest-first scheduler.
+  // The same pieces as CUTLASS's ping-pong composition, with the paired scheduler.
   using Tag = cutlass::fmha::kernel::Tag;
   template <Tag T, class V> using Opt = cutlass::fmha::kernel::Option<T, V>;
   using Mainloop = cutlass::fmha::collective::FmhaMainloopTmaWarpSpecialized<
@@ -109,7 +121,7 @@ struct KernelOf<Element, TileShape, Stride, Schedule::kPingpong, true, StagesKV>
       Opt<Tag::kIsPersistent, cute::true_type>, Opt<Tag::kLoadsQSeparately, cute::true_type>>;
   using Epilogue = cutlass::fmha::collective::FmhaFwdEpilogue<Element, float, typename Mainloop::TileShapePV>;
   using type = cutlass::fmha::kernel::FmhaKernelTmaWarpSpecialized<
-      Mainloop, Epilogue, LongestFirstScheduler, Opt<Tag::kStagesKV, Int<StagesKV>>,
+      Mainloop, Epilogue, PairedScheduler, Opt<Tag::kStagesKV, Int<StagesKV>>,
       Opt<Tag::kIsPersistent, cute::true_type>, Opt<Tag::kLoadsQSeparately, cute::true_type>>;
 };
 
