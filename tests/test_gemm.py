@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conftest import make_entry, run_cli, write_build_dir
-from gemmgen import abi, device, gemm_select, manifest, registry, toolchain
+from gemmgen import abi, device, gemm_select, manifest, registry, render, toolchain
 from gemmgen.arch import Arch
 from gemmgen.errors import DeviceError, GemmgenLaunchError, InputError, NoInstanceError, ToolchainError
 from gemmgen.families import gemm_sm80, gemm_sm90, softmax_sm80
@@ -47,7 +47,7 @@ def test_predicates_give_reasons():
 
 def test_stream_k_axis():
     sk = gemm_sm90.TileScheduler.STREAM_K
-    names = {i.name for i in gemm_sm90.SPACE if i.tile_scheduler is sk}
+    names = {i.name for i in gemm_sm90.SPACE if i.tile_scheduler is sk and not i.evict_last}
     assert "gemm_sm90_strided_fp16_fp16_nn_m128n64k64_coop_c1_sk" in names
     assert all(n.startswith("gemm_sm90_strided_") and "_coop_" in n and n.endswith("_sk") for n in names)
     assert all(i.tile_scheduler is gemm_sm90.TileScheduler.PERSISTENT for i in gemm_sm90.DEFAULT)
@@ -72,6 +72,22 @@ def test_epilogue_tile_axis():
     assert "must divide tile_n 192" in gemm_sm90.invalid_reason(dataclasses.replace(wide, tile_n=192))
     ptr = dataclasses.replace(wide, strategy=gemm_sm90.Strategy.PTR_ARRAY, cluster_m=1)
     assert "strided kernels only" in gemm_sm90.invalid_reason(ptr)
+
+
+def test_evict_last_axis():
+    """Evict-last operand loads name the instance, reach the template, and are strided-only."""
+    base = next(i for i in gemm_sm90.SPACE if i.name == "gemm_sm90_strided_fp16_fp16_nt_m64n256k64_pp_c2_e64")
+    el = dataclasses.replace(base, evict_last=True)
+    assert gemm_sm90.invalid_reason(el) is None and el.name == base.name + "_el" and el in gemm_sm90.SPACE
+    assert el.params()["evict_last"] is True and "evict_last" not in base.params()
+    assert el.content_hash() != base.content_hash()
+    assert el.template_values()["evict_last"] and not base.template_values()["evict_last"]
+    assert not any(i.evict_last for i in gemm_sm90.DEFAULT)
+    ptr = next(i for i in gemm_sm90.DEFAULT if i.strategy is gemm_sm90.Strategy.PTR_ARRAY)
+    assert "strided kernels only" in gemm_sm90.invalid_reason(dataclasses.replace(ptr, evict_last=True))
+    tc = render.Toolchain(flags=("-O3",), nvcc_version="13.0.88", cutlass_version="4.2.0")
+    assert "/*EvictLast=*/true" in render.render_text(el, tc)
+    assert "/*EvictLast=*/false" in render.render_text(base, tc)
 
 
 def test_stream_k_heuristic_on_few_tiles(tmp_path):

@@ -54,6 +54,11 @@ TILE_SCHEDULERS = tuple(TileScheduler)
 # their barriers per tile and doubles the bytes of each TMA store, for GEMMs whose time is the
 # store of a large C (Q x K^T with a short K); 128 halves them again.
 EPI_TILE_NS = (0, 64, 128)
+# The L2 policy of the A and B loads: CUTLASS's (evict-normal), or evict-last, which keeps operand
+# lines in L2 while the output streams through it; other tiles of the same batch read them again
+# (bench/NOTES.md, experiment 24). Strided kernels only: ours is a variant of CUTLASS's strided
+# mainloop (templates/include/gemmgen/gemm_sm90/batched.h, EvictLastMainloop).
+EVICT_LASTS = (False, True)
 EPI_STAGES = 2  # the sub-tiles staged in shared memory for TMA stores (CUTLASS's count)
 MIN_STAGES = 2
 
@@ -72,6 +77,7 @@ class GemmSm90Instance:
     tile_scheduler: TileScheduler = TileScheduler.PERSISTENT
     cluster_n: int = 1
     epi_tile_n: int = 0  # 0: CUTLASS's automatic epilogue tile
+    evict_last: bool = False  # A and B loads marked evict-last in L2
 
     family = FAMILY
     align = 8  # TMA: 16-byte vectors of fp16/bf16
@@ -85,7 +91,8 @@ class GemmSm90Instance:
                 f"_m{self.tile_m}n{self.tile_n}k{self.tile_k}_{self.schedule.value}_c{self.cluster_m}"
                 + (f"x{self.cluster_n}" if self.cluster_n > 1 else "")
                 + (f"_e{self.epi_tile_n}" if self.epi_tile_n else "")
-                + ("_sk" if self.tile_scheduler is TileScheduler.STREAM_K else ""))
+                + ("_sk" if self.tile_scheduler is TileScheduler.STREAM_K else "")
+                + ("_el" if self.evict_last else ""))
 
     @property
     def symbol(self) -> str:
@@ -125,14 +132,15 @@ class GemmSm90Instance:
                 "strategy": self.strategy.value, "tile_m": self.tile_m, "tile_n": self.tile_n,
                 "tile_k": self.tile_k, "schedule": self.schedule.value, "cluster_m": self.cluster_m,
                 "cluster_n": self.cluster_n, "epi_tile_n": self.epi_tile_n,
-                "tile_scheduler": self.tile_scheduler.value, "align": self.align, "align_c": self.align_c}
+                "tile_scheduler": self.tile_scheduler.value, "align": self.align, "align_c": self.align_c,
+                **({"evict_last": True} if self.evict_last else {})}
 
     def template_values(self) -> dict:
         run, args, strategy = STRATEGY_CPP[self.strategy]
         return {**self.params(), "name": self.name, "symbol": self.symbol, "element": DTYPE_CPP[self.dtype],
                 "element_out": DTYPE_CPP[self.out_dtype], "schedule_cpp": SCHEDULE_CPP[self.schedule],
                 "tile_scheduler_cpp": TILE_SCHEDULER_CPP[self.tile_scheduler],
-                "run": run, "args_type": args, "strategy_cpp": strategy}
+                "run": run, "args_type": args, "strategy_cpp": strategy, "evict_last": self.evict_last}
 
     def content_hash(self) -> str:
         """Hash of the family and parameters (template text and toolchain join it in the build key)."""
@@ -158,6 +166,8 @@ def invalid_reason(inst: GemmSm90Instance, arch: Arch = Arch.SM90) -> str | None
             return "the epilogue tile is an axis of the strided kernels only"
         if inst.tile_n % inst.epi_tile_n or inst.epi_tile_n <= min(32, inst.tile_n):
             return f"epilogue tile columns {inst.epi_tile_n} must divide tile_n {inst.tile_n} and exceed the automatic 32"
+    if inst.evict_last and inst.strategy is Strategy.PTR_ARRAY:
+        return "evict-last operand loads are an axis of the strided kernels only"
     if inst.tile_scheduler is TileScheduler.STREAM_K:
         if inst.schedule is not Schedule.COOPERATIVE:
             return "CUTLASS's sm90 stream-K scheduler runs with the cooperative schedule only"
@@ -175,10 +185,10 @@ def problem_reason(params: dict, problem) -> str | None:
 
 SPACE: tuple[GemmSm90Instance, ...] = tuple(
     inst
-    for dtype, out_fp32, bt, strategy, tm, tn, tk, schedule, (cm, cn), scheduler, epi_n in itertools.product(
+    for dtype, out_fp32, bt, strategy, tm, tn, tk, schedule, (cm, cn), scheduler, epi_n, el in itertools.product(
         DTYPES, OUT_FP32, B_TRANSPOSED, STRATEGIES, TILE_MS, TILE_NS, TILE_KS, SCHEDULES, CLUSTERS,
-        TILE_SCHEDULERS, EPI_TILE_NS)
-    for inst in [GemmSm90Instance(dtype, out_fp32, bt, strategy, tm, tn, tk, schedule, cm, scheduler, cn, epi_n)]
+        TILE_SCHEDULERS, EPI_TILE_NS, EVICT_LASTS)
+    for inst in [GemmSm90Instance(dtype, out_fp32, bt, strategy, tm, tn, tk, schedule, cm, scheduler, cn, epi_n, el)]
     if invalid_reason(inst) is None
 )
 
@@ -187,5 +197,6 @@ SPACE: tuple[GemmSm90Instance, ...] = tuple(
 DEFAULT: tuple[GemmSm90Instance, ...] = tuple(
     inst for inst in SPACE
     if (inst.tile_m, inst.tile_n, inst.tile_k, inst.schedule, inst.cluster_m, inst.cluster_n, inst.epi_tile_n,
-        inst.tile_scheduler) == (128, 128, 64, Schedule.COOPERATIVE, 1, 1, 0, TileScheduler.PERSISTENT)
+        inst.tile_scheduler, inst.evict_last) == (128, 128, 64, Schedule.COOPERATIVE, 1, 1, 0,
+                                                  TileScheduler.PERSISTENT, False)
 )

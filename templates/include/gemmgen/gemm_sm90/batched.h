@@ -35,11 +35,58 @@ struct Pingpong {  // two consumer warpgroups alternate tiles: one's epilogue hi
   using PtrEpilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
 };
 
+// CUTLASS's TMA warp-specialized mainloop with the A and B loads marked EVICT_LAST in L2: the
+// output tiles stream through L2 once, and with the default policy they can push out operand lines
+// that other tiles of the same batch still read, which then come from memory a second time
+// (bench/NOTES.md, experiment 24). Only the producer's load() differs from CUTLASS's.
+template <class Base>
+struct EvictLastMainloop : Base {
+  template <class TensorA, class TensorB, class KTileIterator, class BlockCoord>
+  CUTLASS_DEVICE void load(typename Base::Params const& params, typename Base::MainloopPipeline pipeline,
+                           typename Base::PipelineState smem_pipe_write,
+                           cute::tuple<TensorA, TensorB> const& load_inputs, BlockCoord const& blk_coord,
+                           KTileIterator k_tile_iter, int k_tile_count, int /*thread_idx*/,
+                           uint32_t block_rank_in_cluster, typename Base::TensorStorage& shared_tensors) {
+    using namespace cute;
+    using Cluster = typename Base::DispatchPolicy::ClusterShape;
+    if (!cute::elect_one_sync()) return;
+    Tensor sA = make_tensor(make_smem_ptr(shared_tensors.smem_A.data()), typename Base::SmemLayoutA{});
+    Tensor sB = make_tensor(make_smem_ptr(shared_tensors.smem_B.data()), typename Base::SmemLayoutB{});
+    constexpr uint32_t cx = get<0>(Cluster{});
+    const uint32_t bx = block_rank_in_cluster % cx, by = block_rank_in_cluster / cx;
+    auto tma_a = params.tma_load_a.get_slice(by);
+    auto tma_b = params.tma_load_b.get_slice(bx);
+    auto [m, n, k, l] = blk_coord;
+    Tensor tAgA = tma_a.partition_S(get<0>(load_inputs)(_, _, m, _, l));
+    Tensor tAsA = tma_a.partition_D(sA);
+    Tensor tBgB = tma_b.partition_S(get<1>(load_inputs)(_, _, n, _, l));
+    Tensor tBsB = tma_b.partition_D(sB);
+    // A tile goes to the cluster's CTAs in its row, a B tile to those in its column.
+    uint16_t mask_a = 0, mask_b = 0;
+    auto blocks = Layout<Cluster>{};
+    if constexpr (cute::is_same_v<typename Base::GmemTiledCopyA, SM90_TMA_LOAD_MULTICAST>) {
+      for (int j = 0; j < size<1>(blocks); ++j) mask_a |= uint16_t(1) << blocks(bx, j, Int<0>{});
+    }
+    if constexpr (cute::is_same_v<typename Base::GmemTiledCopyB, SM90_TMA_LOAD_MULTICAST>) {
+      for (int i = 0; i < size<0>(blocks); ++i) mask_b |= uint16_t(1) << blocks(i, by, Int<0>{});
+    }
+    constexpr auto hint = TMA::CacheHintSm90::EVICT_LAST;
+    CUTLASS_PRAGMA_NO_UNROLL
+    for (; k_tile_count > 0; --k_tile_count, ++k_tile_iter, ++smem_pipe_write) {
+      pipeline.producer_acquire(smem_pipe_write);
+      auto* barrier = pipeline.producer_get_barrier(smem_pipe_write);
+      const int stage = smem_pipe_write.index();
+      copy(params.tma_load_a.with(*barrier, mask_a, hint), tAgA(_, _, _, *k_tile_iter), tAsA(_, _, _, stage));
+      copy(params.tma_load_b.with(*barrier, mask_b, hint), tBgB(_, _, _, *k_tile_iter), tBsB(_, _, _, stage));
+    }
+  }
+};
+
 // Derives the CUTLASS 3.x kernel from the instance's integers. TMA needs 16-byte aligned
 // pointers and strides: alignment is one 16-byte vector for every operand.
 template <class Element_, class ElementOut_, bool BTransposed, int TileM, int TileN, int TileK,
           int ClusterM, int ClusterN, int EpiTileN, class Schedule, bool PtrArray,
-          class TileScheduler = cutlass::gemm::PersistentScheduler>
+          class TileScheduler = cutlass::gemm::PersistentScheduler, bool EvictLast = false>
 struct Traits {
   using Element = Element_;
   using ElementOut = ElementOut_;
@@ -62,12 +109,14 @@ struct Traits {
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
       EpilogueTile, float, float,
       void, LayoutC, kAlignC, ElementOut, LayoutC, kAlignC, EpilogueSchedule>::CollectiveOp;
-  using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+  using BuiltMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, LayoutA, kAlign, Element, LayoutB, kAlign,
       float, TileShape, ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<
           static_cast<int>(sizeof(typename CollectiveEpilogue::SharedStorage))>,
       KernelSchedule>::CollectiveOp;
+  static_assert(!(PtrArray && EvictLast), "evict-last loads are a variant of the strided mainloop");
+  using CollectiveMainloop = std::conditional_t<EvictLast, EvictLastMainloop<BuiltMainloop>, BuiltMainloop>;
   using ProblemShape = std::conditional_t<PtrArray, cutlass::gemm::ArrayProblemShape<cute::Shape<int, int, int, int>>,
                                           cute::Shape<int, int, int, int>>;
   // The pointer-array kernels bring their own (grouped) scheduler.
