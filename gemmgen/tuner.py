@@ -184,9 +184,14 @@ def _contend(result: list[Measurement], timers: list, progress: Progress | None)
     if progress:
         progress(f"{len(close)} candidates within {CONTEND_MARGIN - 1:.0%}: {CONTEND_ROUNDS} rounds")
     times = {i: [result[i].ms] for i in close}
-    for rnd in range(CONTEND_ROUNDS):
-        for i in close[rnd % len(close):] + close[:rnd % len(close)]:
-            times[i].append(timers[i]())
+    try:
+        for rnd in range(CONTEND_ROUNDS):
+            for i in close[rnd % len(close):] + close[:rnd % len(close)]:
+                times[i].append(timers[i]())
+    except (GemmgenError, RuntimeError) as exc:
+        # A later candidate broke the CUDA context: the first pass's times stand.
+        warnings.warn(f"re-timing stopped ({exc}); first-pass times kept", GemmgenWarning, stacklevel=2)
+        return
     for i in close:
         result[i].ms = statistics.median(times[i])
 

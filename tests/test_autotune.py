@@ -6,6 +6,7 @@ import math
 import pytest
 
 from gemmgen import tuner, device, registry, selection, timing, tuning_db
+from gemmgen.errors import GemmgenWarning
 from gemmgen.problem import Problem
 from gemmgen.shapes import Shape
 
@@ -150,3 +151,10 @@ def test_contenders_retimed_in_rotating_rounds():
     # A single candidate close to the best is not re-timed.
     alone = [tuner.Measurement("a", "h1", 1.0), tuner.Measurement("slow", "h3", 2.0)]
     tuner._contend(alone, [lambda: pytest.fail("re-timed"), None], None)
+    # A failure while re-timing (a broken CUDA context) keeps the first pass's times.
+    def broken():
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+    kept = [tuner.Measurement("a", "h1", 1.0), tuner.Measurement("b", "h2", 1.01)]
+    with pytest.warns(GemmgenWarning, match="first-pass times kept"):
+        tuner._contend(kept, [broken, broken], None)
+    assert [m.ms for m in kept] == [1.0, 1.01]

@@ -52,7 +52,8 @@ using FusionOf = std::conditional_t<Causal, cutlass::fmha::collective::CausalFus
 // the longer first: every pair holds the same number of key tiles, so a static round robin over
 // the SMs is an even share. Pairs are handed out head by head, so the CTAs running at one time
 // share a few heads' K and V in L2 (an order over all heads at once, longest tiles first, streamed
-// every head's K and V from memory and was up to 20% slower: bench/NOTES.md, experiment 23).
+// every head's K and V from memory and was about a fifth slower at N = 1024-2048: bench/NOTES.md,
+// experiment 23).
 struct PairedScheduler {
   struct Params {
     int num_pairs;
