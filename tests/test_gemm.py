@@ -90,6 +90,26 @@ def test_evict_last_axis():
     assert "/*EvictLast=*/false" in render.render_text(base, tc)
 
 
+def test_in_order_scheduler_axis():
+    """The in-order scheduler names the instance, reaches the template, and is cooperative and
+    strided only (CUTLASS's ping-pong kernel and the pointer-array kernels cannot take it)."""
+    base = next(i for i in gemm_sm90.SPACE if i.name == "gemm_sm90_strided_fp16_fp16_nt_m256n128k64_coop_c1x2_e64")
+    io = dataclasses.replace(base, tile_scheduler=gemm_sm90.TileScheduler.IN_ORDER)
+    assert gemm_sm90.invalid_reason(io) is None and io.name == base.name + "_io" and io in gemm_sm90.SPACE
+    assert dataclasses.replace(io, evict_last=True).name == base.name + "_io_el"
+    assert io.params()["tile_scheduler"] == "inorder" and io.content_hash() != base.content_hash()
+    assert not any(i.tile_scheduler is gemm_sm90.TileScheduler.IN_ORDER for i in gemm_sm90.DEFAULT)
+    pingpong = next(i for i in gemm_sm90.SPACE if i.name == "gemm_sm90_strided_fp16_fp16_nt_m64n256k64_pp_c2_e64")
+    assert "cooperative schedule only" in gemm_sm90.invalid_reason(
+        dataclasses.replace(pingpong, tile_scheduler=gemm_sm90.TileScheduler.IN_ORDER))
+    ptr = next(i for i in gemm_sm90.DEFAULT if i.strategy is gemm_sm90.Strategy.PTR_ARRAY)
+    assert "grouped scheduler" in gemm_sm90.invalid_reason(
+        dataclasses.replace(ptr, tile_scheduler=gemm_sm90.TileScheduler.IN_ORDER))
+    tc = render.Toolchain(flags=("-O3",), nvcc_version="13.0.88", cutlass_version="4.2.0")
+    assert "gemmgen::gemm_sm90::InOrderScheduler" in render.render_text(io, tc)
+    assert "cutlass::gemm::PersistentScheduler" in render.render_text(base, tc)
+
+
 def test_stream_k_heuristic_on_few_tiles(tmp_path):
     """Eight 1024 x 64 outputs are 64 tiles of 128 x 64 on 132 SMs: stream-K's estimate (balanced
     K loops) beats the same tile's one half-empty wave; with thousands of tiles it does not."""

@@ -37,10 +37,13 @@ class TileScheduler(enum.Enum):
     the GPU (a few large matrices: B*H = 8, K = N of P x V) and fixes up the partial sums."""
     PERSISTENT = "persistent"
     STREAM_K = "streamk"
+    IN_ORDER = "inorder"
 
 
 TILE_SCHEDULER_CPP = {TileScheduler.PERSISTENT: "cutlass::gemm::PersistentScheduler",
-                      TileScheduler.STREAM_K: "cutlass::gemm::StreamKScheduler"}
+                      TileScheduler.STREAM_K: "cutlass::gemm::StreamKScheduler",
+                      TileScheduler.IN_ORDER: "gemmgen::gemm_sm90::InOrderScheduler"}
+TILE_SCHEDULER_SUFFIX = {TileScheduler.PERSISTENT: "", TileScheduler.STREAM_K: "_sk", TileScheduler.IN_ORDER: "_io"}
 
 # Axes.
 TILE_MS = (64, 128, 256)
@@ -91,7 +94,7 @@ class GemmSm90Instance:
                 f"_m{self.tile_m}n{self.tile_n}k{self.tile_k}_{self.schedule.value}_c{self.cluster_m}"
                 + (f"x{self.cluster_n}" if self.cluster_n > 1 else "")
                 + (f"_e{self.epi_tile_n}" if self.epi_tile_n else "")
-                + ("_sk" if self.tile_scheduler is TileScheduler.STREAM_K else "")
+                + TILE_SCHEDULER_SUFFIX[self.tile_scheduler]
                 + ("_el" if self.evict_last else ""))
 
     @property
@@ -173,6 +176,12 @@ def invalid_reason(inst: GemmSm90Instance, arch: Arch = Arch.SM90) -> str | None
             return "CUTLASS's sm90 stream-K scheduler runs with the cooperative schedule only"
         if inst.strategy is Strategy.PTR_ARRAY:
             return "the pointer-array kernels take the grouped scheduler, not stream-K"
+    if inst.tile_scheduler is TileScheduler.IN_ORDER:
+        if inst.schedule is not Schedule.COOPERATIVE:
+            return ("the in-order scheduler runs with the cooperative schedule only: CUTLASS's ping-pong kernel "
+                    "ends a dynamic schedule with a slot that only some of its readers release")
+        if inst.strategy is Strategy.PTR_ARRAY:
+            return "the pointer-array kernels take the grouped scheduler, not the in-order one"
     if inst.smem_bytes > arch.max_smem_bytes:
         return f"shared memory {inst.smem_bytes} B exceeds {arch.value}'s {arch.max_smem_bytes} B"
     return None

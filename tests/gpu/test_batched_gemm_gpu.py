@@ -85,8 +85,10 @@ def test_repeated_calls_take_the_fast_path(out_dtype):
 
 TORCH_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 # (B, H, M, N, K): odd M, several tiles and K blocks; then two output tiles with a long K loop,
-# which stream-K instances split over most of the GPU's SMs (partial sums fixed up in a workspace).
-EVERY_INSTANCE_SHAPES = [(2, 3, 201, 72, 1032), (1, 1, 256, 128, 8192)]
+# which stream-K instances split over most of the GPU's SMs (partial sums fixed up in a workspace);
+# then several tiles per persistent CTA, with an odd N that leaves half-empty clusters (the in-order
+# scheduler's tickets and its last, invalid one).
+EVERY_INSTANCE_SHAPES = [(2, 3, 201, 72, 1032), (1, 1, 256, 128, 8192), (4, 33, 129, 520, 64)]
 
 
 def test_every_built_strided_instance():

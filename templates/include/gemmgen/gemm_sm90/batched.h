@@ -16,6 +16,7 @@
 #include "cutlass/kernel_hardware_info.h"
 
 #include "gemmgen/gemm/batched_host.h"
+#include "gemmgen/gemm_sm90/in_order_scheduler.h"
 #include "gemmgen/smem.h"
 
 namespace gemmgen::gemm_sm90 {
@@ -112,8 +113,9 @@ struct Traits {
   using BuiltMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, LayoutA, kAlign, Element, LayoutB, kAlign,
       float, TileShape, ClusterShape,
-      cutlass::gemm::collective::StageCountAutoCarveout<
-          static_cast<int>(sizeof(typename CollectiveEpilogue::SharedStorage))>,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
+          sizeof(typename CollectiveEpilogue::SharedStorage) +
+          (std::is_same_v<TileScheduler, InOrderScheduler> ? sizeof(InOrderTileScheduler<true>::SharedStorage) : 0))>,
       KernelSchedule>::CollectiveOp;
   static_assert(!(PtrArray && EvictLast), "evict-last loads are a variant of the strided mainloop");
   using CollectiveMainloop = std::conditional_t<EvictLast, EvictLastMainloop<BuiltMainloop>, BuiltMainloop>;
