@@ -32,9 +32,11 @@ SCHEDULE_CPP = {Schedule.COOPERATIVE: "Cooperative", Schedule.PINGPONG: "Pingpon
 
 
 class TileScheduler(enum.Enum):
-    """How output tiles are dealt to the persistent CTAs: whole tiles (one SM per tile), or
-    stream-K, which also splits the K loop of a tile over SMs when there are too few tiles to fill
-    the GPU (a few large matrices: B*H = 8, K = N of P x V) and fixes up the partial sums."""
+    """How output tiles are dealt to the persistent CTAs: whole tiles (one SM per tile) in
+    CUTLASS's static order; stream-K, which also splits the K loop of a tile over SMs when there
+    are too few tiles to fill the GPU (a few large matrices: B*H = 8, K = N of P x V) and fixes up
+    the partial sums; or in order, each cluster taking its next tile from a counter, so that the
+    tiles of a batch run together while its A and B are in L2 (gemm_sm90/in_order_scheduler.h)."""
     PERSISTENT = "persistent"
     STREAM_K = "streamk"
     IN_ORDER = "inorder"
