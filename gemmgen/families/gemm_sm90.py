@@ -45,6 +45,12 @@ class TileScheduler(enum.Enum):
 TILE_SCHEDULER_CPP = {TileScheduler.PERSISTENT: "cutlass::gemm::PersistentScheduler",
                       TileScheduler.STREAM_K: "cutlass::gemm::StreamKScheduler",
                       TileScheduler.IN_ORDER: "gemmgen::gemm_sm90::InOrderScheduler"}
+SCHEDULER_NAME = {TileScheduler.STREAM_K: "stream-K", TileScheduler.IN_ORDER: "the in-order one"}
+COOPERATIVE_ONLY = {
+    TileScheduler.STREAM_K: "CUTLASS's sm90 stream-K scheduler runs with the cooperative schedule only",
+    TileScheduler.IN_ORDER: ("the in-order scheduler runs with the cooperative schedule only: CUTLASS's ping-pong "
+                             "kernel ends a dynamic schedule with a slot that only some of its readers release"),
+}
 TILE_SCHEDULER_SUFFIX = {TileScheduler.PERSISTENT: "", TileScheduler.STREAM_K: "_sk", TileScheduler.IN_ORDER: "_io"}
 
 # Axes.
@@ -173,17 +179,12 @@ def invalid_reason(inst: GemmSm90Instance, arch: Arch = Arch.SM90) -> str | None
             return f"epilogue tile columns {inst.epi_tile_n} must divide tile_n {inst.tile_n} and exceed the automatic 32"
     if inst.evict_last and inst.strategy is Strategy.PTR_ARRAY:
         return "evict-last operand loads are an axis of the strided kernels only"
-    if inst.tile_scheduler is TileScheduler.STREAM_K:
+    if inst.tile_scheduler is not TileScheduler.PERSISTENT:
+        # Both other schedulers ride on CUTLASS's cooperative kernel; pointer arrays bring their own.
         if inst.schedule is not Schedule.COOPERATIVE:
-            return "CUTLASS's sm90 stream-K scheduler runs with the cooperative schedule only"
+            return COOPERATIVE_ONLY[inst.tile_scheduler]
         if inst.strategy is Strategy.PTR_ARRAY:
-            return "the pointer-array kernels take the grouped scheduler, not stream-K"
-    if inst.tile_scheduler is TileScheduler.IN_ORDER:
-        if inst.schedule is not Schedule.COOPERATIVE:
-            return ("the in-order scheduler runs with the cooperative schedule only: CUTLASS's ping-pong kernel "
-                    "ends a dynamic schedule with a slot that only some of its readers release")
-        if inst.strategy is Strategy.PTR_ARRAY:
-            return "the pointer-array kernels take the grouped scheduler, not the in-order one"
+            return f"the pointer-array kernels take the grouped scheduler, not {SCHEDULER_NAME[inst.tile_scheduler]}"
     if inst.smem_bytes > arch.max_smem_bytes:
         return f"shared memory {inst.smem_bytes} B exceeds {arch.value}'s {arch.max_smem_bytes} B"
     return None
