@@ -87,8 +87,9 @@ TORCH_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.flo
 # (B, H, M, N, K): odd M, several tiles and K blocks; then two output tiles with a long K loop,
 # which stream-K instances split over most of the GPU's SMs (partial sums fixed up in a workspace);
 # then several tiles per persistent CTA, with an odd N that leaves half-empty clusters (the in-order
-# scheduler's tickets and its last, invalid one).
-EVERY_INSTANCE_SHAPES = [(2, 3, 201, 72, 1032), (1, 1, 256, 128, 8192), (4, 33, 129, 520, 64)]
+# scheduler's tickets and its last, invalid one). Each with an alpha: the sm90 epilogue leaves the
+# multiply out when alpha is 1, so both of its paths run on every instance.
+EVERY_INSTANCE_SHAPES = [((2, 3, 201, 72, 1032), 0.25), ((1, 1, 256, 128, 8192), -0.5), ((4, 33, 129, 520, 64), 1.0)]
 
 
 def test_every_built_strided_instance():
@@ -101,19 +102,19 @@ def test_every_built_strided_instance():
         if not gemm_select.is_gemm(cand) or cand.entry.state != "built" or params.get("strategy") != "strided":
             continue
         dtype, out_dtype, bt = TORCH_DTYPES[params["dtype"]], TORCH_DTYPES[params["out_dtype"]], params["b_transposed"]
-        for bb, h, m, n, k in EVERY_INSTANCE_SHAPES:
-            key = ("every", cand.name, m, n, k)
+        for (bb, h, m, n, k), alpha in EVERY_INSTANCE_SHAPES:
+            key = ("every", cand.name, m, n, k, alpha)
             a = randn((bb, h, m, k), dtype, (key, "a"))
             b = randn((bb, h, n, k) if bt else (bb, h, k, n), dtype, (key, "b"))
             out = torch.full((bb, h, m, n), float("nan"), dtype=out_dtype, device="cuda")
             if gemm_select.reject_reason(cand, gemm.strided_problem(a, b, out, b_transposed=bt)) is not None:
                 continue
-            gemmgen.batched_gemm(a, b, b_transposed=bt, out=out, alpha=0.25, instance=cand.name)
-            err = rel_error(out, ref_gemm(a, b, bt, 0.25))
+            gemmgen.batched_gemm(a, b, b_transposed=bt, out=out, alpha=alpha, instance=cand.name)
+            err = rel_error(out, ref_gemm(a, b, bt, alpha))
             ran += 1
             # fp32 C is not rounded to 16 bits: only the fp32 sums' rounding over K <= 8192 remains.
             if err > (3e-5 if out_dtype == torch.float32 else TOLERANCE[dtype]):
-                failures.append(f"{cand.name} {(bb, h, m, n, k)}: relative error {err:.2e}")
+                failures.append(f"{cand.name} {(bb, h, m, n, k)} alpha {alpha}: relative error {err:.2e}")
     assert ran, "no strided instance could run the shapes"
     assert not failures, "\n".join(failures)
 
@@ -149,11 +150,14 @@ def test_pointer_array(dtype, b_transposed, m, n, k):
     a_list = [randn((m, k), dtype, (key, "a", i)) for i in range(5)]
     b_list = [randn((n, k) if b_transposed else (k, n), dtype, (key, "b", i)) for i in range(5)]
     outs = [torch.full((m, n), float("nan"), dtype=dtype, device="cuda") for _ in range(5)]
-    gemmgen.batched_gemm_ptrs(a_list, b_list, b_transposed=b_transposed, out_list=outs)
+    gemmgen.batched_gemm_ptrs(a_list, b_list, b_transposed=b_transposed, out_list=outs, alpha=0.5)
     for a, b, out in zip(a_list, b_list, outs):
+        assert rel_error(out, ref_gemm(a, b, b_transposed, 0.5)) <= TOLERANCE[dtype]
+    again = gemmgen.batched_gemm_ptrs(a_list, b_list, b_transposed=b_transposed, alpha=0.5)
+    assert all(torch.equal(x, y) for x, y in zip(again, outs))
+    unscaled = gemmgen.batched_gemm_ptrs(a_list, b_list, b_transposed=b_transposed)  # alpha = 1: no multiply
+    for a, b, out in zip(a_list, b_list, unscaled):
         assert rel_error(out, ref_gemm(a, b, b_transposed)) <= TOLERANCE[dtype]
-    fresh = gemmgen.batched_gemm_ptrs(a_list, b_list, b_transposed=b_transposed)
-    assert all(torch.equal(x, y) for x, y in zip(fresh, outs))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])

@@ -17,6 +17,7 @@
 
 #include "gemmgen/gemm/batched_host.h"
 #include "gemmgen/gemm_sm90/in_order_scheduler.h"
+#include "gemmgen/gemm_sm90/scaled_output.h"
 #include "gemmgen/smem.h"
 
 namespace gemmgen::gemm_sm90 {
@@ -105,11 +106,11 @@ struct Traits {
       cute::Shape<cute::Int<(std::is_same_v<Schedule, Cooperative> ? 128 : 64)>, cute::Int<(EpiTileN ? EpiTileN : 32)>>>;
   using KernelSchedule = std::conditional_t<PtrArray, typename Schedule::PtrKernel, typename Schedule::Kernel>;
   using EpilogueSchedule = std::conditional_t<PtrArray, typename Schedule::PtrEpilogue, typename Schedule::Epilogue>;
-  // C is never read (beta = 0): void source.
+  // C is never read (beta = 0): void source; D = alpha * acc (ScaledOutput).
   using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
       EpilogueTile, float, float,
-      void, LayoutC, kAlignC, ElementOut, LayoutC, kAlignC, EpilogueSchedule>::CollectiveOp;
+      void, LayoutC, kAlignC, ElementOut, LayoutC, kAlignC, EpilogueSchedule, ScaledOutput<ElementOut>>::CollectiveOp;
   using BuiltMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, LayoutA, kAlign, Element, LayoutB, kAlign,
       float, TileShape, ClusterShape,
@@ -230,7 +231,7 @@ int run_strided(const GemmgenBatchedGemmStridedArgs* p, cudaStream_t stream, cha
         {int(p->M), int(p->N), int(p->K), l.count},
         {static_cast<const Element*>(p->A) + l.a, make_stride<typename Kernel::StrideA>(p->stride_a_row, l.step_a),
          static_cast<const Element*>(p->B) + l.b, make_stride<typename Kernel::StrideB>(p->stride_b_row, l.step_b)},
-        {{p->alpha, 0.0f}, nullptr, make_stride<typename Kernel::StrideC>(p->stride_c_row, l.step_c),
+        {{p->alpha}, nullptr, make_stride<typename Kernel::StrideC>(p->stride_c_row, l.step_c),
          static_cast<ElementOut*>(p->C) + l.c, make_stride<typename Kernel::StrideD>(p->stride_c_row, l.step_c)},
         hw};
     return launch<Traits>(args, stream, err, err_len);
@@ -256,7 +257,7 @@ int run_ptrs(const GemmgenBatchedGemmPtrArgs* p, cudaStream_t stream, char* err,
        make_stride<typename Kernel::StrideA>(p->stride_a_row, 0),
        reinterpret_cast<const Element**>(const_cast<const void**>(p->B_ptrs)),
        make_stride<typename Kernel::StrideB>(p->stride_b_row, 0)},
-      {{p->alpha, 0.0f}, nullptr, make_stride<typename Kernel::StrideC>(p->stride_c_row, 0),
+      {{p->alpha}, nullptr, make_stride<typename Kernel::StrideC>(p->stride_c_row, 0),
        reinterpret_cast<ElementOut**>(const_cast<void**>(p->C_ptrs)),
        make_stride<typename Kernel::StrideD>(p->stride_c_row, 0)},
       hardware()};
