@@ -17,7 +17,7 @@ The pointer-array strategy is timed with its device arrays built once (gemm.Poin
 for the overhead row, also with the arrays built per call (batched_gemm_ptrs). Bar: strided
 >= 0.9x cuBLAS at M, N >= 512.
 
-    python bench/batched_gemm.py [--dtype fp16] [--tune] [--device] [--kernels]
+    python bench/batched_gemm.py [--dtype fp16] [--op qk pv] [--tune] [--device] [--kernels]
                                  [--out bench/results/batched_gemm_h200.md]
 """
 from __future__ import annotations
@@ -82,6 +82,8 @@ def main() -> int:
     ap.add_argument("--bh", nargs="+", type=int, default=[8, 64, 512, 4096])
     ap.add_argument("--mn", nargs="+", type=int, default=[64, 256, 512, 1024, 2048, 4096])
     ap.add_argument("--k", nargs="+", type=int, default=[64, 128])
+    ap.add_argument("--op", nargs="+", choices=["qk", "pv"], default=["qk", "pv"],
+                    help="Q x K^T (b_transposed) and/or P x V")
     ap.add_argument("--max-gb", type=float, default=8.0, help="skip shapes whose operands exceed this")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--out", default="bench/results/batched_gemm_h200.md")
@@ -129,7 +131,7 @@ def main() -> int:
     lines += ["", "| op | BH | M=N | K | strided | ptr-array | cuBLAS | strided/cuBLAS | ptr/cuBLAS |" + device_cols,
               "|---|---|---|---|---|---|---|---|---|" + "---|" * (4 if args.device else 1)]
     short, short_device, kernel_lines = [], [], []
-    for bt in (True, False):
+    for bt in [op == "qk" for op in ("qk", "pv") if op in args.op]:
         op = "QK^T" if bt else "PV"
         for k in args.k:
             for mn in args.mn:
