@@ -131,7 +131,9 @@ def main() -> int:
     lines += ["", "| op | BH | M=N | K | strided | ptr-array | cuBLAS | strided/cuBLAS | ptr/cuBLAS |" + device_cols,
               "|---|---|---|---|---|---|---|---|---|" + "---|" * (4 if args.device else 1)]
     short, short_device, kernel_lines = [], [], []
-    for bt in [op == "qk" for op in ("qk", "pv") if op in args.op]:
+    for bt in (True, False):
+        if ("qk" if bt else "pv") not in args.op:
+            continue
         op = "QK^T" if bt else "PV"
         for k in args.k:
             for mn in args.mn:
