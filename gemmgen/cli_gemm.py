@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import statistics
 import time
 
 from gemmgen import device, gemm_select, registry, tuning_db
@@ -151,8 +150,8 @@ def measure(cands: list, call, *, reps: int, shape: str, peers: dict | None = No
     fastest after settling keep their settling time. Short runs (ms_short): the candidates within
     TUNE_PRUNE of the fastest sustained time, each call timed on its own (timing.median_ms, host
     path hidden), TUNE_SHORT_REPS calls per candidate and pass, two passes in alternating order,
-    the mean of the passes' medians: the clock a cooler GPU gives a few calls. gemm_select picks the candidate
-    closest to the best in both (tuned_costs).
+    the mean of the two passes' medians (timing.rounds_ms): the clock a cooler GPU gives a few
+    calls. gemm_select picks the candidate closest to the best in both (tuned_costs).
 
     Returns (name, ms, ms_short, reason) rows, tuning-database records by build hash, and the
     sustained ms of each of `peers` (name -> callable, e.g. torch.matmul), timed in the same rounds.
@@ -178,13 +177,9 @@ def measure(cands: list, call, *, reps: int, shape: str, peers: dict | None = No
         peer_ms = {name.removeprefix("peer:"): ms for name, ms in timed.items() if name.startswith("peer:")}
         fastest = min(timed[name] for name in runs)
         contenders = [name for name in runs if timed[name] <= TUNE_PRUNE * fastest]
-        short = {name: [] for name in contenders}
-        for p in range(2):
-            for name in contenders if p == 0 else contenders[::-1]:
-                short[name].append(timing.median_ms(lambda _i, f=runs[name]: f(), 1, warmup=2,
-                                                    reps=TUNE_SHORT_REPS, hide_host=True))
-        rows += [(name, timed[name], statistics.mean(short[name]) if name in short else None, None)
-                 for name in runs]
+        short = timing.rounds_ms({name: runs[name] for name in contenders}, rounds=2, reps=TUNE_SHORT_REPS,
+                                 warmup=2, hide_host=True)
+        rows += [(name, timed[name], short.get(name), None) for name in runs]
     by_name = {cand.name: cand for cand in cands}
     for name, ms, ms_short, reason in rows:
         records[by_name[name].content_hash] = tuning_db.Record(name=name, ms=ms, reason=reason, shape=shape,

@@ -69,6 +69,20 @@ def median_ms(run: Callable[[int], None], copies: int, *, warmup: int = 5, reps:
     return statistics.median(s.elapsed_time(e) for s, e in zip(start, end))
 
 
+def rounds_ms(runs: dict[str, Callable[[], None]], *, rounds: int, reps: int, warmup: int = 5,
+              hide_host: bool = False) -> dict[str, float]:
+    """Each run's median over `rounds` rounds of its per-call median (median_ms: `reps` calls, each
+    timed on its own), the runs in alternating order (forward, then backward), so that no run is
+    always timed right after the same one or always first, while the GPU warms."""
+    got: dict[str, list[float]] = {name: [] for name in runs}
+    names = list(runs)
+    for r in range(rounds):
+        for name in (names if r % 2 == 0 else names[::-1]):
+            got[name].append(median_ms(lambda _i, f=runs[name]: f(), 1, warmup=warmup, reps=reps,
+                                       hide_host=hide_host))
+    return {name: statistics.median(t) for name, t in got.items()}
+
+
 def _graph_median_ms(run: Callable[[int], None], copies: int, *, warmup: int, reps: int) -> float:
     calls = max(copies, GRAPH_CALLS)
     side = torch.cuda.Stream()
