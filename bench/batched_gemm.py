@@ -107,7 +107,8 @@ def main() -> int:
     dev = torch.cuda.get_device_properties(0)
     header = (f"{dev.name}, {dev.multi_processor_count} SMs, torch {torch.__version__}, gemmgen "
               f"{gemmgen.__version__}, {datetime.date.today()}, {args.dtype}; per call: the median of {args.rounds} "
-              f"alternating rounds of the median of {args.reps} CUDA-event timings; TFLOP/s = 2*BH*M*N*K/t" + ("; strided: the tuned pick (--tune)" if args.tune else ""))
+              f"alternating rounds of the median of {args.reps} CUDA-event timings; TFLOP/s = 2*BH*M*N*K/t"
+              + ("; strided: the tuned pick (--tune)" if args.tune else ""))
     print(header, flush=True)
 
     # Launch overhead on the smallest shape.
