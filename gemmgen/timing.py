@@ -69,18 +69,25 @@ def median_ms(run: Callable[[int], None], copies: int, *, warmup: int = 5, reps:
     return statistics.median(s.elapsed_time(e) for s, e in zip(start, end))
 
 
-def rounds_ms(runs: dict[str, Callable[[], None]], *, rounds: int, reps: int, warmup: int = 5,
-              hide_host: bool = False) -> dict[str, float]:
-    """Each run's median over `rounds` rounds of its per-call median (median_ms: `reps` calls, each
-    timed on its own), the runs in alternating order (forward, then backward), so that no run is
-    always timed right after the same one or always first, while the GPU warms."""
-    got: dict[str, list[float]] = {name: [] for name in runs}
-    names = list(runs)
+def alternating_rounds(timers: dict[str, Callable[[], float]], rounds: int) -> dict[str, list[float]]:
+    """Each timer's results over `rounds` rounds, the timers in alternating order (forward, then
+    backward), so that none is always timed right after the same one or always first while the
+    GPU warms."""
+    names = list(timers)
+    got: dict[str, list[float]] = {name: [] for name in names}
     for r in range(rounds):
         for name in (names if r % 2 == 0 else names[::-1]):
-            got[name].append(median_ms(lambda _i, f=runs[name]: f(), 1, warmup=warmup, reps=reps,
-                                       hide_host=hide_host))
-    return {name: statistics.median(t) for name, t in got.items()}
+            got[name].append(timers[name]())
+    return got
+
+
+def rounds_ms(runs: dict[str, Callable[[], None]], *, rounds: int, reps: int, warmup: int = 5,
+              hide_host: bool = False) -> dict[str, float]:
+    """Each run's median over `rounds` alternating rounds (alternating_rounds) of its per-call
+    median (median_ms: `reps` calls, each timed on its own)."""
+    timers = {name: (lambda f=f: median_ms(lambda _i: f(), 1, warmup=warmup, reps=reps, hide_host=hide_host))
+              for name, f in runs.items()}
+    return {name: statistics.median(t) for name, t in alternating_rounds(timers, rounds).items()}
 
 
 def _graph_median_ms(run: Callable[[int], None], copies: int, *, warmup: int, reps: int) -> float:
@@ -166,8 +173,5 @@ def sustained_ms(runs: dict[str, Callable[[], None]], *, rounds: int = 3, burst:
     else:
         timed = names
     calls = {name: burst_calls(est[name], burst, min_burst_ms) for name in timed}
-    got: dict[str, list[float]] = {name: [] for name in timed}
-    for r in range(rounds):
-        for name in (timed if r % 2 == 0 else timed[::-1]):
-            got[name].append(burst_ms(runs[name], calls[name]))
+    got = alternating_rounds({name: (lambda name=name: burst_ms(runs[name], calls[name])) for name in timed}, rounds)
     return {name: statistics.median(got[name]) if name in got else est[name] for name in names}
