@@ -35,8 +35,8 @@ class Mask(enum.Enum):
 class Schedule(enum.Enum):
     TMA = "tma"  # one producer/consumer warp group, no warp specialization
     COOPERATIVE = "coop"  # a producer warp group and two consumer warp groups sharing a 128-row tile
-    PINGPONG = "pingpong"  # cooperative, persistent over tiles, Q loaded by its own warp (causal:
-    # row tiles in pairs, launch.h's PairedScheduler)
+    PINGPONG = "pingpong"  # cooperative, persistent over tiles, Q loaded by its own warp, in our own
+    # kernel and epilogue (templates/include/gemmgen/fmha_sm90/persistent.h; causal row tiles in pairs)
 
 
 DTYPE_CPP = {DType.FP16: "cutlass::half_t", DType.BF16: "cutlass::bfloat16_t"}
@@ -96,14 +96,14 @@ class FmhaSm90Instance:
     def smem_bytes(self) -> int:
         """Shared memory of CUTLASS's SharedStorage (the compiled instances report the same figure;
         a test checks one): the Q stages, the K/V stages (K and V share them), pipeline barriers, and
-        for the persistent schedule an epilogue buffer per consumer group beside them (the others
-        reuse the mainloop's space)."""
+        for the persistent schedule a whole-tile output buffer per consumer group beside them (the
+        others reuse the mainloop's space)."""
         e = ELEMENT_BYTES
         rows_q = self.block_m // self.consumer_groups
         q = self.consumer_groups * rows_q * self.head_dim * e
         kv = self.stages * self.block_n * self.head_dim * e
         if self.persistent:
-            return q + kv + self.consumer_groups * rows_q * min(self.head_dim, 64) * e + 1536
+            return q + kv + self.consumer_groups * rows_q * self.head_dim * e + 1536
         return q + kv + 512
 
     @property

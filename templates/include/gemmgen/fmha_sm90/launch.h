@@ -6,6 +6,7 @@
 // linearly, so group g runs query heads g, g+G, ... against K/V heads 0, 1, ...), any scale >= 0
 // (the kernel derives 1/sqrt(d) itself: the params are patched after they are built), batch and
 // head counts above the grid's y/z limits (chunked launches), and errors as a status + message.
+// The persistent schedule runs CUTLASS's mainloop in a kernel of our own (persistent.h).
 #pragma once
 #include <atomic>
 #include <cfloat>
@@ -23,6 +24,7 @@
 #include "88_hopper_fmha/kernel/fmha_kernel_builder.hpp"
 
 #include "gemmgen/abi.h"
+#include "gemmgen/fmha_sm90/persistent.h"
 #include "gemmgen/report.h"
 
 namespace gemmgen::fmha_sm90 {
@@ -36,9 +38,6 @@ template <> struct DispatchOf<Schedule::kTma> { using type = cutlass::gemm::Kern
 template <> struct DispatchOf<Schedule::kCooperative> {
   using type = cutlass::gemm::KernelTmaWarpSpecializedCooperative;
 };
-template <> struct DispatchOf<Schedule::kPingpong> {
-  using type = cutlass::gemm::KernelTmaWarpSpecializedPingpong;
-};
 
 // Non-causal instances use CUTLASS's residual fusion: it masks the keys past seqlen_k in the last
 // key tile (TMA fills them with zeros, which would otherwise score 0), so any seqlen_k works.
@@ -46,84 +45,24 @@ template <bool Causal>
 using FusionOf = std::conditional_t<Causal, cutlass::fmha::collective::CausalFusion,
                                     cutlass::fmha::collective::ResidualFusion>;
 
-// The persistent schedule for causal attention. CUTLASS's persistent scheduler hands each SM a
-// fixed stride of row tiles, which mixes short (top) and long (bottom) causal rows unevenly. Here
-// row tile i of a head goes with row tile m - 1 - i (m row tiles per head) and one CTA runs both,
-// the longer first: every pair holds the same number of key tiles, so a static round robin over
-// the SMs is an even share. Pairs are handed out head by head, so the CTAs running at one time
-// share a few heads' K and V in L2 (an order over all heads at once, longest tiles first, streamed
-// every head's K and V from memory and was about a fifth slower at N = 1024-2048: bench/NOTES.md,
-// experiment 23).
-struct PairedScheduler {
-  struct Params {
-    int num_pairs;
-    int num_m_blocks;
-    cutlass::FastDivmod divmod_pairs;  // pair index -> (batch * heads index, pair within the head)
-    cutlass::FastDivmod divmod_h;      // batch * heads index -> (batch, head)
-    cutlass::KernelHardwareInfo hw_info;
-  };
-
-  int pair_idx = 0;
-  bool second = false;  // running the shorter tile of the pair
-  Params params;
-
-  CUTLASS_DEVICE PairedScheduler(Params const& p) : pair_idx(blockIdx.x), params(p) {}
-
-  template <class ProblemSize, class ClusterShape, class TileShape>
-  static Params to_underlying_arguments(ProblemSize const& problem_size, cutlass::KernelHardwareInfo hw_info,
-                                        ClusterShape const&, TileShape const& tile_shape) {
-    const int m_blocks = ceil_div(size<2>(problem_size), size<0>(tile_shape));
-    const int pairs_per_head = (m_blocks + 1) / 2;
-    const int bh = size<0>(problem_size) * size<1>(problem_size);
-    return Params{pairs_per_head * bh, m_blocks, cutlass::FastDivmod(pairs_per_head),
-                  cutlass::FastDivmod(size<1>(problem_size)), hw_info};
-  }
-
-  static dim3 get_grid_shape(Params const& params) {
-    return dim3(std::min(params.num_pairs, params.hw_info.sm_count), 1, 1);
-  }
-
-  CUTLASS_DEVICE bool is_valid() { return pair_idx < params.num_pairs; }
-
-  CUTLASS_DEVICE auto get_block_coord() {
-    int bh, pair, b, h;
-    params.divmod_pairs(bh, pair, pair_idx);
-    params.divmod_h(b, h, bh);
-    return make_coord(second ? pair : params.num_m_blocks - 1 - pair, _0{}, make_coord(b, h));
-  }
-
-  CUTLASS_DEVICE PairedScheduler& operator++() {
-    int bh, pair;
-    params.divmod_pairs(bh, pair, pair_idx);
-    if (!second && pair != params.num_m_blocks - 1 - pair) {
-      second = true;
-    } else {
-      second = false;
-      pair_idx += gridDim.x;
-    }
-    return *this;
-  }
-};
-
 template <class Element, class TileShape, class Stride, Schedule S, bool Causal, int StagesKV>
-struct KernelOf {  // CUTLASS's own composition of the kernel
+struct KernelOf {  // CUTLASS's own composition of the kernel (the TMA and cooperative schedules)
   using type = typename cutlass::fmha::kernel::FmhaBuilder<
       Element, float, float, TileShape, Stride, Stride, Stride, FusionOf<Causal>, typename DispatchOf<S>::type,
       cutlass::fmha::kernel::Option<cutlass::fmha::kernel::Tag::kStagesKV, Int<StagesKV>>>::Kernel;
 };
 
-template <class Element, class TileShape, class Stride, int StagesKV>
-struct KernelOf<Element, TileShape, Stride, Schedule::kPingpong, true, StagesKV> {
-  // The same pieces as CUTLASS's ping-pong composition, with the paired scheduler.
+template <class Element, class TileShape, class Stride, bool Causal, int StagesKV>
+struct KernelOf<Element, TileShape, Stride, Schedule::kPingpong, Causal, StagesKV> {
+  // CUTLASS's persistent mainloop in our kernel (persistent.h); causal row tiles go in pairs.
   using Tag = cutlass::fmha::kernel::Tag;
   template <Tag T, class V> using Opt = cutlass::fmha::kernel::Option<T, V>;
   using Mainloop = cutlass::fmha::collective::FmhaMainloopTmaWarpSpecialized<
-      Element, float, float, TileShape, Stride, Stride, Stride, FusionOf<true>, Opt<Tag::kStagesKV, Int<StagesKV>>,
+      Element, float, float, TileShape, Stride, Stride, Stride, FusionOf<Causal>, Opt<Tag::kStagesKV, Int<StagesKV>>,
       Opt<Tag::kIsPersistent, cute::true_type>, Opt<Tag::kLoadsQSeparately, cute::true_type>>;
-  using Epilogue = cutlass::fmha::collective::FmhaFwdEpilogue<Element, float, typename Mainloop::TileShapePV>;
-  using type = cutlass::fmha::kernel::FmhaKernelTmaWarpSpecialized<
-      Mainloop, Epilogue, PairedScheduler, Opt<Tag::kStagesKV, Int<StagesKV>>,
-      Opt<Tag::kIsPersistent, cute::true_type>, Opt<Tag::kLoadsQSeparately, cute::true_type>>;
+  using Scheduler = std::conditional_t<Causal, PairedScheduler, cutlass::fmha::kernel::PersistentTileScheduler>;
+  using type = PersistentKernel<Mainloop, Scheduler, Opt<Tag::kStagesKV, Int<StagesKV>>,
+                                Opt<Tag::kIsPersistent, cute::true_type>, Opt<Tag::kLoadsQSeparately, cute::true_type>>;
 };
 
 template <class Element_, int BlockM, int BlockN, int HeadDim, Schedule S, bool Causal, int StagesKV>

@@ -1,0 +1,299 @@
+// The persistent ("ping-pong") schedule of the fmha_sm90 family: CUTLASS's warp-specialized
+// mainloop (example 88: a producer warp group loading Q, K and V with TMA, two consumer warp groups
+// sharing a 128-row tile, 64 rows each), driven by a tile loop and an output epilogue of our own.
+//
+// Why not CUTLASS's own kernel: its consumer groups store O through CUTLASS's collective epilogue,
+// one 64 x 32 sub-tile at a time, wait for each tile's stores to drain, and hold a lock shared with
+// the other group meanwhile (the epilogue's named barrier is common to both groups). The next row
+// tile's first Q K^T waits for both groups' epilogues. Here each group stores its 64 x d tile with
+// one TMA store behind a named barrier of its own, takes no lock, and waits for the store only when
+// it next needs the buffer (the kernel waits once before it exits): +2-9% at d128 up to N = 2048,
+// a tie with causal at 8192 (bench/NOTES.md, experiment 29).
+#pragma once
+#include "cute/tensor.hpp"
+#include "cutlass/arch/barrier.h"
+#include "cutlass/arch/reg_reconfig.h"
+#include "cutlass/cutlass.h"
+#include "cutlass/fast_math.h"
+#include "cutlass/kernel_hardware_info.h"
+#include "cutlass/pipeline/pipeline.hpp"
+
+#include "88_hopper_fmha/collective/fmha_common.hpp"
+#include "88_hopper_fmha/kernel/fmha_kernel_tma_warpspecialized.hpp"
+
+namespace gemmgen::fmha_sm90 {
+
+using namespace cute;
+
+// Causal row tiles in pairs. CUTLASS's persistent scheduler hands each SM a fixed stride of row
+// tiles, which mixes short (top) and long (bottom) causal rows unevenly. Here row tile i of a head
+// goes with row tile m - 1 - i (m row tiles per head) and one CTA runs both, the longer first: every
+// pair holds the same number of key tiles, so a static round robin over the SMs is an even share.
+// Pairs are handed out head by head, so the CTAs running at one time share a few heads' K and V in
+// L2 (an order over all heads at once, longest tiles first, streamed every head's K and V from
+// memory and was about a fifth slower at N = 1024-2048: bench/NOTES.md, experiment 23).
+struct PairedScheduler {
+  struct Params {
+    int num_pairs;
+    int num_m_blocks;
+    cutlass::FastDivmod divmod_pairs;  // pair index -> (batch * heads index, pair within the head)
+    cutlass::FastDivmod divmod_h;      // batch * heads index -> (batch, head)
+    cutlass::KernelHardwareInfo hw_info;
+  };
+
+  int pair_idx = 0;
+  bool second = false;  // running the shorter tile of the pair
+  Params params;
+
+  CUTLASS_DEVICE PairedScheduler(Params const& p) : pair_idx(blockIdx.x), params(p) {}
+
+  template <class ProblemSize, class ClusterShape, class TileShape>
+  static Params to_underlying_arguments(ProblemSize const& problem_size, cutlass::KernelHardwareInfo hw_info,
+                                        ClusterShape const&, TileShape const& tile_shape) {
+    const int m_blocks = ceil_div(size<2>(problem_size), size<0>(tile_shape));
+    const int pairs_per_head = (m_blocks + 1) / 2;
+    const int bh = size<0>(problem_size) * size<1>(problem_size);
+    return Params{pairs_per_head * bh, m_blocks, cutlass::FastDivmod(pairs_per_head),
+                  cutlass::FastDivmod(size<1>(problem_size)), hw_info};
+  }
+
+  static dim3 get_grid_shape(Params const& params) {
+    return dim3(std::min(params.num_pairs, params.hw_info.sm_count), 1, 1);
+  }
+
+  CUTLASS_DEVICE bool is_valid() { return pair_idx < params.num_pairs; }
+
+  CUTLASS_DEVICE auto get_block_coord() {
+    int bh, pair, b, h;
+    params.divmod_pairs(bh, pair, pair_idx);
+    params.divmod_h(b, h, bh);
+    return make_coord(second ? pair : params.num_m_blocks - 1 - pair, _0{}, make_coord(b, h));
+  }
+
+  CUTLASS_DEVICE PairedScheduler& operator++() {
+    int bh, pair;
+    params.divmod_pairs(bh, pair, pair_idx);
+    if (!second && pair != params.num_m_blocks - 1 - pair) {
+      second = true;
+    } else {
+      second = false;
+      pair_idx += gridDim.x;
+    }
+    return *this;
+  }
+};
+
+// One consumer group's output: O (rows x d, converted to Element) and the LSE of its rows. O goes
+// registers -> shared memory (stmatrix) -> global memory in one TMA store, issued by the group's
+// first thread; the group synchronizes on its own named barrier, so the two groups run their
+// epilogues at the same time. The store is left in flight: the next call waits for it to have read
+// the buffer before rewriting it, and the kernel calls drain() before it exits.
+template <class Element, class TileShapePV>  // (rows, d, keys) of one consumer group
+struct GroupEpilogue {
+  static constexpr int kRows = size<0>(TileShapePV{});
+  static constexpr int kCols = size<1>(TileShapePV{});
+  static constexpr int kThreads = cutlass::NumThreadsPerWarpGroup;
+  // Named barriers 0 (__syncthreads) and CUTLASS's reserved ones stay free.
+  static constexpr int kFirstBarrier = static_cast<int>(cutlass::arch::ReservedNamedBarriers::FirstUserBarrier);
+  using StrideO = cute::tuple<int, _1, cute::tuple<int, int>>;  // (row, 1, (batch, head)) in elements
+  using StrideLSE = cute::tuple<_1, cute::tuple<int, int>>;
+  using TileMN = Shape<Int<kRows>, Int<kCols>>;
+  // The widest swizzle whose row fits the tile's row (d = 32 has 64-byte rows).
+  using SmemAtom = std::conditional_t<kCols * sizeof(Element) % 128 == 0, GMMA::Layout_K_SW128_Atom<Element>,
+                                      GMMA::Layout_K_SW64_Atom<Element>>;
+  using SmemLayout = decltype(tile_to_shape(SmemAtom{}, TileMN{}));
+  using TmaStore = decltype(make_tma_copy(
+      SM90_TMA_STORE{},
+      make_tensor(make_gmem_ptr(static_cast<Element*>(nullptr)), make_shape(0, 0, make_shape(0, 0)), StrideO{}),
+      SmemLayout{}, TileMN{}, _1{}));
+
+  struct TensorStorage {
+    cute::array_aligned<Element, cute::cosize_v<SmemLayout>, 128> smem_o;
+  };
+  // CUTLASS's kernel storage names an epilogue load pipeline; this epilogue loads nothing.
+  using LoadPipeline = cutlass::PipelineTransactionAsync<1>;
+  using PipelineStorage = typename LoadPipeline::SharedStorage;
+  static constexpr int TmaTransactionBytes = 0;
+
+  struct Arguments {
+    Element* ptr_O;
+    StrideO dO;
+    float* ptr_LSE;
+    StrideLSE dLSE;
+  };
+  struct Params {
+    TmaStore tma_store;
+    float* ptr_LSE;
+    StrideLSE dLSE;
+  };
+
+  template <class ProblemShape>  // (batch, heads, seqlen_q, seqlen_k, d)
+  CUTLASS_HOST_DEVICE static auto shape_o(ProblemShape const& ps) {
+    return make_shape(get<2>(ps), get<4>(ps), make_shape(get<0>(ps), get<1>(ps)));
+  }
+
+  template <class ProblemShape>
+  static Params to_underlying_arguments(ProblemShape const& ps, Arguments const& a, void* = nullptr) {
+    Tensor mO = make_tensor(make_gmem_ptr(a.ptr_O), shape_o(ps), a.dO);
+    return Params{make_tma_copy(SM90_TMA_STORE{}, mO, SmemLayout{}, TileMN{}, _1{}), a.ptr_LSE, a.dLSE};
+  }
+
+  CUTLASS_DEVICE static void prefetch_tma_descriptor(Params const& params) {
+    cute::prefetch_tma_descriptor(params.tma_store.get_tma_descriptor());
+  }
+
+  // Before the CTA exits: its last stores have read shared memory.
+  CUTLASS_DEVICE static void drain() { cute::tma_store_wait<0>(); }
+
+  // blk: (row block of kRows rows, 0, (batch, head)); result: (O accumulators, LSE per held row).
+  template <class BlkCoord, class Result, class TiledMma, class ProblemShape>
+  CUTLASS_DEVICE void operator()(BlkCoord const& blk, Result const& result, TiledMma const& mma,
+                                 ProblemShape const& ps, Params const& params, TensorStorage& smem) const {
+    const int tid = threadIdx.x % kThreads;
+    const int barrier = kFirstBarrier + threadIdx.x / kThreads;  // one per warp group
+    auto const& acc = get<0>(result);
+    auto const& lse = get<1>(result);
+
+    Tensor out = make_fragment_like<Element>(acc);
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < size(acc); ++i) out(i) = static_cast<Element>(acc(i));
+
+    Tensor sO = make_tensor(make_smem_ptr(smem.smem_o.data()), SmemLayout{});
+    // stmatrix: each lane's fragment lands in other lanes' rows, so the copy needs the tiled op.
+    auto r2s = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, mma);
+    auto thr_r2s = r2s.get_thread_slice(tid);
+    if (tid == 0) cute::tma_store_wait<0>();  // the previous tile's store has read the buffer
+    cutlass::arch::NamedBarrier::sync(kThreads, barrier);
+    copy(r2s, thr_r2s.retile_S(out), thr_r2s.partition_D(sO));
+    cute::tma_store_fence();  // the writes are visible to the TMA unit
+    cutlass::arch::NamedBarrier::sync(kThreads, barrier);
+    if (tid == 0) {
+      Tensor mO = params.tma_store.get_tma_tensor(shape_o(ps));
+      Tensor gO = local_tile(mO(_, _, get<2>(blk)), TileMN{}, make_coord(get<0>(blk), _0{}));
+      auto tma = params.tma_store.get_slice(_0{});
+      copy(params.tma_store, tma.partition_S(sO), tma.partition_D(gO));  // rows past seqlen_q are clipped
+      cute::tma_store_arrive();
+    }
+
+    // LSE: the thread holding column 0 of a row writes it.
+    Tensor coord = mma.get_thread_slice(tid).partition_C(make_identity_tensor(TileMN{}));
+    Tensor coord_mn = make_tensor(coord.data(), cutlass::fmha::collective::layout_acc_mn(mma, coord.layout()));
+    if (get<1>(coord_mn(0, 0)) == 0) {
+      float* lse_bh = params.ptr_LSE + get<0>(get<2>(blk)) * get<0>(get<1>(params.dLSE)) +
+                      get<1>(get<2>(blk)) * get<1>(get<1>(params.dLSE));
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < size<0>(coord_mn); ++i) {
+        const int row = get<0>(blk) * kRows + get<0>(coord_mn(i, 0));
+        if (row < get<2>(ps)) lse_bh[row] = lse(i);
+      }
+    }
+  }
+};
+
+// The kernel: CUTLASS's shared storage, params and launch shape (inherited), with our own loop.
+// The producer warp group's warp 1 loads K and V, warp 2 Q; the consumer groups take the tile
+// scheduler's row tiles in turn, 64 rows each, and order only their first Q K^T per tile (CUTLASS's
+// sequence barrier, which staggers their tensor-core work).
+template <class Mainloop, class Scheduler, class... Options>
+struct PersistentKernel
+    : cutlass::fmha::kernel::FmhaKernelTmaWarpSpecialized<
+          Mainloop, GroupEpilogue<typename Mainloop::Element, typename Mainloop::TileShapePV>, Scheduler, Options...> {
+  using Epilogue = GroupEpilogue<typename Mainloop::Element, typename Mainloop::TileShapePV>;
+  using Base = cutlass::fmha::kernel::FmhaKernelTmaWarpSpecialized<Mainloop, Epilogue, Scheduler, Options...>;
+  using typename Base::Params;
+  using typename Base::SharedStorage;
+  using PipeQ = typename Base::MainloopPipelineOuter;
+  using PipeKV = typename Base::MainloopPipelineInner;
+  using PipeUnused = typename Base::MainloopPipelineReducer;  // compute() takes it; the forward pass never uses it
+  static constexpr int kGroups = Base::NumMmaWarpGroups;
+  static_assert(kGroups == 2 && Base::kLoadsQSeparately && size(typename Base::ClusterShape{}) == 1);
+
+  CUTLASS_DEVICE void operator()(const Params& params, char* smem) {
+    constexpr int kThreads = cutlass::NumThreadsPerWarpGroup;
+    enum { kLoadKV = 1, kLoadQ = 2 };  // producer warps; warps 0 and 3 idle
+    auto& storage = *reinterpret_cast<SharedStorage*>(smem);
+    const int warp = cutlass::canonical_warp_idx_sync();
+    const int warp_in_group = warp % cutlass::NumWarpsPerWarpGroup;
+    const int group = cutlass::canonical_warp_group_idx();  // 0 producer, 1 and 2 consumers
+    const int consumer = group - 1;
+    const int leader = cute::elect_one_sync();
+
+    if (warp == 0 && leader) {
+      Mainloop::prefetch_tma_descriptors(params.mainloop);
+      Epilogue::prefetch_tma_descriptor(params.epilogue);
+    }
+
+    typename PipeQ::Params q_params;  // one Q stage per consumer group
+    q_params.transaction_bytes = Mainloop::kOuterLoadBytes;
+    q_params.is_leader = leader && group == 0 && warp_in_group == kLoadQ;
+    q_params.num_consumers = kThreads;
+    typename PipeKV::Params kv_params;  // K and V stages, read by both consumer groups
+    kv_params.transaction_bytes = Mainloop::kInnerLoadBytes;
+    kv_params.is_leader = leader && group == 0 && warp_in_group == kLoadKV;
+    kv_params.num_consumers = kGroups * kThreads;
+    typename PipeUnused::Params unused_params;
+    unused_params.producer_arv_count = kGroups * kThreads;
+    unused_params.consumer_arv_count = cutlass::NumThreadsPerWarp;
+    if (group == 0) {
+      if (warp_in_group == kLoadKV) kv_params.role = PipeKV::ThreadCategory::Producer;
+      if (warp_in_group == kLoadQ) q_params.role = PipeQ::ThreadCategory::Producer;
+      unused_params.role = PipeUnused::ThreadCategory::Consumer;
+    } else {
+      kv_params.role = PipeKV::ThreadCategory::Consumer;
+      q_params.role = PipeQ::ThreadCategory::Consumer;
+      unused_params.role = PipeUnused::ThreadCategory::Producer;
+    }
+    PipeQ pipe_q(storage.pipeline_storage_outer, q_params, Shape<_1, _1, _1>{});
+    PipeKV pipe_kv(storage.pipeline_storage_inner, kv_params, Shape<_1, _1, _1>{});
+    PipeUnused pipe_unused(storage.pipeline_storage_reducer, unused_params);
+    typename Base::MathWarpGroupOrderBarrier::Params order_params;
+    order_params.group_id = consumer;
+    order_params.group_size = kThreads;
+    typename Base::MathWarpGroupOrderBarrier order(storage.math_wg_order, order_params);
+    if (warp == 0 && leader) storage.load_warp_barrier.init(2 * cutlass::NumThreadsPerWarp);  // K/V and Q warps
+    cutlass::arch::fence_barrier_init();
+    __syncthreads();  // pipelines and barriers initialized before any use
+
+    Scheduler scheduler{params.tile_scheduler};
+    Mainloop mainloop;
+    if (group == 0) {
+      cutlass::arch::warpgroup_reg_dealloc<Base::LoadRegisterRequirement>();
+      auto write_q = cutlass::make_producer_start_state<PipeQ>();
+      auto write_kv = cutlass::make_producer_start_state<PipeKV>();
+      bool first = true;  // the K/V and Q warps meet once, after the first Q load is issued
+      if (warp_in_group == kLoadKV) {
+        for (; scheduler.is_valid(); ++scheduler, first = false) {
+          mainloop.template load_kv_maybe_q<false>(0, scheduler.get_block_coord(), params.mainloop,
+                                                   params.problem_size, pipe_kv, write_kv, pipe_q, write_q,
+                                                   storage.tensors.mainloop, storage.load_warp_barrier, first);
+        }
+      } else if (warp_in_group == kLoadQ) {
+        for (; scheduler.is_valid(); ++scheduler, first = false) {
+          mainloop.load_maybe_q(scheduler.get_block_coord(), params.mainloop, params.problem_size, pipe_q, write_q,
+                                storage.tensors.mainloop, storage.load_warp_barrier, first);
+        }
+      }
+      return;
+    }
+
+    cutlass::arch::warpgroup_reg_alloc<Base::MmaRegisterRequirement>();
+    typename Base::PipelineStateOuter read_q;
+    typename Base::PipelineStateInner read_kv;
+    auto write_unused = cutlass::make_producer_start_state<PipeUnused>();
+    Epilogue epilogue;
+    for (; scheduler.is_valid(); ++scheduler) {
+      auto blk = scheduler.get_block_coord();
+      auto group_blk = blk;  // this group's 64 rows of the 128-row tile
+      get<0>(group_blk) = kGroups * get<0>(blk) + consumer;
+      read_q.advance(consumer);  // Q stages alternate between the groups
+      auto result = mainloop.compute(blk, group_blk, params.mainloop, params.problem_size, pipe_kv, read_kv, pipe_q,
+                                     read_q, pipe_unused, write_unused, storage.tensors.mainloop, order);
+      read_q.advance(kGroups - consumer);
+      epilogue(group_blk, result, typename Mainloop::TiledMmaPV{}, params.problem_size, params.epilogue,
+               storage.tensors.epilogue[consumer]);
+    }
+    Epilogue::drain();
+  }
+};
+
+}  // namespace gemmgen::fmha_sm90
