@@ -1,5 +1,5 @@
 """The fmha_sm90 family (CUTLASS's Hopper FMHA): its instance space, validity rule, what a built
-instance refuses (problem_reason), rendering, and a real nvcc build of one instance."""
+instance refuses (problem_reason), rendering, and real nvcc builds of two instances (one of them persistent)."""
 from __future__ import annotations
 
 import dataclasses
@@ -118,17 +118,22 @@ def test_rendered_text():
     assert f"GEMMGEN_EXPORT int {inst.symbol}(const GemmgenAttnParams* params" in text
 
 
-def test_real_build_and_info(tmp_path):
-    """nvcc compiles one sm_90a instance; its library loads without a GPU and reports what the
+@pytest.mark.parametrize("name, shape", [
+    (BUILD_ONE, (64, 64, 64, 1)),
+    # the persistent schedule: our own kernel and output epilogue (persistent.h)
+    ("fmha_sm90_bf16_d128_none_pingpong_m128n128s5", (128, 128, 128, 0)),
+])
+def test_real_build_and_info(tmp_path, name, shape):
+    """nvcc compiles an sm_90a instance; its library loads without a GPU and reports what the
     manifest says (shared memory to within the estimate's margin, which must not undercount)."""
-    proc = run_cli("generate", "--arch", "sm90", "--all", "--filter", BUILD_ONE, "--out", str(tmp_path),
+    proc = run_cli("generate", "--arch", "sm90", "--all", "--filter", f"^{name}$", "--out", str(tmp_path),
                    "--jobs", "1")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     entry = manifest.load(tmp_path / "sm90" / "manifest.json").instances[0]
-    assert entry.name == BUILD_ONE and entry.state == "built" and entry.gencode == list(Arch.SM90.gencode)
+    assert entry.name == name and entry.state == "built" and entry.gencode == list(Arch.SM90.gencode)
     kernel = abi.bind(tmp_path / "sm90" / entry.library, entry.symbol)
     info = kernel.info().as_dict()
     assert kernel.needs_lse
     assert (info["head_dim"], info["block_m"], info["block_n"], info["causal"], info["threads"]) == (
-        64, 64, 64, 1, entry.threads)
+        *shape, entry.threads)
     assert 0 <= entry.smem_bytes - info["smem_bytes"] <= 2048
