@@ -1,5 +1,6 @@
 """The fmha_sm90 family (CUTLASS's Hopper FMHA): its instance space, validity rule, what a built
-instance refuses (problem_reason), rendering, and real nvcc builds of two instances (one of them persistent)."""
+instance refuses (problem_reason), rendering, and real nvcc builds of two instances (one of them
+persistent)."""
 from __future__ import annotations
 
 import dataclasses
