@@ -11,6 +11,10 @@ sides' median TFLOP/s over the rounds, and the median, lowest and highest per-ro
 With --all-candidates every built instance of --family joins the rounds (the order rotates by one
 each round), the row shows the one with the lowest median, and every candidate's median goes to
 stderr, so tiles are compared in the same alternating conditions as the peer.
+With --kernels each timed call is queued behind a spin kernel (gemmgen.timing, hide_host), so the
+events time the kernels alone, not the host path; without it they time what a caller waits for,
+which for calls of about 100 us can include part of the host path (bench/NOTES.md, experiment 31).
+The last lines count the shapes whose median ratio is >= 1.00, and the rounds each side was ahead.
 
     python bench/ab_sweep.py --family fa2_sm80 --peer FA2 --head-dim 128 --seq-len 1024 2048 4096
 """
@@ -27,7 +31,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import gemmgen
 from fa_sweep import BACKENDS, DTYPES, time_ms  # the sweep's peers, dtypes and timing (same folder)
-from gemmgen import launch, registry
+from gemmgen import launch, registry, timing
 from gemmgen.shapes import HIDDEN, SEQLENS, TOKENS
 
 
@@ -51,6 +55,8 @@ def main() -> int:
     ap.add_argument("--mask", nargs="+", default=["none", "causal"], choices=["none", "causal"])
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--kernels", action="store_true",
+                    help="time the kernels alone: each call queued behind a spin kernel")
     ap.add_argument("--out", help="also write the table to this markdown file")
     args = ap.parse_args()
     if args.all_candidates and not args.family:
@@ -60,9 +66,17 @@ def main() -> int:
     header = (f"{dev.name}, torch {torch.__version__}, gemmgen {gemmgen.__version__}, {datetime.date.today()}; "
               f"gemmgen side: {'fastest ' + args.family if args.family else 'registry pick'}; peer: {args.peer}; "
               f"{args.rounds} rounds in alternating order, each side the median of {args.reps} CUDA-event "
-              f"timings; TFLOP/s = 4*B*H*N^2*d/t (halved for causal)")
+              f"timings{' of the kernels alone (each call behind a spin kernel)' if args.kernels else ''}; "
+              f"TFLOP/s = 4*B*H*N^2*d/t (halved for causal)")
     rows = ["| dtype | d | causal | N | gemmgen instance | gemmgen | peer | peer TFLOP/s | ratio median "
-            "| ratio min | ratio max |", "|---" * 11 + "|"]
+            "| ratio min | ratio max | rounds ahead |", "|---" * 12 + "|"]
+    medians, ahead, total = [], 0, 0
+
+    def timed(fn) -> float:
+        if args.kernels:
+            return timing.median_ms(lambda _i: fn(), 1, warmup=3, reps=args.reps, hide_host=True)
+        return time_ms(fn, 3, args.reps)
+
     print(header, flush=True)
     for dname in args.dtype:
         for d in args.head_dim:
@@ -83,14 +97,14 @@ def main() -> int:
                         if args.all_candidates:
                             contenders = names
                         else:
-                            contenders = [min(names, key=lambda name: time_ms(ours_fn(name), 3, args.reps))]
+                            contenders = [min(names, key=lambda name: timed(ours_fn(name)))]
                     else:
                         contenders = [gemmgen.selected_instance(q, k, v, causal=causal)]
                     if args.peer == "best":
                         peers = {}
                         for label, backend in BACKENDS.items():
                             try:
-                                peers[label] = time_ms(sdpa(q, k, v, causal, backend), 3, args.reps)
+                                peers[label] = timed(sdpa(q, k, v, causal, backend))
                             except RuntimeError:
                                 continue
                         peer = min(peers, key=peers.get)
@@ -102,7 +116,7 @@ def main() -> int:
                     times = {side: [] for side in order}
                     for rnd in range(args.rounds):  # each side first in turn
                         for side in order[rnd % len(order):] + order[:rnd % len(order)]:
-                            times[side].append(time_ms(sides[side], 3, args.reps))
+                            times[side].append(timed(sides[side]))
                     ours = min(contenders, key=lambda name: statistics.median(times[name]))
                     ratios = [p / o for o, p in zip(times[ours], times["peer"])]
                     tf = lambda ms: flops / ms / 1e9  # noqa: E731
@@ -113,12 +127,20 @@ def main() -> int:
                     row = (f"| {dname} | {d} | {'Y' if causal else 'N'} | {n} | {ours} | "
                            f"{tf(statistics.median(times[ours])):.0f} | {peer} | "
                            f"{tf(statistics.median(times['peer'])):.0f} | {statistics.median(ratios):.2f} | "
-                           f"{min(ratios):.2f} | {max(ratios):.2f} |")
+                           f"{min(ratios):.2f} | {max(ratios):.2f} | {sum(r >= 1.0 for r in ratios)} of {len(ratios)} |")
+                    medians.append((statistics.median(ratios), f"{dname} d{d} {mask} N={n}"))
+                    ahead += sum(r >= 1.0 for r in ratios)
+                    total += len(ratios)
                     rows.append(row)
                     print(row, flush=True)
+    below = sorted(m for m in medians if m[0] < 1.0)
+    summary = [f"- median ratio >= 1.00 at {len(medians) - len(below)} of {len(medians)} shapes; "
+               f"gemmgen ahead in {ahead} of {total} rounds",
+               "- below 1.00: " + (", ".join(f"{label} {r:.3f}" for r, label in below) or "none")]
+    print("\n".join(summary), flush=True)
     if args.out:
         with open(args.out, "w") as f:
-            f.write(header + "\n\n" + "\n".join(rows) + "\n")
+            f.write(header + "\n\n" + "\n".join(rows) + "\n\n" + "\n".join(summary) + "\n")
     return 0
 
 

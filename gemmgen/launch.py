@@ -37,9 +37,17 @@ def empty_like_layout(q: torch.Tensor, shape: tuple[int, ...] | torch.Size | Non
 
 
 def max_offset(*tensors: torch.Tensor | None) -> int:
-    """The largest element offset from its data pointer that any of `tensors` reaches, plus one."""
-    return max((sum((n - 1) * s for n, s in zip(t.shape, t.stride())) + 1 for t in tensors
-                if t is not None and t.numel()), default=0)
+    """The largest element offset from its data pointer that any of `tensors` reaches, plus one.
+    Every call computes it (a cache key holds whether it passes int32), so a dense tensor, whose
+    reach is its element count, skips the sum over its dims."""
+    best = 0
+    for t in tensors:
+        if t is None:
+            continue
+        n = t.numel()
+        if n:
+            best = max(best, n if t.is_contiguous() else sum((d - 1) * s for d, s in zip(t.shape, t.stride())) + 1)
+    return best
 
 
 def problem_for(q: torch.Tensor, k: torch.Tensor, causal: bool, *, v: torch.Tensor | None = None,
