@@ -23,7 +23,8 @@ def test_space_names_unique_and_stable():
     assert len(names) == len(set(names))
     assert "fmha_sm90_bf16_d128_none_pingpong_m128n128s5" in names
     assert {inst.name for inst in fam.DEFAULT} >= {"fmha_sm90_fp16_d256_causal_coop_m128n64s5",
-                                                    "fmha_sm90_bf16_d64_none_tma_m64n128s4"}
+                                                    "fmha_sm90_bf16_d64_none_pingpong_m192n128s5",
+                                                    "fmha_sm90_bf16_d64_causal_tma_m64n128s4"}
 
 
 def test_default_covers_every_dtype_head_dim_mask_once():
@@ -50,13 +51,43 @@ def test_every_instance_fits_and_is_built_only_for_sm90():
     (dict(stages=3), "stages 3: this tile uses 5"),
     (dict(schedule=Schedule.TMA, block_m=64, stages=2), "the TMA schedule needs 4"),
     (dict(schedule=Schedule.TMA, block_m=64, head_dim=256, stages=3), "the TMA schedule needs 4"),
-    (dict(mask=Mask.CAUSAL, block_n=192, stages=4), "divide the other"),
+    (dict(mask=Mask.CAUSAL, block_n=192, stages=4), "crosses the diagonal"),
+    (dict(head_dim=64, block_m=192), None),  # three consumer groups
+    (dict(head_dim=64, block_m=192, mask=Mask.CAUSAL), None),  # 192 / 128: the masked tiles still cover it
+    (dict(head_dim=64, block_m=192, schedule=Schedule.COOPERATIVE), "96 rows"),
+    (dict(block_m=192), "exceed 112 (3 consumer groups)"),  # d128 spills with 160 registers
+    (dict(head_dim=64, block_m=256), "tile 256x128"),
+    (dict(head_dim=64, block_m=256, block_n=64), None),  # four consumer groups
+    (dict(head_dim=64, block_m=64), "2 to 4 consumer warp groups"),
 ])
 def test_invalid_reason(change, reason):
     base = FmhaSm90Instance(DType.BF16, 128, Mask.NONE, Schedule.PINGPONG, 128, 128, 5)
     assert fam.invalid_reason(base) is None
     got = fam.invalid_reason(dataclasses.replace(base, **change))
     assert got is None if reason is None else reason in got
+
+
+def test_consumer_groups_and_threads():
+    base = FmhaSm90Instance(DType.BF16, 64, Mask.NONE, Schedule.PINGPONG, 128, 128, 5)
+    for block_m, groups in ((128, 2), (192, 3), (256, 4)):
+        inst = dataclasses.replace(base, block_m=block_m)
+        assert (inst.consumer_groups, inst.threads) == (groups, 128 * (groups + 1))
+    tma = dataclasses.replace(base, schedule=Schedule.TMA, block_m=64, stages=4)
+    assert (tma.consumer_groups, tma.threads) == (1, 128)
+
+
+@pytest.mark.parametrize("block_m, block_n", [(bm, bn) for bm in (64, 128, 192, 256) for bn in (64, 128, 192)])
+def test_causal_tile_rule_matches_the_diagonal(block_m, block_n):
+    """The rule against a direct check: in every row tile, each key tile that CUTLASS's fusion leaves
+    unmasked has no key past the tile's first row."""
+    masked = -(-block_m // block_n)
+    crosses = False
+    for m in range(12):
+        tiles = -(-(m + 1) * block_m // block_n)
+        for t in range(max(tiles - masked, 0)):
+            last_key = (t + 1) * block_n - 1
+            crosses |= last_key > m * block_m
+    assert fam.causal_tiles_masked(block_m, block_n) == (not crosses)
 
 
 def problem(**kw) -> Problem:
@@ -123,6 +154,7 @@ def test_rendered_text():
     (BUILD_ONE, (64, 64, 64, 1)),
     # the persistent schedule: our own kernel and output epilogue (persistent.h)
     ("fmha_sm90_bf16_d128_none_pingpong_m128n128s5", (128, 128, 128, 0)),
+    ("fmha_sm90_bf16_d32_causal_pingpong_m192n128s5", (32, 192, 128, 1)),  # three consumer groups
 ])
 def test_real_build_and_info(tmp_path, name, shape):
     """nvcc compiles an sm_90a instance; its library loads without a GPU and reports what the

@@ -13,6 +13,7 @@ import dataclasses
 import enum
 import hashlib
 import itertools
+import math
 
 from gemmgen.arch import Arch
 
@@ -35,8 +36,9 @@ class Mask(enum.Enum):
 class Schedule(enum.Enum):
     TMA = "tma"  # one producer/consumer warp group, no warp specialization
     COOPERATIVE = "coop"  # a producer warp group and two consumer warp groups sharing a 128-row tile
-    PINGPONG = "pingpong"  # cooperative, persistent over tiles, Q loaded by its own warp, in our own
-    # kernel and epilogue (templates/include/gemmgen/fmha_sm90/persistent.h; causal row tiles in pairs)
+    PINGPONG = "pingpong"  # persistent over tiles, Q loaded by its own warp, in our own kernel and
+    # epilogue (templates/include/gemmgen/fmha_sm90/persistent.h; causal row tiles in pairs); 64 rows
+    # per consumer warp group, so a 192-row tile has three
 
 
 DTYPE_CPP = {DType.FP16: "cutlass::half_t", DType.BF16: "cutlass::bfloat16_t"}
@@ -48,15 +50,18 @@ DTYPES = tuple(DType)
 HEAD_DIMS = (32, 64, 128, 256)
 MASKS = tuple(Mask)
 SCHEDULES = tuple(Schedule)
-TILES = ((64, 64), (64, 128), (128, 64), (128, 128), (128, 192))  # (block_m, block_n)
+TILES = ((64, 64), (64, 128), (128, 64), (128, 128), (128, 192), (192, 64), (192, 128), (256, 64))  # (block_m, block_n)
 STAGES = (2, 3, 4, 5)  # K/V pipeline stages (one stage holds a K or a V tile)
 
 # CUTLASS's defaults; an instance with fewer stages exists only when the default does not fit.
 DEFAULT_STAGES = {Schedule.TMA: 4, Schedule.COOPERATIVE: 5, Schedule.PINGPONG: 5}
 MAX_SMEM = Arch.SM90.max_smem_bytes
 # fp32 accumulator registers per consumer thread (S tile + O tile) above which the warp-specialized
-# schedules spill: setmaxnreg gives each consumer thread 240 registers.
-MAX_ACC_REGS = 192
+# schedules spill: setmaxnreg gives each consumer thread 240 registers with two consumer groups, 160
+# with three and 112 with four (CUTLASS's split of the register file; the TMA schedule's one group
+# is held to 240 too), and the softmax needs about 48 besides.
+CONSUMER_REGS = {1: 240, 2: 240, 3: 160, 4: 112}
+SOFTMAX_REGS = 48
 INT32_MAX = 2**31 - 1
 
 
@@ -84,8 +89,11 @@ class FmhaSm90Instance:
 
     @property
     def consumer_groups(self) -> int:
-        """Warp groups doing the math: the warp-specialized schedules split the 128-row tile in two."""
-        return 1 if self.schedule is Schedule.TMA else 2
+        """Warp groups doing the math: the cooperative schedule splits its 128-row tile in two, the
+        persistent one gives each group 64 rows."""
+        if self.schedule is Schedule.TMA:
+            return 1
+        return self.block_m // 64 if self.persistent else 2
 
     @property
     def threads(self) -> int:
@@ -129,6 +137,16 @@ class FmhaSm90Instance:
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+def causal_tiles_masked(block_m: int, block_n: int) -> bool:
+    """CUTLASS's causal fusion runs ceil((m + 1) * block_m / block_n) key tiles for row tile m and
+    masks only the last ceil(block_m / block_n) of them: the tiles before those must end at or before
+    the row tile's first row (128x192 breaks this and gave 4e-2 errors on the H200). The pattern
+    repeats every block_n / gcd row tiles."""
+    masked = -(-block_m // block_n)
+    return all((-(-(m + 1) * block_m // block_n) - masked) * block_n <= m * block_m
+               for m in range(block_n // math.gcd(block_m, block_n)))
+
+
 def invalid_reason(inst: FmhaSm90Instance, arch: Arch = Arch.SM90) -> str | None:
     """The one validity rule of this family: None when valid, else why not."""
     if inst.head_dim not in HEAD_DIMS:
@@ -138,14 +156,15 @@ def invalid_reason(inst: FmhaSm90Instance, arch: Arch = Arch.SM90) -> str | None
     rows = inst.block_m // inst.consumer_groups
     if rows != 64:
         return f"{inst.schedule.value} gives each consumer warp group {rows} rows; wgmma tiles here are 64"
-    # CUTLASS's causal fusion masks only the last ceil(block_m / block_n) key tiles of a row tile:
-    # the tiles before them must lie wholly left of the diagonal, which holds when one of block_m,
-    # block_n divides the other (128x192 gave 4e-2 errors on the H200).
-    if inst.causal and inst.block_m % inst.block_n and inst.block_n % inst.block_m:
-        return f"causal masking needs one of block_m {inst.block_m}, block_n {inst.block_n} to divide the other"
+    if inst.causal and not causal_tiles_masked(inst.block_m, inst.block_n):
+        return (f"causal masking: with block_m {inst.block_m}, block_n {inst.block_n} an unmasked key tile "
+                f"crosses the diagonal")
+    if inst.persistent and not 2 <= inst.consumer_groups <= 4:
+        return f"{inst.schedule.value} runs 2 to 4 consumer warp groups of 64 rows; block_m {inst.block_m}"
     acc = (rows * inst.block_n + rows * inst.head_dim) // 128
-    if acc > MAX_ACC_REGS:
-        return f"{acc} fp32 accumulators per consumer thread exceed {MAX_ACC_REGS}"
+    most = CONSUMER_REGS[inst.consumer_groups] - SOFTMAX_REGS
+    if acc > most:
+        return f"{acc} fp32 accumulators per consumer thread exceed {most} ({inst.consumer_groups} consumer groups)"
     if inst.smem_bytes > arch.max_smem_bytes:
         return f"shared memory {inst.smem_bytes} B exceeds {arch.value}'s {arch.max_smem_bytes} B"
     # CUTLASS's TMA mainloop (no producer warp) issues its loads itself: the prologue fills every
@@ -194,11 +213,13 @@ SPACE: tuple[FmhaSm90Instance, ...] = tuple(
 
 # Default (schedule, block_m, block_n) per (head dim, causal): the best tiles of the H200 sweep
 # (bench/NOTES.md, experiment 6; d128 causal from experiment 23, ping-pong with its paired tile
-# order); d32 takes d64's tile, d256 CUTLASS's own choice (the only warp-specialized tile whose
-# stages fit).
+# order; d64 without a mask from experiment 32: the three-group ping-pong is up to 11% ahead of the
+# TMA tile from N = 2048 and 5% behind it below; causal d64 keeps the TMA tile, which the 192-row
+# tiles trail by up to 28% at short N); d32 keeps the TMA tile (not measured with the 192-row
+# tiles), d256 CUTLASS's own choice (the only warp-specialized tile whose stages fit).
 DEFAULT_TILE = {
     (32, False): (Schedule.TMA, 64, 128), (32, True): (Schedule.TMA, 64, 128),
-    (64, False): (Schedule.TMA, 64, 128), (64, True): (Schedule.TMA, 64, 128),
+    (64, False): (Schedule.PINGPONG, 192, 128), (64, True): (Schedule.TMA, 64, 128),
     (128, False): (Schedule.PINGPONG, 128, 128), (128, True): (Schedule.PINGPONG, 128, 128),
     (256, False): (Schedule.COOPERATIVE, 128, 64), (256, True): (Schedule.COOPERATIVE, 128, 64),
 }

@@ -54,15 +54,19 @@ struct KernelOf {  // CUTLASS's own composition of the kernel (the TMA and coope
 
 template <class Element, class TileShape, class Stride, bool Causal, int StagesKV>
 struct KernelOf<Element, TileShape, Stride, Schedule::kPingpong, Causal, StagesKV> {
-  // CUTLASS's persistent mainloop in our kernel (persistent.h); causal row tiles go in pairs.
+  // CUTLASS's persistent mainloop in our kernel (persistent.h); 64 rows per consumer warp group;
+  // causal row tiles go in pairs.
   using Tag = cutlass::fmha::kernel::Tag;
   template <Tag T, class V> using Opt = cutlass::fmha::kernel::Option<T, V>;
+  using Groups = Int<size<0>(TileShape{}) / 64>;
   using Mainloop = cutlass::fmha::collective::FmhaMainloopTmaWarpSpecialized<
       Element, float, float, TileShape, Stride, Stride, Stride, FusionOf<Causal>, Opt<Tag::kStagesKV, Int<StagesKV>>,
-      Opt<Tag::kIsPersistent, cute::true_type>, Opt<Tag::kLoadsQSeparately, cute::true_type>>;
+      Opt<Tag::kIsPersistent, cute::true_type>, Opt<Tag::kLoadsQSeparately, cute::true_type>,
+      Opt<Tag::kNumMmaWarpGroups, Groups>>;
   using Scheduler = std::conditional_t<Causal, PairedScheduler, cutlass::fmha::kernel::PersistentTileScheduler>;
-  using type = PersistentKernel<Mainloop, Scheduler, Opt<Tag::kStagesKV, Int<StagesKV>>,
-                                Opt<Tag::kIsPersistent, cute::true_type>, Opt<Tag::kLoadsQSeparately, cute::true_type>>;
+  using type = PersistentKernel<Mainloop, FusionOf<Causal>, Scheduler, Opt<Tag::kStagesKV, Int<StagesKV>>,
+                                Opt<Tag::kIsPersistent, cute::true_type>, Opt<Tag::kLoadsQSeparately, cute::true_type>,
+                                Opt<Tag::kNumMmaWarpGroups, Groups>>;
 };
 
 template <class Element_, int BlockM, int BlockN, int HeadDim, Schedule S, bool Causal, int StagesKV>

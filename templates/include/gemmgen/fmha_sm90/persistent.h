@@ -1,6 +1,8 @@
 // The persistent ("ping-pong") schedule of the fmha_sm90 family: CUTLASS's warp-specialized
-// mainloop (example 88: a producer warp group loading Q, K and V with TMA, two consumer warp groups
-// sharing a 128-row tile, 64 rows each), driven by a tile loop and an output epilogue of our own.
+// mainloop (example 88: a producer warp group loading Q, K and V with TMA, two to four consumer warp
+// groups sharing a row tile, 64 rows each), driven by a tile loop and an output epilogue of our own.
+// Three groups (192-row tiles) suit d <= 64, where a group's softmax takes longer than its MMAs:
+// two other groups keep the tensor cores busy meanwhile (bench/NOTES.md, experiment 32).
 //
 // Why not CUTLASS's own kernel: its consumer groups store O through CUTLASS's collective epilogue,
 // one 64 x 32 sub-tile at a time, wait for each tile's stores to drain, and hold a lock shared with
@@ -194,7 +196,7 @@ struct GroupEpilogue {
 // The producer warp group's warp 1 loads K and V, warp 2 Q; the consumer groups take the tile
 // scheduler's row tiles in turn, 64 rows each, and order only their first Q K^T per tile (CUTLASS's
 // sequence barrier, which staggers their tensor-core work).
-template <class Mainloop, class Scheduler, class... Options>
+template <class Mainloop, class Fusion, class Scheduler, class... Options>
 struct PersistentKernel
     : cutlass::fmha::kernel::FmhaKernelTmaWarpSpecialized<
           Mainloop, GroupEpilogue<typename Mainloop::Element, typename Mainloop::TileShapePV>, Scheduler, Options...> {
@@ -206,7 +208,32 @@ struct PersistentKernel
   using PipeKV = typename Base::MainloopPipelineInner;
   using PipeUnused = typename Base::MainloopPipelineReducer;  // compute() takes it; the forward pass never uses it
   static constexpr int kGroups = Base::NumMmaWarpGroups;
-  static_assert(kGroups == 2 && Base::kLoadsQSeparately && size(typename Base::ClusterShape{}) == 1);
+  static_assert(kGroups >= 2 && kGroups <= 4 && Base::kLoadsQSeparately);
+  static_assert(size(typename Base::ClusterShape{}) == 1);
+  static constexpr int kGroupRows = size<0>(typename Mainloop::TileShape{}) / kGroups;
+
+  // A consumer group whose rows all lie past seqlen_q (in the last row tile of a head, when the
+  // tile has more rows than are left) skips the math but keeps its place: it takes its turn in the
+  // group order and waits for and releases the Q stage and every K and V stage that compute() would,
+  // so the producer and the other groups run as before. The key-tile count repeats compute()'s.
+  template <class BlkCoord, class ProblemShape, class State, class StateQ, class Order>
+  CUTLASS_DEVICE static void skip(BlkCoord const& blk, ProblemShape const& ps, PipeKV& pipe_kv, State& read_kv,
+                                  PipeQ& pipe_q, StateQ const& read_q, Order& order) {
+    using TileShape = typename Mainloop::TileShape;
+    int left = Fusion{}.get_unmasked_trip_count(blk, TileShape{}, ps) - 1;  // after the first key tile
+    int tiles = 1 + (left > 0 ? left : 0);
+    left = (left > 0 ? 0 : left) + Fusion{}.get_masked_trip_count(blk, TileShape{}, ps);
+    tiles += left > 0 ? left : 0;
+    pipe_q.consumer_wait(read_q);
+    order.wait();
+    order.arrive();
+    for (int i = 0; i < 2 * tiles; ++i) {  // a K and a V stage per key tile
+      pipe_kv.consumer_wait(read_kv);
+      pipe_kv.consumer_release(read_kv);
+      ++read_kv;
+    }
+    pipe_q.consumer_release(read_q);
+  }
 
   CUTLASS_DEVICE void operator()(const Params& params, char* smem) {
     constexpr int kThreads = cutlass::NumThreadsPerWarpGroup;
@@ -283,9 +310,14 @@ struct PersistentKernel
     Epilogue epilogue;
     for (; scheduler.is_valid(); ++scheduler) {
       auto blk = scheduler.get_block_coord();
-      auto group_blk = blk;  // this group's 64 rows of the 128-row tile
+      auto group_blk = blk;  // this group's 64 rows of the row tile
       get<0>(group_blk) = kGroups * get<0>(blk) + consumer;
-      read_q.advance(consumer);  // Q stages alternate between the groups
+      read_q.advance(consumer);  // Q stages go to the groups in turn
+      if (get<0>(group_blk) * kGroupRows >= get<2>(params.problem_size)) {
+        skip(blk, params.problem_size, pipe_kv, read_kv, pipe_q, read_q, order);
+        read_q.advance(kGroups - consumer);
+        continue;
+      }
       auto result = mainloop.compute(blk, group_blk, params.mainloop, params.problem_size, pipe_kv, read_kv, pipe_q,
                                      read_q, pipe_unused, write_unused, storage.tensors.mainloop, order);
       read_q.advance(kGroups - consumer);
