@@ -215,8 +215,8 @@ SPACE: tuple[FmhaSm90Instance, ...] = tuple(
 # (bench/NOTES.md, experiment 6; d128 causal from experiment 23, ping-pong with its paired tile
 # order; d64 without a mask from experiment 32: the three-group ping-pong is up to 11% ahead of the
 # TMA tile from N = 2048 and 5% behind it below; causal d64 keeps the TMA tile, which the 192-row
-# tiles trail by up to 28% at short N); d32 keeps the TMA tile (not measured with the 192-row
-# tiles), d256 CUTLASS's own choice (the only warp-specialized tile whose stages fit).
+# tiles trail by up to 28% at short N); d32 keeps the TMA tile (within 1-5% of the 192- and 256-row
+# tiles, experiment 32), d256 CUTLASS's own choice (the only warp-specialized tile whose stages fit).
 DEFAULT_TILE = {
     (32, False): (Schedule.TMA, 64, 128), (32, True): (Schedule.TMA, 64, 128),
     (64, False): (Schedule.PINGPONG, 192, 128), (64, True): (Schedule.TMA, 64, 128),
