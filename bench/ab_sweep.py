@@ -26,20 +26,11 @@ import statistics
 import sys
 
 import torch
-import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import gemmgen
-from fa_sweep import BACKENDS, DTYPES, time_ms  # the sweep's peers, dtypes and timing (same folder)
+from fa_sweep import BACKENDS, DTYPES, sdpa, time_ms  # the sweep's peers, dtypes and timing (same folder)
 from gemmgen import launch, registry, timing
 from gemmgen.shapes import HIDDEN, SEQLENS, TOKENS
-
-
-def sdpa(q, k, v, causal: bool, backend: SDPBackend):
-    def run():
-        with sdpa_kernel([backend]):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-    return run
 
 
 def main() -> int:

@@ -4,12 +4,20 @@ Shapes as in FlashAttention's benchmark: batch*seqlen = 16384 tokens, heads*head
 Nq = Nk = N. TFLOP/s = 4*B*H*N^2*d / time, halved for causal. Every tensor is 64 MB, larger
 than the H200's 60 MB L2, so no input stays cache-resident between repeats.
 
-    python bench/fa_sweep.py [--dtype bf16 fp16] [--head-dim 64 128] [--out bench/results/x.md]
+    python bench/fa_sweep.py [--dtype bf16 fp16] [--head-dim 64 128] [--rounds 3] [--kernels]
+                             [--out bench/results/x.md]
 
 Prints one markdown table (and writes it to --out): per shape, the best instance of each gemmgen
 family built, the instance the registry picks by default (its TFLOP/s and name), and the SDPA flash
 (FlashAttention-2), efficient and cuDNN backends, all measured in the same process on the same
-inputs; "pick/peer" is the pick against the fastest SDPA backend.
+inputs; "pick/peer" is the pick against the fastest SDPA backend. Every side of a shape (each
+candidate instance and each backend) is timed in --rounds rounds whose order alternates
+(gemmgen.timing.alternating_rounds), each round the median of --reps CUDA-event timings, and
+reported as its median over the rounds: under the power cap a side timed once, always right after
+the same other side, reads up to 15% off (bench/NOTES.md, experiment 32). With --kernels each
+call is queued behind a spin kernel, so the events time the kernels alone, not the host path.
+Every candidate's figure goes to stderr ("all:" lines) and the summary lines count the shapes where
+the pick matches the fastest backend.
 """
 from __future__ import annotations
 
@@ -23,7 +31,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import gemmgen
-from gemmgen import launch, registry
+from gemmgen import launch, registry, timing
 from gemmgen.space import FAMILIES
 from gemmgen.shapes import HIDDEN, SEQLENS, TOKENS  # the sweep's shapes, shared with `gemmgen profile`
 
@@ -46,6 +54,14 @@ def time_ms(fn, warmup: int, reps: int) -> float:
     return statistics.median(s.elapsed_time(e) for s, e in zip(start, end))
 
 
+def sdpa(q, k, v, causal: bool, backend: SDPBackend):
+    """A call of torch SDPA restricted to one backend."""
+    def run():
+        with sdpa_kernel([backend]):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    return run
+
+
 def built_instances(q: torch.Tensor, k: torch.Tensor, causal: bool) -> list[str]:
     """Names of the built instances (any family) that can run this call."""
     return [c.name for c in registry.candidates(launch.problem_for(q, k, causal))[0]]
@@ -57,16 +73,22 @@ def main() -> int:
     ap.add_argument("--head-dim", nargs="+", type=int, default=[64, 128])
     ap.add_argument("--seq-len", nargs="+", type=int, default=list(SEQLENS))
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--rounds", type=int, default=3, help="rounds in alternating order per shape")
+    ap.add_argument("--kernels", action="store_true",
+                    help="time the kernels alone: each call queued behind a spin kernel")
     ap.add_argument("--out", help="also write the table to this markdown file")
     args = ap.parse_args()
 
     dev = torch.cuda.get_device_properties(0)
     header = (f"{dev.name}, {dev.multi_processor_count} SMs, torch {torch.__version__}, "
-              f"gemmgen {gemmgen.__version__}, {datetime.date.today()}; median of {args.reps} CUDA-event "
-              f"timings; TFLOP/s = 4*B*H*N^2*d/t (halved for causal)")
+              f"gemmgen {gemmgen.__version__}, {datetime.date.today()}; each side the median over {args.rounds} "
+              f"rounds in alternating order of the median of {args.reps} CUDA-event timings"
+              f"{' of the kernels alone (each call behind a spin kernel)' if args.kernels else ''}; "
+              f"TFLOP/s = 4*B*H*N^2*d/t (halved for causal)")
     families = [f.FAMILY for f in FAMILIES if getattr(f, "KIND", "attention") == "attention"]
     rows = ["| dtype | d | causal | N | " + " | ".join(families) + " | pick | picked instance | FA2 | efficient "
             "| cuDNN | pick/peer |", "|---" * (len(families) + 10) + "|"]
+    ratios = []
     print(header, flush=True)
     for dname in args.dtype:
         dtype = DTYPES[dname]
@@ -76,37 +98,44 @@ def main() -> int:
                     b, h = TOKENS // n, HIDDEN // d
                     q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=dtype) for _ in range(3))
                     flops = 4 * b * h * n * n * d / (2 if causal else 1)
-                    tflops = lambda ms: flops / ms / 1e9  # noqa: E731
-                    measured = {}
-                    for name in built_instances(q, k, causal):
-                        fn = lambda name=name: gemmgen.fused_attention(q, k, v, causal=causal, instance=name)  # noqa: E731
-                        measured[name] = tflops(time_ms(fn, 3, args.reps))
-                    peers = {}
+                    sides = {name: (lambda name=name: gemmgen.fused_attention(q, k, v, causal=causal, instance=name))
+                             for name in built_instances(q, k, causal)}
                     for label, backend in BACKENDS.items():
-                        try:
-                            with sdpa_kernel([backend]):
-                                fn = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal)  # noqa: E731
-                                peers[label] = tflops(time_ms(fn, 3, args.reps))
+                        try:  # a backend that cannot run this shape is left out
+                            sdpa(q, k, v, causal, backend)()
                         except RuntimeError:
-                            peers[label] = None
+                            continue
+                        sides[label] = sdpa(q, k, v, causal, backend)
+                    ms = timing.rounds_ms(sides, rounds=args.rounds, reps=args.reps, warmup=3,
+                                          hide_host=args.kernels)
+                    tflops = {side: flops / t / 1e9 for side, t in ms.items()}
+                    measured = {name: t for name, t in tflops.items() if name not in BACKENDS}
+                    peers = {label: tflops.get(label) for label in BACKENDS}
                     pick = gemmgen.selected_instance(q, k, v, causal=causal) if measured else None
                     fmt = lambda x: "-" if x is None else f"{x:.0f}"  # noqa: E731
                     best_of = [max((t for name, t in measured.items() if name.startswith(fam + "_")), default=None)
                                for fam in families]
                     peer = max((t for t in peers.values() if t is not None), default=None)
-                    ratio = f"{measured[pick] / peer:.2f}" if pick in measured and peer else "-"
+                    ratio = measured[pick] / peer if pick in measured and peer else None
+                    if ratio is not None:
+                        ratios.append((ratio, f"{dname} d{d} {'causal' if causal else 'none'} N={n}"))
                     row = (f"| {dname} | {d} | {'Y' if causal else 'N'} | {n} | "
                            + " | ".join(fmt(t) for t in best_of)
                            + f" | {fmt(measured.get(pick))} | {pick or '-'} | {fmt(peers['FA2'])} | "
-                           f"{fmt(peers['efficient'])} | {fmt(peers['cuDNN'])} | {ratio} |")
+                           f"{fmt(peers['efficient'])} | {fmt(peers['cuDNN'])} | "
+                           f"{'-' if ratio is None else f'{ratio:.2f}'} |")
                     rows.append(row)
                     print(row, flush=True)
                     print("    all: " + ", ".join(f"{name}={t:.0f}" for name, t in
                                               sorted(measured.items(), key=lambda kv: -kv[1])), file=sys.stderr,
                           flush=True)
+    below = sorted(r for r in ratios if r[0] < 1.0)
+    summary = [f"- pick >= fastest SDPA backend at {len(ratios) - len(below)} of {len(ratios)} shapes",
+               "- below 1.00: " + (", ".join(f"{label} {r:.3f}" for r, label in below) or "none")]
+    print("\n".join(summary), flush=True)
     if args.out:
         with open(args.out, "w") as f:
-            f.write(header + "\n\n" + "\n".join(rows) + "\n")
+            f.write(header + "\n\n" + "\n".join(rows) + "\n\n" + "\n".join(summary) + "\n")
     return 0
 
 
