@@ -28,7 +28,7 @@ import sys
 import torch
 
 import gemmgen
-from fa_sweep import BACKENDS, DTYPES, sdpa, time_ms  # the sweep's peers, dtypes and timing (same folder)
+from fa_sweep import BACKENDS, DTYPES, below_line, finish, sdpa, time_ms  # the sweep's (same folder)
 from gemmgen import launch, registry, timing
 from gemmgen.shapes import HIDDEN, SEQLENS, TOKENS
 
@@ -124,14 +124,9 @@ def main() -> int:
                     total += len(ratios)
                     rows.append(row)
                     print(row, flush=True)
-    below = sorted(m for m in medians if m[0] < 1.0)
-    summary = [f"- median ratio >= 1.00 at {len(medians) - len(below)} of {len(medians)} shapes; "
-               f"gemmgen ahead in {ahead} of {total} rounds",
-               "- below 1.00: " + (", ".join(f"{label} {r:.3f}" for r, label in below) or "none")]
-    print("\n".join(summary), flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(header + "\n\n" + "\n".join(rows) + "\n\n" + "\n".join(summary) + "\n")
+    at_least = sum(r >= 1.0 for r, _ in medians)
+    finish(header, rows, [f"- median ratio >= 1.00 at {at_least} of {len(medians)} shapes; "
+                          f"gemmgen ahead in {ahead} of {total} rounds", below_line(medians)], args.out)
     return 0
 
 

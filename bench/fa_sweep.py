@@ -62,6 +62,20 @@ def sdpa(q, k, v, causal: bool, backend: SDPBackend):
     return run
 
 
+def below_line(ratios: list[tuple[float, str]]) -> str:
+    """The summary line naming each (ratio, shape) below 1.00, lowest first."""
+    below = sorted(r for r in ratios if r[0] < 1.0)
+    return "- below 1.00: " + (", ".join(f"{label} {r:.3f}" for r, label in below) or "none")
+
+
+def finish(header: str, rows: list[str], summary: list[str], out: str | None) -> None:
+    """Print the summary lines; write the header, the table and them to `out` when given."""
+    print("\n".join(summary), flush=True)
+    if out:
+        with open(out, "w") as f:
+            f.write(header + "\n\n" + "\n".join(rows) + "\n\n" + "\n".join(summary) + "\n")
+
+
 def built_instances(q: torch.Tensor, k: torch.Tensor, causal: bool) -> list[str]:
     """Names of the built instances (any family) that can run this call."""
     return [c.name for c in registry.candidates(launch.problem_for(q, k, causal))[0]]
@@ -129,13 +143,9 @@ def main() -> int:
                     print("    all: " + ", ".join(f"{name}={t:.0f}" for name, t in
                                               sorted(measured.items(), key=lambda kv: -kv[1])), file=sys.stderr,
                           flush=True)
-    below = sorted(r for r in ratios if r[0] < 1.0)
-    summary = [f"- pick >= fastest SDPA backend at {len(ratios) - len(below)} of {len(ratios)} shapes",
-               "- below 1.00: " + (", ".join(f"{label} {r:.3f}" for r, label in below) or "none")]
-    print("\n".join(summary), flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(header + "\n\n" + "\n".join(rows) + "\n\n" + "\n".join(summary) + "\n")
+    ahead = sum(r >= 1.0 for r, _ in ratios)
+    finish(header, rows, [f"- pick >= fastest SDPA backend at {ahead} of {len(ratios)} shapes", below_line(ratios)],
+           args.out)
     return 0
 
 
