@@ -14,6 +14,10 @@ stderr, so tiles are compared in the same alternating conditions as the peer.
 With --kernels each timed call is queued behind a spin kernel (gemmgen.timing, hide_host), so the
 events time the kernels alone, not the host path; without it they time what a caller waits for,
 which for calls of about 100 us can include part of the host path (bench/NOTES.md, experiment 31).
+With --graph each timing is of 20 calls replayed from a CUDA graph back to back (no host path and
+no idle gap between calls, so the GPU runs as under steady use), divided by 20; the spin kernel of
+--kernels leaves the GPU idle before each call, which moves some kernels by up to 8% against
+calls back to back (bench/NOTES.md, experiment 37).
 The last lines count the shapes whose median ratio is >= 1.00, and the rounds each side was ahead.
 
     python bench/ab_sweep.py --family fa2_sm80 --peer FA2 --head-dim 128 --seq-len 1024 2048 4096
@@ -33,6 +37,9 @@ from gemmgen import launch, registry, timing
 from gemmgen.shapes import HIDDEN, SEQLENS, TOKENS
 
 
+GRAPH_REPS = 5  # replays of a 20-call graph per timing with --graph
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--family", help="the gemmgen side: the fastest built instance of this family "
@@ -48,6 +55,8 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--kernels", action="store_true",
                     help="time the kernels alone: each call queued behind a spin kernel")
+    ap.add_argument("--graph", action="store_true",
+                    help="time 20 calls replayed back to back from a CUDA graph (per call: the time / 20)")
     ap.add_argument("--out", help="also write the table to this markdown file")
     args = ap.parse_args()
     if args.all_candidates and not args.family:
@@ -56,14 +65,18 @@ def main() -> int:
     dev = torch.cuda.get_device_properties(0)
     header = (f"{dev.name}, torch {torch.__version__}, gemmgen {gemmgen.__version__}, {datetime.date.today()}; "
               f"gemmgen side: {'fastest ' + args.family if args.family else 'registry pick'}; peer: {args.peer}; "
-              f"{args.rounds} rounds in alternating order, each side the median of {args.reps} CUDA-event "
-              f"timings{' of the kernels alone (each call behind a spin kernel)' if args.kernels else ''}; "
-              f"TFLOP/s = 4*B*H*N^2*d/t (halved for causal)")
+              f"{args.rounds} rounds in alternating order, each side the median of "
+              + (f"{GRAPH_REPS} CUDA-event timings of 20 calls replayed back to back from a CUDA graph; " if args.graph
+                 else f"{args.reps} CUDA-event timings"
+                 f"{' of the kernels alone (each call behind a spin kernel)' if args.kernels else ''}; ")
+              + "TFLOP/s = 4*B*H*N^2*d/t (halved for causal)")
     rows = ["| dtype | d | causal | N | gemmgen instance | gemmgen | peer | peer TFLOP/s | ratio median "
             "| ratio min | ratio max | rounds ahead |", "|---" * 12 + "|"]
     medians, ahead, total = [], 0, 0
 
     def timed(fn) -> float:
+        if args.graph:
+            return timing.median_ms(lambda _i: fn(), 1, warmup=1, reps=GRAPH_REPS, graph=True)
         if args.kernels:
             return timing.median_ms(lambda _i: fn(), 1, warmup=3, reps=args.reps, hide_host=True)
         return time_ms(fn, 3, args.reps)
