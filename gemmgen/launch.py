@@ -143,9 +143,12 @@ def draw_seed(index: int, draws: int) -> tuple[int, int]:
 
 def launch(kernel: Any, p: abi.AttnParams, index: int) -> None:
     """Run `kernel` with `p` on CUDA device `index` and its current stream. A kernel that always
-    writes LSE (its info flags say so) gets a scratch buffer when the caller wants none."""
+    writes LSE (its info flags say so) gets a scratch buffer when the caller wants none; the call
+    then runs on a copy of `p`, so a caller that launches the same params again (the tuner) never
+    hands the kernel this call's buffer after it is freed."""
     if not p.lse and kernel.needs_lse:
         scratch = torch.empty(p.batch * p.heads * p.seqlen_q, dtype=torch.float32, device=f"cuda:{index}")
+        p = type(p).from_buffer_copy(p)
         p.lse = scratch.data_ptr()  # the caching allocator reuses it only after this stream's work
     if torch.cuda.current_device() == index:
         kernel.run(p, _raw_stream(index))

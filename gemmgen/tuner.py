@@ -205,11 +205,14 @@ def _measure_one(cand: Candidate, shape: Shape, inputs, outs, *, index: int, war
     try:
         kernel = cand.kernel
         err = check_proxy(kernel, shape, index)
-        prepared = [launch.params(q, k, v, o, None, causal=shape.causal, causal_alignment="top_left", scale=None)
-                    for (q, k, v), o in zip(inputs, outs)]
+        # LSE buffers made here for kernels that always write LSE: no allocation inside the timed calls.
+        lses = [torch.empty(q.shape[0] * q.shape[1] * q.shape[2], dtype=torch.float32, device=q.device)
+                if kernel.needs_lse else None for q, _, _ in inputs]
+        prepared = [launch.params(q, k, v, o, lse, causal=shape.causal, causal_alignment="top_left", scale=None)
+                    for (q, k, v), o, lse in zip(inputs, outs, lses)]
         outs[0].fill_(float("nan"))
 
-        def timer() -> float:
+        def timer(_lses: list = lses) -> float:  # holds the LSE buffers as long as the timer lives
             return timing.median_ms(lambda i: launch.launch(kernel, prepared[i], index), len(prepared),
                                     warmup=warmup, reps=reps, graph=graph, flush=flush)
         ms = timer()

@@ -116,3 +116,29 @@ def test_refused_calls_go_elsewhere():
         assert not any(n.startswith("fmha_sm90") for n in good)
         with pytest.raises(NoInstanceError):
             gemmgen.fused_attention(q, k, v, instance=_instance("bf16", 128, causal), **kw)
+
+
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
+def test_tuner_timing_relaunches_params(graph):
+    """The tuner launches one prepared params object many times, per call and replayed from a CUDA
+    graph. fmha_sm90 always writes LSE: launch() must not leave a per-call scratch buffer in the
+    caller's params, or later calls (and graph replays) write LSE into freed memory."""
+    _sm90()
+    from gemmgen import tuner
+    from gemmgen.shapes import Shape
+
+    shape = Shape(2, 4, 300, 300, 64, causal=False, dtype="fp16")
+    cands = [c for c in registry.candidates(tuner.problem_of(shape, 0))[0] if c.entry.family == "fmha_sm90"]
+    if not cands:
+        pytest.skip("no fmha_sm90 fp16 d64 instance built")
+    result = tuner.measure(cands[:2], shape, index=0, reps=3, graph=graph)
+    torch.cuda.synchronize()
+    assert result and all(m.ok for m in result), [(m.name, m.reason) for m in result]
+    q, k, v = make_qkv(2, 4, 4, 300, 300, 64, torch.float16, "relaunch")
+    o = torch.full_like(q, float("nan"))
+    p = launch.params(q, k, v, o, None, causal=False, causal_alignment="top_left", scale=None)
+    launch.launch(cands[0].kernel, p, 0)
+    assert not p.lse  # the scratch buffer went to a copy
+    launch.launch(cands[0].kernel, p, 0)
+    torch.cuda.synchronize()
+    assert torch.isfinite(o).all()
