@@ -15,16 +15,20 @@ from gemmgen.families.fmha_sm90 import DType, FmhaSm90Instance, Mask, Schedule
 from gemmgen.problem import Problem
 
 H200 = device.synthetic((9, 0), 132)
-BUILD_ONE = "fmha_sm90_fp16_d64_causal_tma_m64n64s4"  # the quickest to compile
+BUILD_ONE = "fmha_sm90_fp16_d64_causal_tma_m64n64s4_lr"  # the quickest to compile
 
 
 def test_space_names_unique_and_stable():
     names = [inst.name for inst in fam.SPACE]
     assert len(names) == len(set(names))
-    assert "fmha_sm90_bf16_d128_none_pingpong_m128n128s5" in names
-    assert {inst.name for inst in fam.DEFAULT} >= {"fmha_sm90_fp16_d256_causal_coop_m128n64s5",
-                                                    "fmha_sm90_bf16_d64_none_pingpong_m192n128s5",
-                                                    "fmha_sm90_bf16_d64_causal_tma_m64n128s4"}
+    assert "fmha_sm90_bf16_d128_none_pingpong_m128n128s5" in names  # CUTLASS's softmax
+    assert {inst.name for inst in fam.DEFAULT} >= {"fmha_sm90_fp16_d256_causal_coop_m128n64s5_lr",
+                                                    "fmha_sm90_bf16_d64_none_pingpong_m192n128s5_lr",
+                                                    "fmha_sm90_bf16_d64_causal_tma_m64n128s4_lr"}
+    assert all(inst.lazy_rescale for inst in fam.DEFAULT)  # our softmax (experiment 41)
+    assert len(fam.SPACE) == 2 * sum(not inst.lazy_rescale for inst in fam.SPACE)  # both softmaxes per tile
+    q2 = next(i for i in fam.SPACE if i.name == "fmha_sm90_bf16_d64_none_pingpong_m256n64s5_lr_q2")
+    assert q2.smem_bytes - dataclasses.replace(q2, q_buffers=1).smem_bytes == 4 * 64 * 64 * 2
 
 
 def test_default_covers_every_dtype_head_dim_mask_once():
@@ -59,6 +63,10 @@ def test_every_instance_fits_and_is_built_only_for_sm90():
     (dict(head_dim=64, block_m=256), "tile 256x128"),
     (dict(head_dim=64, block_m=256, block_n=64), None),  # four consumer groups
     (dict(head_dim=64, block_m=64), "2 to 4 consumer warp groups"),
+    (dict(head_dim=64, block_m=256, block_n=64, q_buffers=2), None),  # a second Q buffer per group
+    (dict(head_dim=64, schedule=Schedule.TMA, block_m=64, stages=4, q_buffers=2), "second Q buffer"),
+    (dict(q_buffers=2), "shared memory"),  # at d128 the Q buffers cost a K/V stage
+    (dict(q_buffers=2, stages=4), None),
 ])
 def test_invalid_reason(change, reason):
     base = FmhaSm90Instance(DType.BF16, 128, Mask.NONE, Schedule.PINGPONG, 128, 128, 5)
@@ -121,7 +129,7 @@ def test_registry_prefers_the_family_that_can_run(tmp_path):
     from conftest import make_entry, write_build_dir
     from gemmgen.families import fa2_sm80
 
-    sm90 = next(i for i in fam.DEFAULT if i.name == "fmha_sm90_bf16_d128_none_pingpong_m128n128s5")
+    sm90 = next(i for i in fam.DEFAULT if i.name == "fmha_sm90_bf16_d128_none_pingpong_m128n128s5_lr")
     assert sm90 in fam.DEFAULT
     sm80 = next(i for i in fa2_sm80.DEFAULT if i.name == "fa2_sm80_bf16_d128_none_m128n64w4s1")
     entries = [make_entry(sm80), dataclasses.replace(make_entry(sm90), arch="sm90", gencode=list(Arch.SM90.gencode))]
@@ -140,21 +148,24 @@ def test_registry_prefers_the_family_that_can_run(tmp_path):
         registry.set_build_dirs(None)
 
 
-def test_rendered_text():
-    inst = next(i for i in fam.SPACE if i.name == "fmha_sm90_bf16_d128_causal_pingpong_m128n128s5")
+@pytest.mark.parametrize("suffix, lazy", [("", "false"), ("_lr", "true")])
+def test_rendered_text(suffix, lazy):
+    inst = next(i for i in fam.SPACE if i.name == "fmha_sm90_bf16_d128_causal_pingpong_m128n128s5" + suffix)
     tc = render.Toolchain(flags=("-O3",), nvcc_version="13.0.88", cutlass_version="4.2.0")
     text = render.render_text(inst, tc)
     assert '#include "gemmgen/fmha_sm90/launch.h"' in text
     assert "Config<cutlass::bfloat16_t, /*BlockM=*/128, /*BlockN=*/128," in text
-    assert "Schedule::kPingpong" in text and "/*Causal=*/true, /*StagesKV=*/5>" in text
+    assert "Schedule::kPingpong" in text and "/*Causal=*/true, /*StagesKV=*/5," in text
+    assert f"/*Lazy=*/{lazy}, /*QBuffers=*/1>" in text
     assert f"GEMMGEN_EXPORT int {inst.symbol}(const GemmgenAttnParams* params" in text
 
 
 @pytest.mark.parametrize("name, shape", [
     (BUILD_ONE, (64, 64, 64, 1)),
     # the persistent schedule: our own kernel and output epilogue (persistent.h)
-    ("fmha_sm90_bf16_d128_none_pingpong_m128n128s5", (128, 128, 128, 0)),
-    ("fmha_sm90_bf16_d32_causal_pingpong_m192n128s5", (32, 192, 128, 1)),  # three consumer groups
+    ("fmha_sm90_bf16_d128_none_pingpong_m128n128s5_lr", (128, 128, 128, 0)),
+    # three consumer groups, and CUTLASS's softmax
+    ("fmha_sm90_bf16_d32_causal_pingpong_m192n128s5", (32, 192, 128, 1)),
 ])
 def test_real_build_and_info(tmp_path, name, shape):
     """nvcc compiles an sm_90a instance; its library loads without a GPU and reports what the

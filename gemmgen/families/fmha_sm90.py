@@ -4,8 +4,9 @@ The kernels are CUTLASS's own (TMA loads, wgmma, warp-specialized schedules), in
 installed nvidia-cutlass package; templates/include/gemmgen/fmha_sm90/launch.h maps gemmgen's C ABI
 onto them. Built for sm_90a only: wgmma and setmaxnreg have no other target.
 
-One instance = one (dtype, head_dim, mask, schedule, tile, K/V stages). `problem_reason` states what
-a built instance cannot run, so the registry picks another family for those calls.
+One instance = one (dtype, head_dim, mask, schedule, tile, K/V stages, softmax: CUTLASS's or ours,
+templates/include/gemmgen/fmha_sm90/softmax.h). `problem_reason` states what a built instance cannot
+run, so the registry picks another family for those calls.
 """
 from __future__ import annotations
 
@@ -52,6 +53,13 @@ MASKS = tuple(Mask)
 SCHEDULES = tuple(Schedule)
 TILES = ((64, 64), (64, 128), (128, 64), (128, 128), (128, 192), (192, 64), (192, 128), (256, 64))  # (block_m, block_n)
 STAGES = (2, 3, 4, 5)  # K/V pipeline stages (one stage holds a K or a V tile)
+# The softmax: ours, which rescales O only when a row maximum grows by more than 2^8 (names `_lr`,
+# templates/include/gemmgen/fmha_sm90/softmax.h; the default: up to 4% faster, bench/NOTES.md,
+# experiment 41), or CUTLASS's, which rescales O after every key tile.
+LAZY_RESCALES = (False, True)
+# Q buffers per consumer warp group of the persistent schedule: with 2 the next row tile's Q loads
+# while the group still works on this one.
+Q_BUFFERS = (1, 2)
 
 # CUTLASS's defaults; an instance with fewer stages exists only when the default does not fit.
 DEFAULT_STAGES = {Schedule.TMA: 4, Schedule.COOPERATIVE: 5, Schedule.PINGPONG: 5}
@@ -74,6 +82,8 @@ class FmhaSm90Instance:
     block_m: int
     block_n: int
     stages: int
+    lazy_rescale: bool = False  # our softmax (True) or CUTLASS's
+    q_buffers: int = 1
 
     family = FAMILY
 
@@ -81,7 +91,8 @@ class FmhaSm90Instance:
     def name(self) -> str:
         """Readable, stable, unique: used for the file, the symbol, the manifest and logs."""
         return (f"{FAMILY}_{self.dtype.value}_d{self.head_dim}_{self.mask.value}_{self.schedule.value}"
-                f"_m{self.block_m}n{self.block_n}s{self.stages}")
+                f"_m{self.block_m}n{self.block_n}s{self.stages}"
+                + ("_lr" if self.lazy_rescale else "") + (f"_q{self.q_buffers}" if self.q_buffers > 1 else ""))
 
     @property
     def symbol(self) -> str:
@@ -108,7 +119,7 @@ class FmhaSm90Instance:
         others reuse the mainloop's space)."""
         e = ELEMENT_BYTES
         rows_q = self.block_m // self.consumer_groups
-        q = self.consumer_groups * rows_q * self.head_dim * e
+        q = self.q_buffers * self.consumer_groups * rows_q * self.head_dim * e
         kv = self.stages * self.block_n * self.head_dim * e
         if self.persistent:
             return q + kv + self.consumer_groups * rows_q * self.head_dim * e + 1536
@@ -126,11 +137,13 @@ class FmhaSm90Instance:
         """Plain values for the manifest and the template."""
         return {"dtype": self.dtype.value, "head_dim": self.head_dim, "mask": self.mask.value,
                 "schedule": self.schedule.value, "block_m": self.block_m, "block_n": self.block_n,
-                "stages": self.stages}
+                "stages": self.stages, **({"lazy_rescale": True} if self.lazy_rescale else {}),
+                **({"q_buffers": self.q_buffers} if self.q_buffers > 1 else {})}
 
     def template_values(self) -> dict:
         return {**self.params(), "name": self.name, "symbol": self.symbol, "element": DTYPE_CPP[self.dtype],
-                "schedule_cpp": SCHEDULE_CPP[self.schedule], "causal": self.causal}
+                "schedule_cpp": SCHEDULE_CPP[self.schedule], "causal": self.causal, "lazy_rescale": self.lazy_rescale,
+                "q_buffers": self.q_buffers}
 
     def content_hash(self) -> str:
         text = FAMILY + repr(sorted(self.params().items()))
@@ -159,6 +172,8 @@ def invalid_reason(inst: FmhaSm90Instance, arch: Arch = Arch.SM90) -> str | None
     if inst.causal and not causal_tiles_masked(inst.block_m, inst.block_n):
         return (f"causal masking: with block_m {inst.block_m}, block_n {inst.block_n} an unmasked key tile "
                 f"crosses the diagonal")
+    if inst.q_buffers > 1 and not inst.persistent:
+        return "a second Q buffer is an axis of the persistent schedule"
     if inst.persistent and not 2 <= inst.consumer_groups <= 4:
         return f"{inst.schedule.value} runs 2 to 4 consumer warp groups of 64 rows; block_m {inst.block_m}"
     acc = (rows * inst.block_n + rows * inst.head_dim) // 128
@@ -206,8 +221,9 @@ SPACE: tuple[FmhaSm90Instance, ...] = tuple(
     inst
     for inst in itertools.starmap(
         FmhaSm90Instance,
-        ((dt, d, mask, sched, bm, bn, st)
-         for dt, d, mask, sched, (bm, bn), st in itertools.product(DTYPES, HEAD_DIMS, MASKS, SCHEDULES, TILES, STAGES)))
+        ((dt, d, mask, sched, bm, bn, st, e, qb)
+         for dt, d, mask, sched, (bm, bn), st, e, qb in itertools.product(DTYPES, HEAD_DIMS, MASKS, SCHEDULES, TILES,
+                                                                           STAGES, LAZY_RESCALES, Q_BUFFERS)))
     if invalid_reason(inst) is None
 )
 
@@ -226,7 +242,8 @@ DEFAULT_TILE = {
 
 DEFAULT: tuple[FmhaSm90Instance, ...] = tuple(
     inst for inst in SPACE
-    if (inst.schedule, inst.block_m, inst.block_n) == DEFAULT_TILE[inst.head_dim, inst.causal]
+    if (inst.schedule, inst.block_m, inst.block_n) == DEFAULT_TILE[inst.head_dim, inst.causal] and inst.lazy_rescale
+    and inst.q_buffers == 1
 )
 
 # Throughput per unit of tile work against fa2_sm80's on the H200 sweep (the heuristic's weight

@@ -61,6 +61,22 @@ def test_every_instance(name):
     check(q, k, v, causal=causal, instance=name)
 
 
+@pytest.mark.parametrize("name", BUILT or ["none"])
+def test_row_maxima_that_grow(name):
+    """Keys scaled by a ramp, so that each row's maximum keeps rising over the key tiles: at the
+    default scale by a little per tile (the `_lr` softmax then takes probabilities of up to 2^8
+    against a lagging maximum, and rescales O once it lags by more), at scale 1 by far more than
+    2^8 per tile (a rescale at every tile)."""
+    _sm90()
+    p = _entry(name).params
+    dtype, d, causal = DTYPES[p["dtype"]], p["head_dim"], p["mask"] == "causal"
+    q, k, v = make_qkv(1, 2, 2, 300, 1000, d, dtype, (name, "grow"))
+    ramp = torch.linspace(0.5, 4.0, k.shape[2], device="cuda")[:, None]
+    k = (k.float() * ramp).to(dtype)
+    for scale in (None, 1.0):
+        check(q, k, v, causal=causal, scale=scale, instance=name)
+
+
 def _instance(dtype: str, d: int, causal: bool) -> str:
     names = [n for n in BUILT if n.startswith(f"fmha_sm90_{dtype}_d{d}_{'causal' if causal else 'none'}_")]
     if not names:

@@ -25,6 +25,7 @@
 
 #include "gemmgen/abi.h"
 #include "gemmgen/fmha_sm90/persistent.h"
+#include "gemmgen/fmha_sm90/softmax.h"
 #include "gemmgen/report.h"
 
 namespace gemmgen::fmha_sm90 {
@@ -41,41 +42,47 @@ template <> struct DispatchOf<Schedule::kCooperative> {
 
 // Non-causal instances use CUTLASS's residual fusion: it masks the keys past seqlen_k in the last
 // key tile (TMA fills them with zeros, which would otherwise score 0), so any seqlen_k works.
+// Lazy: our softmax, which rescales O only when a row maximum grows by more than 2^8 (softmax.h).
 template <bool Causal>
-using FusionOf = std::conditional_t<Causal, cutlass::fmha::collective::CausalFusion,
-                                    cutlass::fmha::collective::ResidualFusion>;
+using MaskOf = std::conditional_t<Causal, cutlass::fmha::collective::CausalFusion,
+                                  cutlass::fmha::collective::ResidualFusion>;
+template <bool Causal, bool Lazy>
+using FusionOf = std::conditional_t<Lazy, LazyRescale<MaskOf<Causal>>, MaskOf<Causal>>;
 
-template <class Element, class TileShape, class Stride, Schedule S, bool Causal, int StagesKV>
+template <class Element, class TileShape, class Stride, Schedule S, bool Causal, int StagesKV, bool Lazy,
+          int QBuffers>
 struct KernelOf {  // CUTLASS's own composition of the kernel (the TMA and cooperative schedules)
   using type = typename cutlass::fmha::kernel::FmhaBuilder<
-      Element, float, float, TileShape, Stride, Stride, Stride, FusionOf<Causal>, typename DispatchOf<S>::type,
+      Element, float, float, TileShape, Stride, Stride, Stride, FusionOf<Causal, Lazy>, typename DispatchOf<S>::type,
       cutlass::fmha::kernel::Option<cutlass::fmha::kernel::Tag::kStagesKV, Int<StagesKV>>>::Kernel;
 };
 
-template <class Element, class TileShape, class Stride, bool Causal, int StagesKV>
-struct KernelOf<Element, TileShape, Stride, Schedule::kPingpong, Causal, StagesKV> {
+template <class Element, class TileShape, class Stride, bool Causal, int StagesKV, bool Lazy, int QBuffers>
+struct KernelOf<Element, TileShape, Stride, Schedule::kPingpong, Causal, StagesKV, Lazy, QBuffers> {
   // CUTLASS's persistent mainloop in our kernel (persistent.h); 64 rows per consumer warp group;
   // causal row tiles go in pairs.
   using Tag = cutlass::fmha::kernel::Tag;
   template <Tag T, class V> using Opt = cutlass::fmha::kernel::Option<T, V>;
   using Groups = Int<size<0>(TileShape{}) / 64>;
+  using StagesQ = Int<Groups::value * QBuffers>;  // Q buffers per consumer group
   using Mainloop = cutlass::fmha::collective::FmhaMainloopTmaWarpSpecialized<
-      Element, float, float, TileShape, Stride, Stride, Stride, FusionOf<Causal>, Opt<Tag::kStagesKV, Int<StagesKV>>,
-      Opt<Tag::kIsPersistent, cute::true_type>, Opt<Tag::kLoadsQSeparately, cute::true_type>,
+      Element, float, float, TileShape, Stride, Stride, Stride, FusionOf<Causal, Lazy>, Opt<Tag::kStagesKV, Int<StagesKV>>,
+      Opt<Tag::kStagesQ, StagesQ>, Opt<Tag::kIsPersistent, cute::true_type>, Opt<Tag::kLoadsQSeparately, cute::true_type>,
       Opt<Tag::kNumMmaWarpGroups, Groups>>;
   using Scheduler = std::conditional_t<Causal, PairedScheduler, cutlass::fmha::kernel::PersistentTileScheduler>;
-  using type = PersistentKernel<Mainloop, FusionOf<Causal>, Scheduler, Opt<Tag::kStagesKV, Int<StagesKV>>,
-                                Opt<Tag::kIsPersistent, cute::true_type>, Opt<Tag::kLoadsQSeparately, cute::true_type>,
+  using type = PersistentKernel<Mainloop, FusionOf<Causal, Lazy>, Scheduler, Opt<Tag::kStagesKV, Int<StagesKV>>,
+                                Opt<Tag::kStagesQ, StagesQ>, Opt<Tag::kIsPersistent, cute::true_type>, Opt<Tag::kLoadsQSeparately, cute::true_type>,
                                 Opt<Tag::kNumMmaWarpGroups, Groups>>;
 };
 
-template <class Element_, int BlockM, int BlockN, int HeadDim, Schedule S, bool Causal, int StagesKV>
+template <class Element_, int BlockM, int BlockN, int HeadDim, Schedule S, bool Causal, int StagesKV,
+          bool Lazy = false, int QBuffers = 1>
 struct Config {
   using Element = Element_;
   using Stride = cute::tuple<int, _1, cute::tuple<int, int>>;  // (row, 1, (batch, head)) in elements
   using StrideLSE = cute::tuple<_1, cute::tuple<int, int>>;
   using TileShape = Shape<Int<BlockM>, Int<BlockN>, Int<HeadDim>>;
-  using Kernel = typename KernelOf<Element, TileShape, Stride, S, Causal, StagesKV>::type;
+  using Kernel = typename KernelOf<Element, TileShape, Stride, S, Causal, StagesKV, Lazy, QBuffers>::type;
   static constexpr int kHeadDim = HeadDim;
   static constexpr int kBlockM = BlockM;
   static constexpr int kBlockN = BlockN;

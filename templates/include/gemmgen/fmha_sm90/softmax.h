@@ -1,0 +1,203 @@
+// The fmha_sm90 family's online softmax with a lazy rescale of O.
+//
+// Why: after each key tile the online softmax multiplies the output accumulators (and row sums) by
+// 2^(old max - new max); at d64 that is one FP32 multiply per two scores, at d128 one per score, on
+// the pipes that bound the softmax (bench/NOTES.md, experiments 40-41). Taking the probabilities
+// against a maximum that may lag the true one by up to kRescaleAbove keeps them bounded by
+// 2^kRescaleAbove and the result exact in real arithmetic (O and the sums share the same factor),
+// so the rescale is needed only when a maximum grows by more than that.
+//
+// How it plugs in: CUTLASS's Hopper FMHA mainloops name their softmax as
+// CollectiveSoftmax<Accumulator, Fusion, Params>. LazyRescale<Mask> is a Fusion (the Mask's masking
+// and key-tile counts, inherited), and the specialization below is the softmax the mainloops then
+// instantiate: the same interface and online-softmax arithmetic, our code.
+#pragma once
+#include "cute/tensor.hpp"
+#include "cutlass/cutlass.h"
+
+#include "88_hopper_fmha/collective/fmha_collective_softmax.hpp"
+#include "88_hopper_fmha/collective/fmha_common.hpp"
+
+namespace gemmgen::fmha_sm90 {
+
+// A Fusion: Mask's masking and trip counts; its softmax leaves O and the row sums unscaled while no
+// row maximum of a warp has grown by more than kRescaleAbove (in log2 units of the scaled scores).
+template <class Mask>
+struct LazyRescale : Mask {};
+
+// Probabilities are taken against a row maximum up to this far below the true one: at most 2^8,
+// which fp32 sums and fp16/bf16 probabilities hold with their full relative precision.
+constexpr float kRescaleAbove = 8.f;
+
+}  // namespace gemmgen::fmha_sm90
+
+namespace cutlass::fmha::collective {
+
+template <class Mask, class Params>
+struct CollectiveSoftmax<float, gemmgen::fmha_sm90::LazyRescale<Mask>, Params> {
+  using Fusion = gemmgen::fmha_sm90::LazyRescale<Mask>;
+  Params const& params;
+  CUTLASS_DEVICE CollectiveSoftmax(Params const& p) : params(p) {}
+
+  // State, per held row: the maximum its probabilities are taken against (a raw score, at most
+  // kRescaleAbove below the row's true maximum so far) and the sum of its probabilities.
+  template <class AccPV, class TiledMmaPV>
+  CUTLASS_DEVICE auto init(AccPV const& acc_pv, TiledMmaPV const& mma_pv) {
+    Tensor row_max = make_tensor<float>(size<0>(layout_acc_mn(mma_pv, acc_pv.layout())));
+    Tensor row_sum = make_tensor<float>(size<0>(layout_acc_mn(mma_pv, acc_pv.layout())));
+    return make_tuple(row_max, row_sum);
+  }
+
+  // The row maxima over s (rows, columns), which the threads of a row hold in parts.
+  template <class AccMN, class TiledMma, class RowMax>
+  CUTLASS_DEVICE static void take_max(AccMN const& s, TiledMma const& mma, RowMax& row_max) {
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < size<0>(s); ++i) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int j = 0; j < size<1>(s); ++j) row_max(i) = fmaxf(row_max(i), s(i, j));
+    }
+    auto lanes = reduction_target_n(mma);  // the lane strides of a row's threads
+    for_each(make_seq<decltype(rank(lanes))::value>{}, [&](auto r) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int j = 1; j < shape<r>(lanes); j *= 2) {
+        CUTLASS_PRAGMA_UNROLL
+        for (int i = 0; i < size<0>(s); ++i) {
+          row_max(i) = fmaxf(row_max(i), __shfl_xor_sync(0xffffffffu, row_max(i), stride<r>(lanes) * j));
+        }
+      }
+    });
+  }
+
+  // s (rows, columns) -> 2^(scale_log2 * (s - row max)); a row that has seen only masked scores is
+  // taken relative to 0.
+  template <class AccMN, class RowMax>
+  CUTLASS_DEVICE void exponentiate(AccMN& s, RowMax const& row_max) const {
+    const float scale = params.scale_softmax_log2;
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < size<0>(s); ++i) {
+      const float shift = scale * (row_max(i) == -INFINITY ? 0.f : row_max(i));
+      CUTLASS_PRAGMA_UNROLL
+      for (int j = 0; j < size<1>(s); ++j) {
+        const float x = scale * s(i, j) - shift;
+        s(i, j) = ::exp2f(x);
+      }
+    }
+  }
+
+  // The row maxima after key tile s. While no row of the warp has grown by more than kRescaleAbove,
+  // the old maxima stay (the probabilities of this tile then reach at most 2^kRescaleAbove) and O
+  // and the row sums are left as they are: the rescale of O costs one multiply per O element, as
+  // many FP32 instructions as an eighth to a quarter of the softmax, and after the first few key
+  // tiles a row's maximum seldom grows that much. Otherwise every row moves to its new maximum.
+  // The choice is the warp's (a vote), so its threads do not diverge; each row is held by threads of
+  // one warp, which agree on its maximum.
+  template <class AccMN, class TiledMma, class RowMax, class RowSum, class AccPV, class TiledMmaPV>
+  CUTLASS_DEVICE void update_max(AccMN const& s, TiledMma const& mma, RowMax& row_max, RowSum& row_sum,
+                                 AccPV& acc_pv, TiledMmaPV const& mma_pv) const {
+    Tensor now = make_fragment_like(row_max);
+    copy(row_max, now);
+    take_max(s, mma, now);
+    bool grown = false;
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < size(now); ++i) {
+      // (-inf) - (-inf) is NaN and compares false: a row still without a key stays at -inf.
+      grown |= (now(i) - row_max(i)) * params.scale_softmax_log2 > gemmgen::fmha_sm90::kRescaleAbove;
+    }
+    if (!__any_sync(0xffffffffu, grown)) return;
+    Tensor o = make_tensor(acc_pv.data(), layout_acc_mn(mma_pv, acc_pv.layout()));
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < size<0>(o); ++i) {
+      const float to = now(i) == -INFINITY ? 0.f : now(i);
+      const float factor = ::exp2f((row_max(i) - to) * params.scale_softmax_log2);
+      row_sum(i) *= factor;
+      CUTLASS_PRAGMA_UNROLL
+      for (int j = 0; j < size<1>(o); ++j) o(i, j) *= factor;
+      row_max(i) = now(i);
+    }
+  }
+
+  // The first key tile of a row tile.
+  template <class AccQK, class TiledMmaQK, class CountQK, class State, class ProblemShape>
+  CUTLASS_DEVICE void step(AccQK& acc_qk, TiledMmaQK const& mma_qk, CountQK const& count_qk, State& state,
+                           ProblemShape const& problem_shape) {
+    Fusion{}.before_softmax(acc_qk, count_qk, problem_shape);
+    Tensor s = make_tensor(acc_qk.data(), layout_acc_mn(mma_qk, acc_qk.layout()));
+    auto& row_max = get<0>(state);
+    auto& row_sum = get<1>(state);
+    fill(row_max, -INFINITY);
+    take_max(s, mma_qk, row_max);
+    exponentiate(s, row_max);
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < size<0>(s); ++i) row_sum(i) = reduce(s(i, _), cute::plus{});
+  }
+
+  // A later key tile (the warp-specialized mainloops): maxima (O rescaled if one grew past the
+  // bound), probabilities, sums.
+  template <bool kUseFusion = true, class AccQK, class TiledMmaQK, class CountQK, class State, class AccPV,
+            class TiledMmaPV, class ProblemShape>
+  CUTLASS_DEVICE void step(AccQK& acc_qk, TiledMmaQK const& mma_qk, CountQK const& count_qk, State& state,
+                           AccPV& acc_pv, TiledMmaPV const& mma_pv, ProblemShape const& problem_shape) {
+    if constexpr (kUseFusion) Fusion{}.before_softmax(acc_qk, count_qk, problem_shape);
+    Tensor s = make_tensor(acc_qk.data(), layout_acc_mn(mma_qk, acc_qk.layout()));
+    auto& row_max = get<0>(state);
+    auto& row_sum = get<1>(state);
+    update_max(s, mma_qk, row_max, row_sum, acc_pv, mma_pv);
+    exponentiate(s, row_max);
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < size<0>(s); ++i) row_sum(i) += reduce(s(i, _), cute::plus{});
+  }
+
+  // A later key tile (the TMA mainloop), first half: maxima (O rescaled if one grew past the bound);
+  // the probabilities follow chunk by chunk (step_interleave_step) between the P V MMAs.
+  template <bool kUseFusion = true, class AccQK, class TiledMmaQK, class CountQK, class State, class AccPV,
+            class TiledMmaPV, class ProblemShape>
+  CUTLASS_DEVICE void step_interleave_begin(AccQK& acc_qk, TiledMmaQK const& mma_qk, CountQK const& count_qk,
+                                            State& state, AccPV& acc_pv, TiledMmaPV const& mma_pv,
+                                            ProblemShape const& problem_shape) {
+    if constexpr (kUseFusion) Fusion{}.before_softmax(acc_qk, count_qk, problem_shape);
+    Tensor s = make_tensor(acc_qk.data(), layout_acc_mn(mma_qk, acc_qk.layout()));
+    update_max(s, mma_qk, get<0>(state), get<1>(state), acc_pv, mma_pv);
+  }
+
+  template <class AccMN, class State>
+  CUTLASS_DEVICE void step_interleave_step(AccMN& s, State& state) {
+    exponentiate(s, get<0>(state));
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < size<0>(s); ++i) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int j = 0; j < size<1>(s); ++j) get<1>(state)(i) += s(i, j);
+    }
+  }
+
+  // After the last key tile: whole-row sums, O normalized, LSE (+inf for a row with no weight, as
+  // CUTLASS's softmax gives it).
+  template <class State, class AccPV, class TiledMmaPV>
+  CUTLASS_DEVICE auto tail(State& state, AccPV& acc_pv, TiledMmaPV const& mma_pv) {
+    auto& row_max = get<0>(state);
+    auto& row_sum = get<1>(state);
+    Tensor o = make_tensor(acc_pv.data(), layout_acc_mn(mma_pv, acc_pv.layout()));
+    auto lanes = reduction_target_n(mma_pv);
+    for_each(make_seq<decltype(rank(lanes))::value>{}, [&](auto r) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int j = 1; j < shape<r>(lanes); j *= 2) {
+        CUTLASS_PRAGMA_UNROLL
+        for (int i = 0; i < size<0>(o); ++i) {
+          row_sum(i) += __shfl_xor_sync(0xffffffffu, row_sum(i), stride<r>(lanes) * j);
+        }
+      }
+    });
+    Tensor lse = make_fragment_like(row_sum);
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < size<0>(o); ++i) {
+      const float sum = row_sum(i);
+      const bool empty = sum == 0.f || sum != sum;
+      lse(i) = empty ? INFINITY : row_max(i) * params.scale_softmax + __logf(sum);
+      const float factor = params.rp_dropout * (empty ? 1.f : __frcp_rn(sum));
+      CUTLASS_PRAGMA_UNROLL
+      for (int j = 0; j < size<1>(o); ++j) o(i, j) *= factor;
+    }
+    return lse;
+  }
+};
+
+}  // namespace cutlass::fmha::collective
