@@ -250,7 +250,7 @@ struct PersistentKernel
       Epilogue::prefetch_tma_descriptor(params.epilogue);
     }
 
-    typename PipeQ::Params q_params;  // one Q stage per consumer group
+    typename PipeQ::Params q_params;  // one or two Q stages per consumer group (q_buffers)
     q_params.transaction_bytes = Mainloop::kOuterLoadBytes;
     q_params.is_leader = leader && group == 0 && warp_in_group == kLoadQ;
     q_params.num_consumers = kThreads;
@@ -312,7 +312,7 @@ struct PersistentKernel
       auto blk = scheduler.get_block_coord();
       auto group_blk = blk;  // this group's 64 rows of the row tile
       get<0>(group_blk) = kGroups * get<0>(blk) + consumer;
-      read_q.advance(consumer);  // Q stages go to the groups in turn
+      read_q.advance(consumer);  // Q stages go to the groups in turn, a tile's kGroups at a time
       if (get<0>(group_blk) * kGroupRows >= get<2>(params.problem_size)) {
         skip(blk, params.problem_size, pipe_kv, read_kv, pipe_q, read_q, order);
         read_q.advance(kGroups - consumer);
