@@ -83,7 +83,7 @@ class FmhaSm90Instance:
     block_n: int
     stages: int
     lazy_rescale: bool = False  # our softmax (True) or CUTLASS's
-    q_buffers: int = 1
+    q_buffers: int = 1  # Q buffers per consumer warp group (2: the persistent schedule only)
 
     family = FAMILY
 

@@ -65,8 +65,8 @@ def test_every_instance(name):
 def test_row_maxima_that_grow(name):
     """Keys scaled by a ramp, so that each row's maximum keeps rising over the key tiles: at the
     default scale by a little per tile (the `_lr` softmax then takes probabilities of up to 2^8
-    against a lagging maximum, and rescales O once it lags by more), at scale 1 by far more than
-    2^8 per tile (a rescale at every tile)."""
+    against a lagging maximum, and rescales O once it lags by more), at scale 1 by more than 2^8 at
+    most tiles (a rescale at most tiles)."""
     _sm90()
     p = _entry(name).params
     dtype, d, causal = DTYPES[p["dtype"]], p["head_dim"], p["mask"] == "causal"
