@@ -13,7 +13,6 @@ shape, with the power draw and SM clock nvidia-smi reports meanwhile.
 from __future__ import annotations
 
 import argparse
-import datetime
 import statistics
 import subprocess
 import tempfile
@@ -24,6 +23,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import gemmgen
+from gemm_power import QUERY, read_samples  # nvidia-smi's samples, parsed (same folder)
 from gemmgen import timing
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
@@ -36,7 +36,6 @@ SHAPES = [  # (batch, heads, seqlen) at d128
     (1, 17, 8192),   # 8.24 waves
 ]
 BF16_SHAPES = [(1, 16, 16384), (1, 33, 16384), (2, 16, 8192), (1, 33, 8192)]
-QUERY = "timestamp,power.draw,clocks.sm,temperature.gpu,clocks_event_reasons.active"
 
 
 def sides_for(q, k, v, dname: str) -> dict:
@@ -48,18 +47,6 @@ def sides_for(q, k, v, dname: str) -> dict:
     return {"pp": lambda: gemmgen.fused_attention(q, k, v, instance=f"{base}_pingpong_m128n128s5_lr"),
             "coop": lambda: gemmgen.fused_attention(q, k, v, instance=f"{base}_coop_m128n128s5_lr"),
             "cuDNN": cudnn}
-
-
-def read_samples(path: str) -> list[tuple]:
-    rows = []
-    for line in open(path):
-        p = [x.strip() for x in line.split(",")]
-        try:
-            ts = datetime.datetime.strptime(p[0], "%Y/%m/%d %H:%M:%S.%f").timestamp()
-            rows.append((ts, float(p[1]), float(p[2]), float(p[3]), p[4]))
-        except (ValueError, IndexError):
-            continue  # a partial last line
-    return rows
 
 
 def main() -> int:
@@ -118,7 +105,7 @@ def main() -> int:
         w = statistics.mean(r[1] for r in s) if s else float("nan")
         clk = statistics.mean(r[2] for r in s) if s else float("nan")
         print(f"load {dname} {x:6} {ms:.3f} ms {flops / ms / 1e9:4.0f} TFLOP/s {w:4.0f} W {clk:5.0f} MHz "
-              f"T {max((r[3] for r in s), default=0):.0f} {','.join(sorted(set(r[4] for r in s)))}", flush=True)
+              f"T {max((r[4] for r in s), default=0):.0f} {','.join(sorted(set(r[5] for r in s)))}", flush=True)
     return 0
 
 
