@@ -46,14 +46,27 @@ template <> struct DispatchOf<Schedule::kCooperative> {
 template <bool Causal>
 using MaskOf = std::conditional_t<Causal, cutlass::fmha::collective::CausalFusion,
                                   cutlass::fmha::collective::ResidualFusion>;
-template <bool Causal, bool Lazy>
-using FusionOf = std::conditional_t<Lazy, LazyRescale<MaskOf<Causal>>, MaskOf<Causal>>;
+template <bool Causal, bool Lazy, bool Speculate = false>
+using FusionOf = std::conditional_t<Lazy, LazyRescale<MaskOf<Causal>, Speculate>, MaskOf<Causal>>;
+
+// Whether our softmax speculates (softmax.h) for a warp-specialized tile of `groups` consumer warp
+// groups of 64 rows: it holds a second fp32 score tile (block_n / 2 registers per thread) beside
+// the first and the O tile (head_dim / 2), within the registers setmaxnreg gives each consumer
+// thread. Measured (bench/NOTES.md, experiment 44): d128 128x128 (2 groups) no spill, +2-10%;
+// d64 256x64 (4 groups) a 40-byte spill, +7-14%; d64 192x128 (3 groups) a 280-byte spill and a
+// loss. Head dims above 128 were not measured, so they keep the plain step.
+constexpr bool speculates(int groups, int block_n, int head_dim) {
+  const int regs = groups == 2 ? 240 : groups == 3 ? 160 : 112;
+  return head_dim <= 128 && block_n + head_dim / 2 + 16 <= regs;
+}
 
 template <class Element, class TileShape, class Stride, Schedule S, bool Causal, int StagesKV, bool Lazy,
           int QBuffers>
 struct KernelOf {  // CUTLASS's own composition of the kernel (the TMA and cooperative schedules)
   using type = typename cutlass::fmha::kernel::FmhaBuilder<
-      Element, float, float, TileShape, Stride, Stride, Stride, FusionOf<Causal, Lazy>, typename DispatchOf<S>::type,
+      Element, float, float, TileShape, Stride, Stride, Stride,
+      FusionOf<Causal, Lazy, S == Schedule::kCooperative && speculates(2, size<1>(TileShape{}), size<2>(TileShape{}))>,
+      typename DispatchOf<S>::type,
       cutlass::fmha::kernel::Option<cutlass::fmha::kernel::Tag::kStagesKV, Int<StagesKV>>>::Kernel;
 };
 
@@ -65,12 +78,13 @@ struct KernelOf<Element, TileShape, Stride, Schedule::kPingpong, Causal, StagesK
   template <Tag T, class V> using Opt = cutlass::fmha::kernel::Option<T, V>;
   using Groups = Int<size<0>(TileShape{}) / 64>;
   using StagesQ = Int<Groups::value * QBuffers>;  // Q buffers per consumer group
+  using Fusion = FusionOf<Causal, Lazy, speculates(Groups::value, size<1>(TileShape{}), size<2>(TileShape{}))>;
   using Mainloop = cutlass::fmha::collective::FmhaMainloopTmaWarpSpecialized<
-      Element, float, float, TileShape, Stride, Stride, Stride, FusionOf<Causal, Lazy>, Opt<Tag::kStagesKV, Int<StagesKV>>,
+      Element, float, float, TileShape, Stride, Stride, Stride, Fusion, Opt<Tag::kStagesKV, Int<StagesKV>>,
       Opt<Tag::kStagesQ, StagesQ>, Opt<Tag::kIsPersistent, cute::true_type>, Opt<Tag::kLoadsQSeparately, cute::true_type>,
       Opt<Tag::kNumMmaWarpGroups, Groups>>;
   using Scheduler = std::conditional_t<Causal, PairedScheduler, cutlass::fmha::kernel::PersistentTileScheduler>;
-  using type = PersistentKernel<Mainloop, FusionOf<Causal, Lazy>, Scheduler, Opt<Tag::kStagesKV, Int<StagesKV>>,
+  using type = PersistentKernel<Mainloop, Fusion, Scheduler, Opt<Tag::kStagesKV, Int<StagesKV>>,
                                 Opt<Tag::kStagesQ, StagesQ>, Opt<Tag::kIsPersistent, cute::true_type>, Opt<Tag::kLoadsQSeparately, cute::true_type>,
                                 Opt<Tag::kNumMmaWarpGroups, Groups>>;
 };

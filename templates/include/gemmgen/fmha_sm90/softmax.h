@@ -7,6 +7,14 @@
 // 2^kRescaleAbove and the result exact in real arithmetic (O and the sums share the same factor),
 // so the rescale is needed only when a maximum grows by more than that.
 //
+// Speculation (kSpeculate): a later key tile's probabilities are first taken against the maximum
+// held so far, with no row maximum computed; this thread's sum of them over the tile bounds each
+// one, so a sum of at most 2^kRescaleAbove shows that no maximum grew past the bound, and the tile
+// is done. Only when a sum exceeds it (at the first key tiles of a row at most, in practice) does
+// the warp take the exact maxima, rescale, and take the probabilities again from the scores, kept
+// for that. The maximum costs a comparison per score, shuffles and a vote on every tile; skipping
+// them was +5-14% (bench/NOTES.md, experiment 44), at one more fp32 tile of registers.
+//
 // How it plugs in: CUTLASS's Hopper FMHA mainloops name their softmax as
 // CollectiveSoftmax<Accumulator, Fusion, Params>. LazyRescale<Mask> is a Fusion (the Mask's masking
 // and key-tile counts, inherited), and the specialization below is the softmax the mainloops then
@@ -22,7 +30,7 @@ namespace gemmgen::fmha_sm90 {
 
 // A Fusion: Mask's masking and trip counts; its softmax leaves O and the row sums unscaled while no
 // row maximum of a warp has grown by more than kRescaleAbove (in log2 units of the scaled scores).
-template <class Mask>
+template <class Mask, bool kSpeculate = false>
 struct LazyRescale : Mask {};
 
 // Probabilities are taken against a row maximum up to this far below the true one: at most 2^8,
@@ -33,9 +41,10 @@ constexpr float kRescaleAbove = 8.f;
 
 namespace cutlass::fmha::collective {
 
-template <class Mask, class Params>
-struct CollectiveSoftmax<float, gemmgen::fmha_sm90::LazyRescale<Mask>, Params> {
-  using Fusion = gemmgen::fmha_sm90::LazyRescale<Mask>;
+template <class Mask, bool kSpeculate, class Params>
+struct CollectiveSoftmax<float, gemmgen::fmha_sm90::LazyRescale<Mask, kSpeculate>, Params> {
+  using Fusion = gemmgen::fmha_sm90::LazyRescale<Mask, kSpeculate>;
+  static constexpr float kBound = float(1 << int(gemmgen::fmha_sm90::kRescaleAbove));  // 2^kRescaleAbove
   Params const& params;
   CUTLASS_DEVICE CollectiveSoftmax(Params const& p) : params(p) {}
 
@@ -68,20 +77,21 @@ struct CollectiveSoftmax<float, gemmgen::fmha_sm90::LazyRescale<Mask>, Params> {
     });
   }
 
-  // s (rows, columns) -> 2^(scale_log2 * (s - row max)); a row that has seen only masked scores is
-  // taken relative to 0.
-  template <class AccMN, class RowMax>
-  CUTLASS_DEVICE void exponentiate(AccMN& s, RowMax const& row_max) const {
+  // p (rows, columns) = 2^(scale_log2 * (s - row max)); a row that has seen only masked scores is
+  // taken relative to 0. p may be s itself.
+  template <class AccMN, class RowMax, class P>
+  CUTLASS_DEVICE void exponentiate(AccMN const& s, RowMax const& row_max, P& p) const {
     const float scale = params.scale_softmax_log2;
     CUTLASS_PRAGMA_UNROLL
     for (int i = 0; i < size<0>(s); ++i) {
       const float shift = scale * (row_max(i) == -INFINITY ? 0.f : row_max(i));
       CUTLASS_PRAGMA_UNROLL
-      for (int j = 0; j < size<1>(s); ++j) {
-        const float x = scale * s(i, j) - shift;
-        s(i, j) = ::exp2f(x);
-      }
+      for (int j = 0; j < size<1>(s); ++j) p(i, j) = ::exp2f(scale * s(i, j) - shift);
     }
+  }
+  template <class AccMN, class RowMax>
+  CUTLASS_DEVICE void exponentiate(AccMN& s, RowMax const& row_max) const {
+    exponentiate(s, row_max, s);
   }
 
   // The row maxima after key tile s. While no row of the warp has grown by more than kRescaleAbove,
@@ -141,10 +151,32 @@ struct CollectiveSoftmax<float, gemmgen::fmha_sm90::LazyRescale<Mask>, Params> {
     Tensor s = make_tensor(acc_qk.data(), layout_acc_mn(mma_qk, acc_qk.layout()));
     auto& row_max = get<0>(state);
     auto& row_sum = get<1>(state);
-    update_max(s, mma_qk, row_max, row_sum, acc_pv, mma_pv);
-    exponentiate(s, row_max);
-    CUTLASS_PRAGMA_UNROLL
-    for (int i = 0; i < size<0>(s); ++i) row_sum(i) += reduce(s(i, _), cute::plus{});
+    if constexpr (kSpeculate) {
+      Tensor p = make_fragment_like(s);
+      Tensor part = make_fragment_like(row_sum);  // this thread's sums over the tile
+      exponentiate(s, row_max, p);
+      bool bounded = true;
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < size<0>(p); ++i) {
+        part(i) = reduce(p(i, _), cute::plus{});
+        bounded &= part(i) <= kBound;  // NaN: false
+      }
+      if (!__all_sync(0xffffffffu, bounded)) {
+        update_max(s, mma_qk, row_max, row_sum, acc_pv, mma_pv);
+        exponentiate(s, row_max, p);
+        CUTLASS_PRAGMA_UNROLL
+        for (int i = 0; i < size<0>(p); ++i) part(i) = reduce(p(i, _), cute::plus{});
+      }
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < size(s); ++i) s(i) = p(i);
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < size<0>(s); ++i) row_sum(i) += part(i);
+    } else {
+      update_max(s, mma_qk, row_max, row_sum, acc_pv, mma_pv);
+      exponentiate(s, row_max);
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < size<0>(s); ++i) row_sum(i) += reduce(s(i, _), cute::plus{});
+    }
   }
 
   // A later key tile (the TMA mainloop), first half: maxima (O rescaled if one grew past the bound);
