@@ -152,6 +152,8 @@ struct CollectiveSoftmax<float, gemmgen::fmha_sm90::LazyRescale<Mask, kSpeculate
     auto& row_max = get<0>(state);
     auto& row_sum = get<1>(state);
     if constexpr (kSpeculate) {
+      // The held maxima are finite here: the first key tile holds key 0, which every row sees (no
+      // mask hides it), so no row is taken relative to 0 by speculation.
       Tensor p = make_fragment_like(s);
       Tensor part = make_fragment_like(row_sum);  // this thread's sums over the tile
       exponentiate(s, row_max, p);
