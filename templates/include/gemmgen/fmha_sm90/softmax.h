@@ -163,22 +163,19 @@ struct CollectiveSoftmax<float, gemmgen::fmha_sm90::LazyRescale<Mask, kSpeculate
         part(i) = reduce(p(i, _), cute::plus{});
         bounded &= part(i) <= kBound;  // NaN: false
       }
-      if (!__all_sync(0xffffffffu, bounded)) {
-        update_max(s, mma_qk, row_max, row_sum, acc_pv, mma_pv);
-        exponentiate(s, row_max, p);
+      if (__all_sync(0xffffffffu, bounded)) {
         CUTLASS_PRAGMA_UNROLL
-        for (int i = 0; i < size<0>(p); ++i) part(i) = reduce(p(i, _), cute::plus{});
+        for (int i = 0; i < size(s); ++i) s(i) = p(i);
+        CUTLASS_PRAGMA_UNROLL
+        for (int i = 0; i < size<0>(s); ++i) row_sum(i) += part(i);
+        return;
       }
-      CUTLASS_PRAGMA_UNROLL
-      for (int i = 0; i < size(s); ++i) s(i) = p(i);
-      CUTLASS_PRAGMA_UNROLL
-      for (int i = 0; i < size<0>(s); ++i) row_sum(i) += part(i);
-    } else {
-      update_max(s, mma_qk, row_max, row_sum, acc_pv, mma_pv);
-      exponentiate(s, row_max);
-      CUTLASS_PRAGMA_UNROLL
-      for (int i = 0; i < size<0>(s); ++i) row_sum(i) += reduce(s(i, _), cute::plus{});
+      // Otherwise the plain step below, on the scores s still holds.
     }
+    update_max(s, mma_qk, row_max, row_sum, acc_pv, mma_pv);
+    exponentiate(s, row_max);
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < size<0>(s); ++i) row_sum(i) += reduce(s(i, _), cute::plus{});
   }
 
   // A later key tile (the TMA mainloop), first half: maxima (O rescaled if one grew past the bound);
