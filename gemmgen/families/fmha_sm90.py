@@ -227,23 +227,24 @@ SPACE: tuple[FmhaSm90Instance, ...] = tuple(
     if invalid_reason(inst) is None
 )
 
-# Default (schedule, block_m, block_n) per (head dim, causal): the best tiles of the H200 sweep
-# (bench/NOTES.md, experiment 6; d128 causal from experiment 23, ping-pong with its paired tile
-# order; d64 without a mask from experiment 32: the three-group ping-pong is up to 11% ahead of the
-# TMA tile from N = 2048 and 5% behind it below; causal d64 keeps the TMA tile, which the 192-row
-# tiles trail by up to 28% at short N); d32 keeps the TMA tile (within 1-5% of the 192- and 256-row
-# tiles, experiment 32), d256 CUTLASS's own choice (the only warp-specialized tile whose stages fit).
+# Default (schedule, block_m, block_n, Q buffers) per (head dim, causal): the best tiles of the H200
+# sweep (bench/NOTES.md, experiment 6; d128 causal from experiment 23, ping-pong with its paired tile
+# order; d64 from experiments 42, 44 and 45: the four-group ping-pong 256x64 tile with two Q buffers,
+# whose softmax speculates, is the fastest or within 1% at 10 of the 12 sweep shapes of each mask,
+# the causal TMA 64x64 tile 10% ahead of it at N = 512); d32 keeps the TMA tile (within 1-5% of the
+# 192- and 256-row tiles, experiment 32), d256 CUTLASS's own choice (the only warp-specialized tile
+# whose stages fit).
 DEFAULT_TILE = {
-    (32, False): (Schedule.TMA, 64, 128), (32, True): (Schedule.TMA, 64, 128),
-    (64, False): (Schedule.PINGPONG, 192, 128), (64, True): (Schedule.TMA, 64, 128),
-    (128, False): (Schedule.PINGPONG, 128, 128), (128, True): (Schedule.PINGPONG, 128, 128),
-    (256, False): (Schedule.COOPERATIVE, 128, 64), (256, True): (Schedule.COOPERATIVE, 128, 64),
+    (32, False): (Schedule.TMA, 64, 128, 1), (32, True): (Schedule.TMA, 64, 128, 1),
+    (64, False): (Schedule.PINGPONG, 256, 64, 2), (64, True): (Schedule.PINGPONG, 256, 64, 2),
+    (128, False): (Schedule.PINGPONG, 128, 128, 1), (128, True): (Schedule.PINGPONG, 128, 128, 1),
+    (256, False): (Schedule.COOPERATIVE, 128, 64, 1), (256, True): (Schedule.COOPERATIVE, 128, 64, 1),
 }
 
 DEFAULT: tuple[FmhaSm90Instance, ...] = tuple(
     inst for inst in SPACE
-    if (inst.schedule, inst.block_m, inst.block_n) == DEFAULT_TILE[inst.head_dim, inst.causal] and inst.lazy_rescale
-    and inst.q_buffers == 1
+    if (inst.schedule, inst.block_m, inst.block_n, inst.q_buffers) == DEFAULT_TILE[inst.head_dim, inst.causal]
+    and inst.lazy_rescale
 )
 
 # Throughput per unit of tile work against fa2_sm80's on the H200 sweep (the heuristic's weight
