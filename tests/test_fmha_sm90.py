@@ -156,8 +156,26 @@ def test_rendered_text(suffix, lazy):
     assert '#include "gemmgen/fmha_sm90/launch.h"' in text
     assert "Config<cutlass::bfloat16_t, /*BlockM=*/128, /*BlockN=*/128," in text
     assert "Schedule::kPingpong" in text and "/*Causal=*/true, /*StagesKV=*/5," in text
-    assert f"/*Lazy=*/{lazy}, /*QBuffers=*/1>" in text
+    assert f"/*Lazy=*/{lazy}, /*QBuffers=*/1,\n" in text
+    assert f"/*Speculate=*/{lazy}>" in text  # the d128 128x128 ping-pong tile speculates with our softmax
     assert f"GEMMGEN_EXPORT int {inst.symbol}(const GemmgenAttnParams* params" in text
+
+
+@pytest.mark.parametrize("name, speculates", [
+    ("fmha_sm90_fp16_d128_none_pingpong_m128n128s5_lr", True),  # 2 groups: 128 + 64 + 16 <= 240
+    ("fmha_sm90_fp16_d128_causal_coop_m128n128s5_lr", True),
+    ("fmha_sm90_fp16_d64_causal_pingpong_m256n64s5_lr_q2", True),  # 4 groups: 64 + 32 + 16 <= 112
+    ("fmha_sm90_fp16_d64_none_pingpong_m192n128s5_lr", False),  # 3 groups: 128 + 32 + 16 > 160
+    ("fmha_sm90_fp16_d64_causal_tma_m64n64s4_lr", False),  # CUTLASS's TMA mainloop
+    ("fmha_sm90_fp16_d128_none_pingpong_m128n128s5", False),  # CUTLASS's softmax
+    ("fmha_sm90_fp16_d256_none_coop_m128n64s5_lr", False),  # head dims above 128: not measured
+])
+def test_speculates(name, speculates):
+    """Which instances run the speculative softmax step: one rule in Python, rendered into the source."""
+    inst = next(i for i in fam.SPACE if i.name == name)
+    assert inst.speculates is speculates
+    tc = render.Toolchain(flags=("-O3",), nvcc_version="13.0.88", cutlass_version="4.2.0")
+    assert f"/*Speculate=*/{'true' if speculates else 'false'}>" in render.render_text(inst, tc)
 
 
 @pytest.mark.parametrize("name, shape", [

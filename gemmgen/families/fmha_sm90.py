@@ -107,6 +107,19 @@ class FmhaSm90Instance:
         return self.block_m // 64 if self.persistent else 2
 
     @property
+    def speculates(self) -> bool:
+        """Whether our softmax speculates (templates/include/gemmgen/fmha_sm90/softmax.h): only the
+        warp-specialized mainloops run its speculative step, and it holds a second fp32 score tile
+        (block_n / 2 registers per thread) beside the first and the O tile (head_dim / 2), which
+        must fit in the registers setmaxnreg gives a consumer thread, with 16 to spare. Measured
+        (bench/NOTES.md, experiment 44): d128 128x128 (2 groups) no spill, +2-10%; d64 256x64
+        (4 groups) a 40-byte spill, +7-14%; d64 192x128 (3 groups) a 280-byte spill and a loss.
+        Head dims above 128 were not measured, so they keep the plain step."""
+        if not self.lazy_rescale or self.schedule is Schedule.TMA or self.head_dim > 128:
+            return False
+        return self.block_n + self.head_dim // 2 + 16 <= CONSUMER_REGS[self.consumer_groups]
+
+    @property
     def threads(self) -> int:
         # The TMA schedule is one warp group; the others add a producer warp group.
         return 128 * (self.consumer_groups + (0 if self.schedule is Schedule.TMA else 1))
@@ -143,7 +156,7 @@ class FmhaSm90Instance:
     def template_values(self) -> dict:
         return {**self.params(), "name": self.name, "symbol": self.symbol, "element": DTYPE_CPP[self.dtype],
                 "schedule_cpp": SCHEDULE_CPP[self.schedule], "causal": self.causal, "lazy_rescale": self.lazy_rescale,
-                "q_buffers": self.q_buffers}
+                "q_buffers": self.q_buffers, "speculate": self.speculates}
 
     def content_hash(self) -> str:
         text = FAMILY + repr(sorted(self.params().items()))

@@ -49,36 +49,28 @@ using MaskOf = std::conditional_t<Causal, cutlass::fmha::collective::CausalFusio
 template <bool Causal, bool Lazy, bool Speculate = false>
 using FusionOf = std::conditional_t<Lazy, LazyRescale<MaskOf<Causal>, Speculate>, MaskOf<Causal>>;
 
-// Whether our softmax speculates (softmax.h) for a warp-specialized tile of `groups` consumer warp
-// groups of 64 rows: it holds a second fp32 score tile (block_n / 2 registers per thread) beside
-// the first and the O tile (head_dim / 2), within the registers setmaxnreg gives each consumer
-// thread. Measured (bench/NOTES.md, experiment 44): d128 128x128 (2 groups) no spill, +2-10%;
-// d64 256x64 (4 groups) a 40-byte spill, +7-14%; d64 192x128 (3 groups) a 280-byte spill and a
-// loss. Head dims above 128 were not measured, so they keep the plain step.
-constexpr bool speculates(int groups, int block_n, int head_dim) {
-  const int regs = groups == 2 ? 240 : groups == 3 ? 160 : 112;
-  return head_dim <= 128 && block_n + head_dim / 2 + 16 <= regs;
-}
-
+// Speculate: whether our softmax takes its speculative step (softmax.h), decided per instance by
+// FmhaSm90Instance.speculates (gemmgen/families/fmha_sm90.py) from the registers it needs.
 template <class Element, class TileShape, class Stride, Schedule S, bool Causal, int StagesKV, bool Lazy,
-          int QBuffers>
+          int QBuffers, bool Speculate>
 struct KernelOf {  // CUTLASS's own composition of the kernel (the TMA and cooperative schedules)
   using type = typename cutlass::fmha::kernel::FmhaBuilder<
       Element, float, float, TileShape, Stride, Stride, Stride,
-      FusionOf<Causal, Lazy, S == Schedule::kCooperative && speculates(2, size<1>(TileShape{}), size<2>(TileShape{}))>,
+      FusionOf<Causal, Lazy, Speculate>,
       typename DispatchOf<S>::type,
       cutlass::fmha::kernel::Option<cutlass::fmha::kernel::Tag::kStagesKV, Int<StagesKV>>>::Kernel;
 };
 
-template <class Element, class TileShape, class Stride, bool Causal, int StagesKV, bool Lazy, int QBuffers>
-struct KernelOf<Element, TileShape, Stride, Schedule::kPingpong, Causal, StagesKV, Lazy, QBuffers> {
+template <class Element, class TileShape, class Stride, bool Causal, int StagesKV, bool Lazy, int QBuffers,
+          bool Speculate>
+struct KernelOf<Element, TileShape, Stride, Schedule::kPingpong, Causal, StagesKV, Lazy, QBuffers, Speculate> {
   // CUTLASS's persistent mainloop in our kernel (persistent.h); 64 rows per consumer warp group;
   // causal row tiles go in pairs.
   using Tag = cutlass::fmha::kernel::Tag;
   template <Tag T, class V> using Opt = cutlass::fmha::kernel::Option<T, V>;
   using Groups = Int<size<0>(TileShape{}) / 64>;
   using StagesQ = Int<Groups::value * QBuffers>;  // Q buffers per consumer group
-  using Fusion = FusionOf<Causal, Lazy, speculates(Groups::value, size<1>(TileShape{}), size<2>(TileShape{}))>;
+  using Fusion = FusionOf<Causal, Lazy, Speculate>;
   using Mainloop = cutlass::fmha::collective::FmhaMainloopTmaWarpSpecialized<
       Element, float, float, TileShape, Stride, Stride, Stride, Fusion, Opt<Tag::kStagesKV, Int<StagesKV>>,
       Opt<Tag::kStagesQ, StagesQ>, Opt<Tag::kIsPersistent, cute::true_type>, Opt<Tag::kLoadsQSeparately, cute::true_type>,
@@ -90,13 +82,14 @@ struct KernelOf<Element, TileShape, Stride, Schedule::kPingpong, Causal, StagesK
 };
 
 template <class Element_, int BlockM, int BlockN, int HeadDim, Schedule S, bool Causal, int StagesKV,
-          bool Lazy = false, int QBuffers = 1>
+          bool Lazy = false, int QBuffers = 1, bool Speculate = false>
 struct Config {
   using Element = Element_;
   using Stride = cute::tuple<int, _1, cute::tuple<int, int>>;  // (row, 1, (batch, head)) in elements
   using StrideLSE = cute::tuple<_1, cute::tuple<int, int>>;
   using TileShape = Shape<Int<BlockM>, Int<BlockN>, Int<HeadDim>>;
-  using Kernel = typename KernelOf<Element, TileShape, Stride, S, Causal, StagesKV, Lazy, QBuffers>::type;
+  static_assert(!Speculate || (Lazy && S != Schedule::kTma), "the TMA mainloop and CUTLASS's softmax never speculate");
+  using Kernel = typename KernelOf<Element, TileShape, Stride, S, Causal, StagesKV, Lazy, QBuffers, Speculate>::type;
   static constexpr int kHeadDim = HeadDim;
   static constexpr int kBlockM = BlockM;
   static constexpr int kBlockN = BlockN;
