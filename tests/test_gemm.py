@@ -43,6 +43,10 @@ def test_predicates_give_reasons():
     coop64 = dataclasses.replace(gemm_sm90.DEFAULT[0], tile_m=64)
     assert "tile_m >= 128" in gemm_sm90.invalid_reason(coop64)
     assert "sm_90a" in gemm_sm90.invalid_reason(gemm_sm90.DEFAULT[0], Arch.SM80)
+    # A ping-pong tile is one warpgroup's: 128x256 would need 256 accumulator registers per thread.
+    pp = dataclasses.replace(gemm_sm90.DEFAULT[0], schedule=gemm_sm90.Schedule.PINGPONG, tile_n=256)
+    assert "256 registers per thread" in gemm_sm90.invalid_reason(pp)
+    assert gemm_sm90.invalid_reason(dataclasses.replace(pp, tile_m=64)) is None
 
 
 def test_stream_k_axis():

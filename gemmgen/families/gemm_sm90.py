@@ -170,6 +170,10 @@ def invalid_reason(inst: GemmSm90Instance, arch: Arch = Arch.SM90) -> str | None
         return "a ping-pong consumer warpgroup holds the whole tile: tile_m <= 128"
     if inst.tile_m * inst.tile_n > 128 * 256:
         return f"a {inst.tile_m}x{inst.tile_n} fp32 accumulator exceeds two warpgroups' registers"
+    if inst.schedule is Schedule.PINGPONG and inst.tile_m * inst.tile_n > 128 * 128:
+        # One warpgroup holds it: 256 fp32 per thread against setmaxnreg's 240 (ptxas: 4.7 KB of spill).
+        return (f"a ping-pong tile's {inst.tile_m}x{inst.tile_n} fp32 accumulator is one warpgroup's: "
+                f"{inst.tile_m * inst.tile_n // 128} registers per thread exceed the 240 it gets")
     if inst.cluster_m * inst.cluster_n > 1 and inst.strategy is Strategy.PTR_ARRAY:
         return "the pointer-array kernels gain no multicast: matrices differ per block"
     if inst.epi_tile_n:
