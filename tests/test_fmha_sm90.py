@@ -174,6 +174,7 @@ def test_speculates(name, speculates):
     """Which instances run the speculative softmax step: one rule in Python, rendered into the source."""
     inst = next(i for i in fam.SPACE if i.name == name)
     assert inst.speculates is speculates
+    assert inst.params().get("speculate", False) is speculates  # in the build key
     tc = render.Toolchain(flags=("-O3",), nvcc_version="13.0.88", cutlass_version="4.2.0")
     assert f"/*Speculate=*/{'true' if speculates else 'false'}>" in render.render_text(inst, tc)
 

@@ -151,7 +151,9 @@ class FmhaSm90Instance:
         return {"dtype": self.dtype.value, "head_dim": self.head_dim, "mask": self.mask.value,
                 "schedule": self.schedule.value, "block_m": self.block_m, "block_n": self.block_n,
                 "stages": self.stages, **({"lazy_rescale": True} if self.lazy_rescale else {}),
-                **({"q_buffers": self.q_buffers} if self.q_buffers > 1 else {})}
+                **({"q_buffers": self.q_buffers} if self.q_buffers > 1 else {}),
+                # Derived, and kept here so that the build key changes with the rule that derives it.
+                **({"speculate": True} if self.speculates else {})}
 
     def template_values(self) -> dict:
         return {**self.params(), "name": self.name, "symbol": self.symbol, "element": DTYPE_CPP[self.dtype],
