@@ -57,6 +57,20 @@ struct CollectiveSoftmax<float, gemmgen::fmha_sm90::LazyRescale<Mask, kSpeculate
     return make_tuple(row_max, row_sum);
   }
 
+  // Each row's value combined over the threads that hold parts of the row (a butterfly over their
+  // lanes), so that all of them end with the whole row's.
+  template <class RowVals, class TiledMma, class Op>
+  CUTLASS_DEVICE static void across_row(RowVals& v, TiledMma const& mma, Op op) {
+    auto lanes = reduction_target_n(mma);  // the lane strides of a row's threads
+    for_each(make_seq<decltype(rank(lanes))::value>{}, [&](auto r) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int j = 1; j < shape<r>(lanes); j *= 2) {
+        CUTLASS_PRAGMA_UNROLL
+        for (int i = 0; i < size(v); ++i) v(i) = op(v(i), __shfl_xor_sync(0xffffffffu, v(i), stride<r>(lanes) * j));
+      }
+    });
+  }
+
   // The row maxima over s (rows, columns), which the threads of a row hold in parts.
   template <class AccMN, class TiledMma, class RowMax>
   CUTLASS_DEVICE static void take_max(AccMN const& s, TiledMma const& mma, RowMax& row_max) {
@@ -65,16 +79,7 @@ struct CollectiveSoftmax<float, gemmgen::fmha_sm90::LazyRescale<Mask, kSpeculate
       CUTLASS_PRAGMA_UNROLL
       for (int j = 0; j < size<1>(s); ++j) row_max(i) = fmaxf(row_max(i), s(i, j));
     }
-    auto lanes = reduction_target_n(mma);  // the lane strides of a row's threads
-    for_each(make_seq<decltype(rank(lanes))::value>{}, [&](auto r) {
-      CUTLASS_PRAGMA_UNROLL
-      for (int j = 1; j < shape<r>(lanes); j *= 2) {
-        CUTLASS_PRAGMA_UNROLL
-        for (int i = 0; i < size<0>(s); ++i) {
-          row_max(i) = fmaxf(row_max(i), __shfl_xor_sync(0xffffffffu, row_max(i), stride<r>(lanes) * j));
-        }
-      }
-    });
+    across_row(row_max, mma, [](float a, float b) { return fmaxf(a, b); });
   }
 
   // p (rows, columns) = 2^(scale_log2 * (s - row max)); a row that has seen only masked scores is
@@ -207,16 +212,7 @@ struct CollectiveSoftmax<float, gemmgen::fmha_sm90::LazyRescale<Mask, kSpeculate
     auto& row_max = get<0>(state);
     auto& row_sum = get<1>(state);
     Tensor o = make_tensor(acc_pv.data(), layout_acc_mn(mma_pv, acc_pv.layout()));
-    auto lanes = reduction_target_n(mma_pv);
-    for_each(make_seq<decltype(rank(lanes))::value>{}, [&](auto r) {
-      CUTLASS_PRAGMA_UNROLL
-      for (int j = 1; j < shape<r>(lanes); j *= 2) {
-        CUTLASS_PRAGMA_UNROLL
-        for (int i = 0; i < size<0>(o); ++i) {
-          row_sum(i) += __shfl_xor_sync(0xffffffffu, row_sum(i), stride<r>(lanes) * j);
-        }
-      }
-    });
+    across_row(row_sum, mma_pv, [](float a, float b) { return a + b; });
     Tensor lse = make_fragment_like(row_sum);
     CUTLASS_PRAGMA_UNROLL
     for (int i = 0; i < size<0>(o); ++i) {
