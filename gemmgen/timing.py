@@ -175,3 +175,36 @@ def sustained_ms(runs: dict[str, Callable[[], None]], *, rounds: int = 3, burst:
     calls = {name: burst_calls(est[name], burst, min_burst_ms) for name in timed}
     got = alternating_rounds({name: (lambda name=name: burst_ms(runs[name], calls[name])) for name in timed}, rounds)
     return {name: statistics.median(got[name]) if name in got else est[name] for name in names}
+
+
+def steady_ms(runs: dict[str, Callable[[], None]], *, seconds: float = 1.5, window_s: float = 0.75,
+              rounds: int = 2, burst: int = 10, min_burst_ms: float = 0.0,
+              clock: Callable[[], float] | None = None) -> dict[str, float]:
+    """Median milliseconds per call of each run alone, in the steady state it holds under sustained load.
+
+    Each run in turn has the GPU to itself for `seconds` of back-to-back bursts (burst_ms, sized
+    by burst_calls), long enough for the power controller to settle at the clock that run draws at
+    the cap (within a second: bench/NOTES.md, experiment 10); its time is the median burst that
+    started in the last `window_s`. The turns go in alternating order (forward, then backward: with
+    two runs A B B A), so the GPU's slow warming over a long run (times 5% longer after half a
+    minute, experiment 27) weighs on each run alike; the result is the median over `rounds` turns.
+    Unlike sustained_ms, whose every burst starts at the clock the run before it left, a run's time
+    here does not depend on which runs are timed with it (experiment 48)."""
+    import time
+
+    now = clock or time.monotonic
+
+    def turn(run: Callable[[], None]) -> float:
+        calls = burst_calls(burst_ms(run, burst), burst, min_burst_ms)
+        end = now() + seconds
+        got: list[tuple[float, float]] = []
+        while True:
+            started = now()
+            got.append((started, burst_ms(run, calls)))
+            if now() >= end:
+                break
+        last = [ms for started, ms in got if started >= end - window_s] or [got[-1][1]]
+        return statistics.median(last)
+
+    timers = {name: (lambda f=f: turn(f)) for name, f in runs.items()}
+    return {name: statistics.median(t) for name, t in alternating_rounds(timers, rounds).items()}

@@ -59,6 +59,31 @@ def test_sustained_rounds_skip_runs_that_cannot_win(monkeypatch):
     assert dict(rounds) == {"a": 40, "b": 34, "ref": 200}  # bursts of >= 40 ms
 
 
+def test_steady_times_each_run_alone_over_the_last_window(monkeypatch):
+    """steady_ms: each run has a turn of `seconds` to itself, turns in the order A B B A; a turn's
+    time is the median burst that started in its last `window_s` (the bursts before the clock
+    settles are left out), and a run's result the median of its turns."""
+    t = [0.0]
+    bursts = []
+
+    def fake_burst(run, calls):
+        name = run()
+        bursts.append((name, calls))
+        t[0] += 0.125  # every burst lasts 1/8 s of the fake clock
+        # a turn (from its 10-call estimate on) slows down burst by burst: 1.0, 1.1, 1.2, ...
+        k = len(bursts) - 1 - max(i for i, (_, c) in enumerate(bursts) if c == 10)
+        return {"a": 1.0, "b": 2.0}[name] * (1.0 + 0.1 * k)
+
+    monkeypatch.setattr(timing, "burst_ms", fake_burst)
+    runs = {name: (lambda name=name: name) for name in ("a", "b")}
+    got = timing.steady_ms(runs, seconds=1.0, window_s=0.4, rounds=2, min_burst_ms=40, clock=lambda: t[0])
+    # 8 timed bursts per turn (1.1 ... 1.8); those that started in its last 0.4 s: 1.6, 1.7, 1.8
+    assert got == pytest.approx({"a": 1.7, "b": 3.4})
+    turns = [name for name, calls in bursts if calls == 10]  # each turn starts with a 10-call estimate
+    assert turns == ["a", "b", "b", "a"]
+    assert {name: calls for name, calls in bursts if calls != 10} == {"a": 40, "b": 20}  # >= 40 ms bursts
+
+
 def test_gemm_tuning_times_both_states_and_picks_the_best_in_both(monkeypatch):
     """cli_gemm.measure: sustained times for all, short-run times (two passes, alternating order)
     for the candidates within TUNE_PRUNE of the fastest; gemm_select.tuned_costs then prefers the
