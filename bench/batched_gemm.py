@@ -234,11 +234,11 @@ def main() -> int:
         if rows:
             ratios = [r[4] for r in rows]
             worst = min(rows, key=lambda r: r[4])
-            print(f"strided / cuBLAS at M=N>=512, {label}: min {min(ratios):.2f} ({worst[0]} BH={worst[1]} "
+            print(f"strided / cuBLAS at M=N>=512, {label}: min {min(ratios):.3f} ({worst[0]} BH={worst[1]} "
                   f"M=N={worst[2]} K={worst[3]}), median {statistics.median(ratios):.2f}, below 0.9: "
                   f"{sum(r < 0.9 for r in ratios)} of {len(ratios)}")
     if short_device:
-        print(f"sustained device time strided / cuBLAS at M=N>=512, in rotation with cuBLAS: min {min(short_device):.2f}, "
+        print(f"sustained device time strided / cuBLAS at M=N>=512, in rotation with cuBLAS: min {min(short_device):.3f}, "
               f"median {statistics.median(short_device):.2f}, below 0.9: {sum(r < 0.9 for r in short_device)} of "
               f"{len(short_device)}")
     if short_kernel:

@@ -117,13 +117,14 @@ def run_profile(args: argparse.Namespace) -> int:
                                      peers={"torch": torch_call})
     ms_torch = peer_ms.get("torch", math.nan)
     print(f"{problem.describe()} on {facts.describe()}; device time per call (host path hidden) under "
-          f"sustained load (alternating rounds) and over short runs (calls timed one by one)")
-    print(f"{'instance':60} {'ms':>9} {'TFLOP/s':>8} {'short ms':>9} {'TFLOP/s':>8}")
-    for name, ms, ms_short, reason in sorted(rows, key=lambda r: r[1]):
+          f"sustained load (alternating rounds), over short runs (calls timed one by one) and, for the "
+          f"finalists of calls of {timing.HOST_BOUND_MS * 1e3:.0f} us or more, alone under load")
+    print(f"{'instance':60} {'ms':>9} {'TFLOP/s':>8} {'short ms':>9} {'TFLOP/s':>8} {'alone ms':>9} {'TFLOP/s':>8}")
+    for name, ms, ms_short, ms_alone, reason in sorted(rows, key=lambda r: r[1]):
         mark = "*" if name == decision.winner.name else " "
         shown = f"{ms:9.4f} {flops / ms / 1e9:8.1f}" if math.isfinite(ms) else f"failed: {reason}"
-        if ms_short is not None:
-            shown += f" {ms_short:9.4f} {flops / ms_short / 1e9:8.1f}"
+        for t in (ms_short, ms_alone):
+            shown += f" {t:9.4f} {flops / t / 1e9:8.1f}" if t is not None else f" {'-':>9} {'-':>8}"
         print(f"{mark}{name:59} {shown}")
     print(f" {'torch.matmul (cuBLAS)':59} {ms_torch:9.4f} {flops / ms_torch / 1e9:8.1f}")
     print(f"(* = the pick before profiling: {decision.source})")
@@ -137,10 +138,12 @@ TUNE_BURST = 10  # back-to-back calls per timed burst when tuning, at least
 TUNE_MIN_BURST_MS = 40.0  # and bursts of calls >= 50 us last this long (timing.burst_calls)
 TUNE_PRUNE = 1.3  # candidates this much slower than the fastest after settling skip the rounds
 TUNE_SHORT_REPS = 10  # calls per pass when timing calls one by one (two passes, alternating order)
+TUNE_FINALISTS = 3  # the candidates of lowest cost in both states, each then timed alone under load
+TUNE_ALONE_S = 1.0  # seconds of each finalist's turns alone (timing.steady_ms: two turns each)
 
 
 def measure(cands: list, call, *, reps: int, shape: str, peers: dict | None = None,
-            settle_s: float = 1.0) -> tuple[list[tuple[str, float, float | None, str | None]], dict, dict]:
+            settle_s: float = 1.0) -> tuple[list[tuple[str, float, float | None, float | None, str | None]], dict, dict]:
     """Time `call(name)` for every candidate in the two states a GEMM runs in.
 
     Sustained load (the record's ms; timing.sustained_ms): `settle_s` seconds of load, then rounds
@@ -151,10 +154,15 @@ def measure(cands: list, call, *, reps: int, shape: str, peers: dict | None = No
     TUNE_PRUNE of the fastest sustained time, each call timed on its own (timing.median_ms, host
     path hidden), TUNE_SHORT_REPS calls per candidate and pass, two passes in alternating order,
     the mean of the two passes' medians (timing.rounds_ms): the clock a cooler GPU gives a few
-    calls. gemm_select picks the candidate closest to the best in both (tuned_costs).
+    calls. Alone under load (ms_alone): where calls are long enough for bursts of them to hold the
+    GPU at its power cap (timing.HOST_BOUND_MS and longer), the TUNE_FINALISTS candidates of lowest
+    cost in both states, each with the GPU to itself for turns of TUNE_ALONE_S seconds
+    (timing.steady_ms), since in the rotation a burst starts at the clock the candidate before it
+    left (bench/NOTES.md, experiment 48). gemm_select picks the candidate closest to the best in
+    both states (tuned_costs), its load ratio taken alone where the finalists were.
 
-    Returns (name, ms, ms_short, reason) rows, tuning-database records by build hash, and the
-    sustained ms of each of `peers` (name -> callable, e.g. torch.matmul), timed in the same rounds.
+    Returns (name, ms, ms_short, ms_alone, reason) rows, tuning-database records by build hash, and
+    the sustained ms of each of `peers` (name -> callable, e.g. torch.matmul), timed in the same rounds.
 
     A kernel of a few microseconds timed with its host path would measure that path, the same for
     every candidate; a ranking taken in one state can invert in the other on output-bound shapes
@@ -167,7 +175,7 @@ def measure(cands: list, call, *, reps: int, shape: str, peers: dict | None = No
             call(cand.name)
             runs[cand.name] = lambda name=cand.name: call(name)
         except Exception as exc:  # a failing candidate is infinitely slow, not a crash
-            rows.append((cand.name, math.inf, None, str(exc).splitlines()[0]))
+            rows.append((cand.name, math.inf, None, None, str(exc).splitlines()[0]))
     peer_ms = {}
     if runs:
         rounds = max(2, -(-reps // TUNE_BURST))
@@ -179,11 +187,18 @@ def measure(cands: list, call, *, reps: int, shape: str, peers: dict | None = No
         contenders = [name for name in runs if timed[name] <= TUNE_PRUNE * fastest]
         short = timing.rounds_ms({name: runs[name] for name in contenders}, rounds=2, reps=TUNE_SHORT_REPS,
                                  warmup=2, hide_host=True)
-        rows += [(name, timed[name], short.get(name), None) for name in runs]
+        alone = {}
+        if fastest >= timing.HOST_BOUND_MS and len(contenders) > 1:
+            costs = gemm_select.tuned_costs({name: tuning_db.Record(name=name, ms=timed[name], ms_short=short.get(name))
+                                             for name in contenders})
+            finalists = sorted(contenders, key=lambda name: costs[name])[:TUNE_FINALISTS]
+            alone = timing.steady_ms({name: runs[name] for name in finalists}, seconds=TUNE_ALONE_S,
+                                     window_s=TUNE_ALONE_S / 2, burst=TUNE_BURST, min_burst_ms=TUNE_MIN_BURST_MS)
+        rows += [(name, timed[name], short.get(name), alone.get(name), None) for name in runs]
     by_name = {cand.name: cand for cand in cands}
-    for name, ms, ms_short, reason in rows:
+    for name, ms, ms_short, ms_alone, reason in rows:
         records[by_name[name].content_hash] = tuning_db.Record(name=name, ms=ms, reason=reason, shape=shape,
-                                                               at=time.time(), ms_short=ms_short)
+                                                               at=time.time(), ms_short=ms_short, ms_alone=ms_alone)
     return rows, records, peer_ms
 
 

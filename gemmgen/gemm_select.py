@@ -143,6 +143,7 @@ class GemmDecision:
     measured: dict[str, float]  # name -> ms in the problem's bucket
     estimates: dict[str, float]
     short: dict[str, float] = dataclasses.field(default_factory=dict)  # name -> ms_short, where taken
+    alone: dict[str, float] = dataclasses.field(default_factory=dict)  # name -> ms_alone, where taken
     costs: dict[str, float] = dataclasses.field(default_factory=dict)  # name -> tuned_costs
 
     def report(self) -> str:
@@ -157,6 +158,8 @@ class GemmDecision:
             tuned = "not measured" if ms is None else f"{ms:.4f} ms" if math.isfinite(ms) else "failed"
             if cand.name in self.short:
                 tuned += f", short runs {self.short[cand.name]:.4f} ms"
+            if cand.name in self.alone:
+                tuned += f", alone under load {self.alone[cand.name]:.4f} ms"
             if cand.name in self.costs:
                 tuned += f", cost {self.costs[cand.name]:.3f}"
             est = self.estimates.get(cand.name)
@@ -207,19 +210,30 @@ def database_for(problem: GemmProblem) -> tuning_db.TuningDB:
 def tuned_costs(records: dict[str, tuning_db.Record]) -> dict[str, float]:
     """Each successful record's cost: its time over the fastest record's, under sustained load
     (ms) and over short runs (ms_short), whichever ratio is larger; the sustained ratio alone where
-    no short time was taken (the tuning skips candidates that cannot win).
+    no short time was taken (the tuning skips candidates that cannot win). Where the finalists were
+    also timed alone under load (ms_alone), their load ratio is to the best of those times instead
+    of the rotation's: the finalists' ranking is the one taken with the GPU to each of them, and
+    since one of them is at 1.0 there and each was no costlier than any other candidate before,
+    the pick is always a finalist.
 
     Which state a call runs in depends on the work around it, and on output-bound shapes the
     ranking of one state can invert in the other (bench/NOTES.md, experiments 21 and 22): the pick is the
-    candidate closest to the best in both, not the best in one."""
+    candidate closest to the best in both, not the best in one. In rotation, a burst starts at
+    the clock the candidate before it left (experiments 47 and 48)."""
     ok = {name: r for name, r in records.items() if r.ok}
     if not ok:
         return {}
     best = min(r.ms for r in ok.values())
     shorts = [r.ms_short for r in ok.values() if r.ms_short is not None]
     best_short = min(shorts, default=None)
-    return {name: max(r.ms / best, r.ms_short / best_short if r.ms_short is not None else 0.0)
-            for name, r in ok.items()}
+    alone = [r.ms_alone for r in ok.values() if r.ms_alone is not None]
+    best_alone = min(alone, default=None)
+
+    def cost(r: tuning_db.Record) -> float:
+        load = r.ms_alone / best_alone if r.ms_alone is not None else r.ms / best
+        return max(load, r.ms_short / best_short if r.ms_short is not None else 0.0)
+
+    return {name: cost(r) for name, r in ok.items()}
 
 
 def decide(problem: GemmProblem, instance: str | None = None, *,
@@ -249,10 +263,12 @@ def decide(problem: GemmProblem, instance: str | None = None, *,
     recs = {c.name: here[c.content_hash] for c in good if c.content_hash in here}
     measured = {name: r.ms for name, r in recs.items()}
     short = {name: r.ms_short for name, r in recs.items() if r.ms_short is not None}
+    alone = {name: r.ms_alone for name, r in recs.items() if r.ms_alone is not None}
     costs = tuned_costs({c.name: recs[c.name] for c in usable if c.name in recs})
     timed = [(costs[c.name], c.order, c.name, i) for i, c in enumerate(usable) if c.name in costs]
     if timed:
-        return GemmDecision(problem, usable[min(timed)[3]], "tuned", usable, rejected, measured, {}, short, costs)
+        return GemmDecision(problem, usable[min(timed)[3]], "tuned", usable, rejected, measured, {}, short, alone,
+                            costs)
     estimates = {c.name: estimate(c, problem) for c in usable}
     pick = min(range(len(usable)), key=lambda i: (estimates[usable[i].name], usable[i].order, usable[i].name))
     return GemmDecision(problem, usable[pick], "heuristic", usable, rejected, measured, estimates)

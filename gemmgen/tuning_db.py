@@ -47,9 +47,11 @@ class Record:
     error: float | None = None
     shape: str | None = None
     at: float = 0.0
-    # Batched GEMM tuning: ms is the time under sustained load, ms_short per call over short runs
-    # (gemmgen.cli_gemm.measure); None where only one was taken.
+    # Batched GEMM tuning (gemmgen.cli_gemm.measure): ms is the time under sustained load in
+    # rotation with the other candidates, ms_short per call over short runs, ms_alone under
+    # sustained load with the GPU to itself (the finalists of long calls); None where not taken.
     ms_short: float | None = None
+    ms_alone: float | None = None
 
     @property
     def ok(self) -> bool:
@@ -62,6 +64,8 @@ class Record:
                "error": self.error, "shape": self.shape, "at": self.at}
         if self.ms_short is not None:
             out["ms_short"] = self.ms_short
+        if self.ms_alone is not None:
+            out["ms_alone"] = self.ms_alone
         return out
 
     @staticmethod
@@ -69,10 +73,11 @@ class Record:
         """The record of a stored dict; raise TuningDatabaseError if malformed."""
         try:
             ms = math.inf if data["ms"] is None else float(data["ms"])
-            short = data.get("ms_short")
+            short, alone = data.get("ms_short"), data.get("ms_alone")
             return Record(name=str(data["name"]), ms=ms, reason=data.get("reason"),
                           error=data.get("error"), shape=data.get("shape"), at=float(data.get("at", 0.0)),
-                          ms_short=None if short is None else float(short))
+                          ms_short=None if short is None else float(short),
+                          ms_alone=None if alone is None else float(alone))
         except (KeyError, TypeError, ValueError) as exc:
             raise TuningDatabaseError(f"malformed record {data!r}: {exc}") from None
 

@@ -87,14 +87,16 @@ def test_steady_times_each_run_alone_over_the_last_window(monkeypatch):
 def test_gemm_tuning_times_both_states_and_picks_the_best_in_both(monkeypatch):
     """cli_gemm.measure: sustained times for all, short-run times (two passes, alternating order)
     for the candidates within TUNE_PRUNE of the fastest; gemm_select.tuned_costs then prefers the
-    candidate near the best in both states over the best in one."""
+    candidate near the best in both states over the best in one. Calls this short (10 us) never
+    hold the GPU at its power cap, so no candidate is timed alone."""
     from types import SimpleNamespace
 
     from gemmgen import cli_gemm, gemm_select
 
-    sustained = {"fast_hot": 1.00, "even": 1.03, "fast_cool": 1.25, "slow": 2.0}
-    short = {"fast_hot": 0.95, "even": 0.82, "fast_cool": 0.80}
+    sustained = {"fast_hot": 0.0100, "even": 0.0103, "fast_cool": 0.0125, "slow": 0.0200}
+    short = {"fast_hot": 0.0095, "even": 0.0082, "fast_cool": 0.0080}
     monkeypatch.setattr(timing, "sustained_ms", lambda runs, **kw: {name: sustained[name] for name in runs})
+    monkeypatch.setattr(timing, "steady_ms", lambda runs, **kw: pytest.fail("short calls timed alone"))
     order = []
 
     def fake_median(run, copies, **kw):
@@ -112,14 +114,44 @@ def test_gemm_tuning_times_both_states_and_picks_the_best_in_both(monkeypatch):
 
     rows, records, _ = cli_gemm.measure(cands, call, reps=20, shape="s")
     assert order == ["fast_hot", "even", "fast_cool", "fast_cool", "even", "fast_hot"]  # not "slow"
-    got = {name: (ms, ms_short) for name, ms, ms_short, _ in rows}
-    assert got == {"fast_hot": (1.0, 0.95), "even": (1.03, 0.82), "fast_cool": (1.25, 0.8),
-                   "slow": (2.0, None), "broken": (math.inf, None)}
-    assert records["h_broken"].reason == "cannot run this shape" and records["h_even"].ms_short == 0.82
+    got = {name: (ms, ms_short, ms_alone) for name, ms, ms_short, ms_alone, _ in rows}
+    assert got == {"fast_hot": (0.01, 0.0095, None), "even": (0.0103, 0.0082, None),
+                   "fast_cool": (0.0125, 0.008, None), "slow": (0.02, None, None), "broken": (math.inf, None, None)}
+    assert records["h_broken"].reason == "cannot run this shape" and records["h_even"].ms_short == 0.0082
     costs = gemm_select.tuned_costs({r.name: r for r in records.values()})
-    assert "broken" not in costs and costs["slow"] == 2.0
+    assert "broken" not in costs and math.isclose(costs["slow"], 2.0)
     assert math.isclose(costs["fast_hot"], 0.95 / 0.8) and math.isclose(costs["even"], 1.03)
     assert min(costs, key=costs.get) == "even"  # 1.03 and 1.025 of the best, not 1.0 and 1.19
+
+
+def test_gemm_tuning_times_the_finalists_of_long_calls_alone(monkeypatch):
+    """On calls long enough to hold the GPU at its power cap, the TUNE_FINALISTS candidates of
+    lowest cost in both states are each timed alone under load (timing.steady_ms), and their load
+    ratio is then taken among those times: here the rotation's fastest is the slowest alone and
+    loses to the second."""
+    from types import SimpleNamespace
+
+    from gemmgen import cli_gemm, gemm_select, tuning_db
+
+    sustained = {"a": 1.00, "b": 1.02, "c": 1.05, "d": 1.10, "slow": 2.0}
+    alone = {"a": 1.12, "b": 1.00, "c": 1.03}
+    monkeypatch.setattr(timing, "sustained_ms", lambda runs, **kw: {name: sustained[name] for name in runs})
+    monkeypatch.setattr(timing, "median_ms", lambda run, copies, **kw: 1.0)  # a tie over short runs
+    asked = []
+
+    def fake_steady(runs, **kw):
+        asked.append((sorted(runs), kw["seconds"]))
+        return {name: alone[name] for name in runs}
+
+    monkeypatch.setattr(timing, "steady_ms", fake_steady)
+    cands = [SimpleNamespace(name=n, content_hash=f"h_{n}") for n in sustained]
+    rows, records, _ = cli_gemm.measure(cands, lambda name: name, reps=20, shape="s")
+    assert asked == [(["a", "b", "c"], cli_gemm.TUNE_ALONE_S)]
+    assert {name: ms_alone for name, _, _, ms_alone, _ in rows} == {**alone, "d": None, "slow": None}
+    assert tuning_db.Record.from_json(records["h_b"].to_json()).ms_alone == 1.0  # stored and read back
+    costs = gemm_select.tuned_costs({r.name: r for r in records.values()})
+    assert math.isclose(costs["a"], 1.12) and costs["b"] == 1.0 and math.isclose(costs["d"], 1.1)
+    assert min(costs, key=costs.get) == "b"
 
 
 def test_results_are_stored_and_failures_never_win(tmp_path):
