@@ -80,7 +80,7 @@ def run_profile(args: argparse.Namespace) -> int:
     """Time every candidate and torch.matmul on the shape; print a table; optionally record."""
     import torch
 
-    from gemmgen import gemm
+    from gemmgen import gemm, timing
 
     if args.build_dir:
         registry.set_build_dirs(args.build_dir)
