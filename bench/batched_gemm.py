@@ -19,7 +19,8 @@ exceed --max-gb skipped. Two numbers per strategy:
   such bursts in the order strided, cuBLAS, cuBLAS, strided; per turn the median over its last
   half). In the rotation each burst starts at the clock the other side left, so a side's figure
   there moves with what it is timed beside (bench/NOTES.md, experiments 47 and 48); alone, it
-  does not.
+  does not. Calls under 50 us keep bursts of 10, which do not bring the GPU to its power cap:
+  for them both columns time the kernels back to back.
 The pointer-array strategy is timed with its device arrays built once (gemm.PointerArrays) and,
 for the overhead row, also with the arrays built per call (batched_gemm_ptrs). Bar: strided
 >= 0.9x cuBLAS's throughput at M, N >= 512, the kernels timed per call and, with --device, each
