@@ -212,9 +212,9 @@ def tuned_costs(records: dict[str, tuning_db.Record]) -> dict[str, float]:
     (ms) and over short runs (ms_short), whichever ratio is larger; the sustained ratio alone where
     no short time was taken (the tuning skips candidates that cannot win). Where the finalists were
     also timed alone under load (ms_alone), their load ratio is to the best of those times instead
-    of the rotation's: the finalists' ranking is the one taken with the GPU to each of them, and
-    since one of them is at 1.0 there and each was no costlier than any other candidate before,
-    the pick is always a finalist.
+    of the rotation's: the finalists' ranking is the one taken with the GPU to each of them. The
+    best of them alone costs no more than before, and before no other candidate cost less than
+    any finalist, so no other candidate costs less than the pick among them.
 
     Which state a call runs in depends on the work around it, and on output-bound shapes the
     ranking of one state can invert in the other (bench/NOTES.md, experiments 21 and 22): the pick is the
