@@ -19,6 +19,7 @@ import torch
 from gemmgen import abi, device, gemm_select, registry
 from gemmgen.errors import DeviceError, InputError
 from gemmgen.gemm_select import GemmProblem
+from gemmgen.grad import check_no_grad
 from gemmgen.launch import _raw_stream
 
 DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
@@ -129,10 +130,12 @@ def batched_gemm(a: torch.Tensor, b: torch.Tensor, *, b_transposed: bool = False
     with a contiguous last dim and 16-byte aligned data pointers. C: `out` if given ([B, H, M, N],
     the input dtype or float32, written in place), else a new contiguous tensor of `out_dtype`
     (default: the input dtype). fp32 accumulation. `instance` forces a built instance by name.
+    There is no backward pass: with grad mode on, inputs that require grad raise InputError.
     """
     hit = _fast_path(a, b, out, b_transposed, alpha, out_dtype, instance)
     if hit is not None:
         return hit
+    check_no_grad("batched_gemm", a=a, b=b, out=out)
     _check_tensor("a", a, 4)
     _check_tensor("b", b, 4)
     if a.dtype not in DTYPES or b.dtype != a.dtype:
@@ -193,6 +196,9 @@ def _fast_path(a, b, out, b_transposed, alpha, out_dtype, instance) -> torch.Ten
     out_dtype that disagrees with out, unaligned data)."""
     if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or type(alpha) not in (int, float):
         return None
+    if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad or (
+            isinstance(out, torch.Tensor) and out.requires_grad)):
+        return None  # the full path raises
     if out is not None and (not isinstance(out, torch.Tensor) or out_dtype not in (None, out.dtype)):
         return None
     key = _call_key(a, b, out, b_transposed, instance)
@@ -229,6 +235,7 @@ class PointerArrays:
             lens = (len(a_list), len(b_list), None if out_list is None else len(out_list))
             raise InputError(f"a_list, b_list (and out_list) must be non-empty and of one length; got {lens}")
         for i, (a, b) in enumerate(zip(a_list, b_list)):
+            check_no_grad("batched_gemm_ptrs", **{f"a_list[{i}]": a, f"b_list[{i}]": b})
             _check_tensor(f"a_list[{i}]", a, 2)
             _check_tensor(f"b_list[{i}]", b, 2)
         a0, b0 = a_list[0], b_list[0]
@@ -253,6 +260,7 @@ class PointerArrays:
         out_list = list(out_list)
         c0 = out_list[0]
         for i, c in enumerate(out_list):
+            check_no_grad("batched_gemm_ptrs", **{f"out_list[{i}]": c})
             _check_tensor(f"out_list[{i}]", c, 2)
             if tuple(c.shape) != (m, n) or c.dtype != c0.dtype or c.dtype not in (a0.dtype, torch.float32) \
                     or (c.stride(0) != c0.stride(0) and m > 1):

@@ -8,6 +8,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
 from gemmgen import launch, selection, torch_op
+from gemmgen.grad import check_no_grad
 from gemmgen.errors import DeviceError, InputError
 from gemmgen.problem import ALIGN_BYTES
 from gemmgen.reference import ALIGNMENTS
@@ -177,6 +178,7 @@ def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
     float32 natural-log LSE [B, H, Nq] (-inf and O = 0 for a row that sees no key).
     `instance` forces a built instance by name. Runs on the inputs' device and current stream, as
     the torch custom op torch.ops.gemmgen.fused_attention (torch.compile and CUDA graphs work).
+    There is no backward pass: with grad mode on, inputs that require grad raise InputError.
 
     dropout_p zeroes each attention weight with that probability and scales the rest by
     1/(1 - dropout_p); the mask is a function of (seed, offset) and the weight's position
@@ -185,6 +187,7 @@ def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
     attn_mask is added to the scaled scores, broadcastable to [B, H, Nq, Nk] like torch SDPA's float
     mask, in q's dtype (a bool mask becomes 0 where True and -inf where False).
     """
+    check_no_grad("fused_attention", q=q, k=k, v=v, attn_mask=attn_mask)
     scale = _check_args(causal_alignment, scale)
     dropout_p = _check_dropout(dropout_p, seed, offset)
     _validate(q, k, v, out, device=False)
@@ -238,8 +241,10 @@ def fused_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
     sequence (query i sees keys j <= i). Returns O [Tq, H, d] and with return_lse the float32 LSE
     [B, H, max_seqlen_q] (-inf past a sequence's end and where no key is seen). dropout_p, seed and
     offset as in fused_attention. The cu_seqlens values are checked (a device-to-host copy) outside
-    torch.compile and CUDA graph capture.
+    torch.compile and CUDA graph capture; a non-contiguous cu_seqlens view is copied to a contiguous
+    one (the kernel reads the offsets as an array).
     """
+    check_no_grad("fused_attention_varlen", q=q, k=k, v=v)
     scale = _check_args("top_left", scale)
     dropout_p = _check_dropout(dropout_p, seed, offset)
     for name, t in (("q", q), ("k", k), ("v", v)):

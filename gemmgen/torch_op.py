@@ -29,6 +29,7 @@ import torch
 
 from gemmgen import jit, launch, registry, selection
 from gemmgen.errors import InputError
+from gemmgen.grad import check_no_grad
 from gemmgen.problem import ALIGN_BYTES, Problem
 
 _LIB = torch.library.Library("gemmgen", "DEF")
@@ -194,6 +195,8 @@ def _varlen_outputs(q, cu_seqlens_q, max_seqlen_q, return_lse):
 def _fused_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=False,
                             scale=None, return_lse=False, instance=None, dropout_p=0.0, seed=None, offset=0):
     o, lse = _varlen_outputs(q, cu_seqlens_q, max_seqlen_q, return_lse)
+    # The kernel reads the offsets from data_ptr() as an int32 array: a strided view is copied.
+    cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
     _run_varlen(q, k, v, o, lse if return_lse else None, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                 causal, scale, instance, dropout_p, seed, offset)
     return o, lse
@@ -220,6 +223,27 @@ _LIB.impl("fused_attention_varlen", _fused_attention_varlen, "CUDA")
 torch.library.register_fake("gemmgen::fused_attention", _fake, lib=_LIB)
 torch.library.register_fake("gemmgen::fused_attention_out", _fake_out, lib=_LIB)
 torch.library.register_fake("gemmgen::fused_attention_varlen", _fake_varlen, lib=_LIB)
+
+
+
+def _backward(ctx, *grads):
+    raise InputError("gemmgen's attention ops have no backward pass")  # setup_context raised first
+
+
+def _refuse_grad(op: str) -> Callable:
+    """A setup_context that raises at the forward (check_no_grad) when the op's inputs require grad."""
+    names = [a.name for a in getattr(torch.ops.gemmgen, op).default._schema.arguments]
+
+    def setup_context(ctx, inputs, output) -> None:
+        check_no_grad(f"torch.ops.gemmgen.{op}", **dict(zip(names, inputs)))
+    return setup_context
+
+
+# Without an autograd formula torch would run the op on inputs that require grad and leave their
+# gradients None, with only a warning. (fused_attention_out mutates `out`: torch allows no formula
+# for it, and gemmgen.fused_attention checks before calling it.)
+for _op in ("fused_attention", "fused_attention_varlen"):
+    torch.library.register_autograd(f"gemmgen::{_op}", _backward, setup_context=_refuse_grad(_op), lib=_LIB)
 
 fused_attention_op = torch.ops.gemmgen.fused_attention.default
 fused_attention_out_op = torch.ops.gemmgen.fused_attention_out.default

@@ -77,3 +77,35 @@ def test_compiles_into_one_graph():
     code = graphs[0].code
     assert "torch.ops.gemmgen.fused_attention.default" in code
     assert "torch.ops.gemmgen.fused_attention_out.default" in code
+
+
+def _grad_cases():
+    q = torch.randn(1, 2, 8, 64, dtype=FP16)
+    return q, q.clone(), q.clone()
+
+
+@pytest.mark.parametrize("which", ["q", "k", "v", "attn_mask"])
+def test_fused_attention_refuses_inputs_that_require_grad(which):
+    q, k, v = _grad_cases()
+    args = {"q": q, "k": k, "v": v, "attn_mask": torch.zeros(8, 8, dtype=FP16)}
+    args[which].requires_grad_()
+    with pytest.raises(gemmgen.InputError, match=f"fused_attention has no backward pass: {which} requires grad"):
+        gemmgen.fused_attention(**args)
+    for scope in (torch.no_grad, torch.inference_mode):  # inference: the device check is next
+        with scope(), pytest.raises(gemmgen.DeviceError):
+            gemmgen.fused_attention(**args)
+
+
+def test_varlen_and_gemm_refuse_inputs_that_require_grad():
+    q = torch.randn(8, 2, 64, dtype=FP16, requires_grad=True)
+    cu = torch.tensor([0, 8], dtype=torch.int32)
+    with pytest.raises(gemmgen.InputError, match="fused_attention_varlen has no backward pass: q requires"):
+        gemmgen.fused_attention_varlen(q, q.detach(), q.detach(), cu, cu, 8, 8)
+    a = torch.randn(1, 1, 8, 8, dtype=FP16)
+    b = a.clone().requires_grad_()
+    with pytest.raises(gemmgen.InputError, match="batched_gemm has no backward pass: b requires grad"):
+        gemmgen.batched_gemm(a, b)
+    with pytest.raises(gemmgen.InputError, match=r"batched_gemm_ptrs has no backward pass: b_list\[0\]"):
+        gemmgen.batched_gemm_ptrs([a[0, 0]], [b[0, 0]])
+    with torch.no_grad(), pytest.raises(gemmgen.DeviceError):
+        gemmgen.batched_gemm(a, b)

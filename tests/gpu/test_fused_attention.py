@@ -152,6 +152,26 @@ def test_side_stream_and_cuda_graph():
     assert torch.equal(out, want)
 
 
+def test_inputs_that_require_grad_raise_at_the_forward():
+    """No backward pass yet: the forward refuses inputs that require grad instead of leaving their
+    gradients None (the public function and the torch op called directly), and runs under no_grad."""
+    q, k, v = (t.requires_grad_() for t in make_qkv(1, 2, 2, 64, 64, 64, torch.bfloat16, "grad"))
+    with pytest.raises(gemmgen.InputError, match="no backward pass: q, k, v require grad"):
+        gemmgen.fused_attention(q, k, v).float().sum().backward()
+    assert q.grad is None
+    with pytest.raises(gemmgen.InputError, match="no backward pass: q, k, v require grad"):
+        torch.ops.gemmgen.fused_attention(q, k, v)
+    cu = torch.tensor([0, 64], dtype=torch.int32, device="cuda")
+    packed = [t[0].transpose(0, 1) for t in (q, k, v)]
+    with pytest.raises(gemmgen.InputError, match="no backward pass"):
+        gemmgen.fused_attention_varlen(*packed, cu, cu, 64, 64)
+    with pytest.raises(gemmgen.InputError, match="no backward pass"):
+        torch.ops.gemmgen.fused_attention_varlen(*packed, cu, cu, 64, 64)
+    with torch.no_grad():
+        check(q.detach(), k, v)
+    check(q.detach(), k.detach(), v.detach())
+
+
 def test_selection_and_forced_instance():
     q, k, v = make_qkv(1, 2, 2, 64, 64, 64, torch.float16, "select")
     name = gemmgen.selected_instance(q, k, v, causal=True)

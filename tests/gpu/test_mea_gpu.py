@@ -209,23 +209,16 @@ def test_bias_row_of_minus_inf_gives_zero():
 
 
 # Variable lengths.
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("dtype, head_dim", [(torch.float16, 64), (torch.bfloat16, 128)])
-def test_varlen_equals_per_sequence_reference(dtype, head_dim, causal):
-    name = instance_for(dtype, head_dim)
-    lens_q, lens_k = [1, 17, 127, 129, 1000, 0], [17, 1, 129, 127, 1000, 5]
-    h, hkv = 4, 2
-    cu_q = torch.tensor([0] + list(torch.tensor(lens_q).cumsum(0)), dtype=torch.int32, device="cuda")
-    cu_k = torch.tensor([0] + list(torch.tensor(lens_k).cumsum(0)), dtype=torch.int32, device="cuda")
-    q = randn((sum(lens_q), h, head_dim), dtype, ("vq", dtype, causal))
-    k = randn((sum(lens_k), hkv, head_dim), dtype, ("vk", dtype, causal))
-    v = randn((sum(lens_k), hkv, head_dim), dtype, ("vv", dtype, causal))
-    o, lse = gemmgen.fused_attention_varlen(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=causal,
-                                            return_lse=True, instance=name)
+def check_varlen(q, k, v, cu_q, cu_k, o, lse, causal):
+    """o and lse of a varlen call against the float64 reference of each sequence alone."""
+    dtype, h, head_dim = q.dtype, q.shape[1], q.shape[2]
+    offsets_q, offsets_k = cu_q.tolist(), cu_k.tolist()
+    lens_q = [b - a for a, b in zip(offsets_q, offsets_q[1:])]
+    lens_k = [b - a for a, b in zip(offsets_k, offsets_k[1:])]
     assert lse.shape == (len(lens_q), h, max(lens_q))
     for b, (lq, lk) in enumerate(zip(lens_q, lens_k)):
-        rows = slice(int(cu_q[b]), int(cu_q[b + 1]))
-        keys = slice(int(cu_k[b]), int(cu_k[b + 1]))
+        rows = slice(offsets_q[b], offsets_q[b + 1])
+        keys = slice(offsets_k[b], offsets_k[b + 1])
         if lq == 0:
             continue
         qs, ks, vs = (t.transpose(0, 1).unsqueeze(0) for t in (q[rows], k[keys], v[keys]))
@@ -243,6 +236,41 @@ def test_varlen_equals_per_sequence_reference(dtype, head_dim, causal):
             gap = (lse[b, :, :lq].double() - ref_lse[0]).abs()[finite].max().item()
             assert gap <= 1e-3 * max(1.0, ref_lse[0][finite].abs().max().item())
         assert torch.isneginf(lse[b, :, lq:]).all()
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype, head_dim", [(torch.float16, 64), (torch.bfloat16, 128)])
+def test_varlen_equals_per_sequence_reference(dtype, head_dim, causal):
+    name = instance_for(dtype, head_dim)
+    lens_q, lens_k = [1, 17, 127, 129, 1000, 0], [17, 1, 129, 127, 1000, 5]
+    h, hkv = 4, 2
+    cu_q = torch.tensor([0] + list(torch.tensor(lens_q).cumsum(0)), dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor([0] + list(torch.tensor(lens_k).cumsum(0)), dtype=torch.int32, device="cuda")
+    q = randn((sum(lens_q), h, head_dim), dtype, ("vq", dtype, causal))
+    k = randn((sum(lens_k), hkv, head_dim), dtype, ("vk", dtype, causal))
+    v = randn((sum(lens_k), hkv, head_dim), dtype, ("vv", dtype, causal))
+    o, lse = gemmgen.fused_attention_varlen(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=causal,
+                                            return_lse=True, instance=name)
+    check_varlen(q, k, v, cu_q, cu_k, o, lse, causal)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_varlen_non_contiguous_cu_seqlens(causal):
+    """Offsets given as strided views run on the values the view shows (the kernel reads an array)."""
+    name = instance_for(torch.bfloat16, 128)
+    # Every other element: the views read [0, 50, 200] and [0, 17, 200]; the memory holds other values.
+    cu_q = torch.tensor([0, 120, 50, 170, 200], dtype=torch.int32, device="cuda")[::2]
+    cu_k = torch.tensor([[0, 1], [17, 1], [200, 1]], dtype=torch.int32, device="cuda")[:, 0]
+    assert not cu_q.is_contiguous() and not cu_k.is_contiguous()
+    q = randn((200, 4, 128), torch.bfloat16, ("vnc-q", causal))
+    k = randn((200, 2, 128), torch.bfloat16, ("vnc-k", causal))
+    v = randn((200, 2, 128), torch.bfloat16, ("vnc-v", causal))
+    o, lse = gemmgen.fused_attention_varlen(q, k, v, cu_q, cu_k, 150, 183, causal=causal, return_lse=True,
+                                            instance=name)
+    check_varlen(q, k, v, cu_q, cu_k, o, lse, causal)
+    again = gemmgen.fused_attention_varlen(q, k, v, cu_q.contiguous(), cu_k.contiguous(), 150, 183,
+                                           causal=causal, instance=name)
+    assert torch.equal(o, again)
 
 
 def test_varlen_dropout_reproducible_and_compiles():
