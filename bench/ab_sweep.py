@@ -11,7 +11,7 @@ sides' median TFLOP/s over the rounds, and the median, lowest and highest per-ro
 With --all-candidates every built instance of --family joins the rounds (the order rotates by one
 each round), the row shows the one with the lowest median, and every candidate's median goes to
 stderr, so tiles are compared in the same alternating conditions as the peer.
-With --kernels each timed call is queued behind a spin kernel (gemmgen.timing, hide_host), so the
+With --kernels each timed call is queued behind a spin kernel (gemmgen.select.timing, hide_host), so the
 events time the kernels alone, not the host path; without it they time what a caller waits for,
 which for calls of about 100 us can include part of the host path (bench/NOTES.md, experiment 31).
 With --graph each timing is of 20 calls replayed from a CUDA graph back to back (no host path and
@@ -33,8 +33,9 @@ import torch
 
 import gemmgen
 from fa_sweep import BACKENDS, DTYPES, below_line, finish, sdpa, time_ms  # the sweep's (same folder)
-from gemmgen import launch, registry, timing
-from gemmgen.shapes import HIDDEN, SEQLENS, TOKENS
+from gemmgen.kernels import launch
+from gemmgen.select import registry, timing
+from gemmgen.select.shapes import HIDDEN, SEQLENS, TOKENS
 
 
 GRAPH_REPS = 5  # replays of a 20-call graph per timing with --graph

@@ -40,7 +40,9 @@ import time
 import torch
 
 import gemmgen
-from gemmgen import cli_gemm, gemm, gemm_select, timing
+from gemmgen.cli import gemm as cli_gemm
+from gemmgen.ops import gemm
+from gemmgen.select import gemm_select, timing
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 # Seconds of load before each shape's sustained timings: the shapes run back to back, so the GPU

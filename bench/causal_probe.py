@@ -14,7 +14,8 @@ import math
 
 import torch
 
-from gemmgen import abi, registry
+from gemmgen.kernels import abi
+from gemmgen.select import registry
 
 from fa_sweep import HIDDEN, TOKENS, time_ms
 

@@ -12,7 +12,7 @@ family built, the instance the registry picks by default (its TFLOP/s and name),
 (FlashAttention-2), efficient and cuDNN backends, all measured in the same process on the same
 inputs; "pick/peer" is the pick against the fastest SDPA backend. Every side of a shape (each
 candidate instance and each backend) is timed in --rounds rounds whose order alternates
-(gemmgen.timing.alternating_rounds), each round the median of --reps CUDA-event timings, and
+(gemmgen.select.timing.alternating_rounds), each round the median of --reps CUDA-event timings, and
 reported as its median over the rounds: under the power cap a side timed once, always right after
 the same other side, reads up to 15% off (bench/NOTES.md, experiment 32). With --kernels each
 call is queued behind a spin kernel, so the events time the kernels alone, not the host path.
@@ -31,9 +31,10 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import gemmgen
-from gemmgen import launch, registry, timing
-from gemmgen.space import FAMILIES
-from gemmgen.shapes import HIDDEN, SEQLENS, TOKENS  # the sweep's shapes, shared with `gemmgen profile`
+from gemmgen.kernels import launch
+from gemmgen.select import registry, timing
+from gemmgen.generator.space import FAMILIES
+from gemmgen.select.shapes import HIDDEN, SEQLENS, TOKENS  # the sweep's shapes, shared with `gemmgen profile`
 
 BACKENDS = {"FA2": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
             "cuDNN": SDPBackend.CUDNN_ATTENTION}

@@ -1,7 +1,7 @@
 """One attention shape of the FlashAttention sweep, every built fmha_sm90 candidate timed three ways,
 to separate the kernels' speed from the way they are timed (bench/NOTES.md, experiment 37):
 
-- tuner: gemmgen.tuner.measure, what `gemmgen profile` records (one pass, then the candidates within
+- tuner: gemmgen.select.tuner.measure, what `gemmgen profile` records (one pass, then the candidates within
   CONTEND_MARGIN of the fastest re-timed in rotating rounds), run --rounds times;
 - eager: fused_attention with CUDA events around each call, calls back to back, in alternating rounds;
 - kernels: the same with each call queued behind a spin kernel (the kernels alone), in alternating
@@ -21,8 +21,8 @@ import torch
 
 import gemmgen
 from fa_sweep import BACKENDS, DTYPES, sdpa  # the sweep's peers and dtypes (same folder)
-from gemmgen import registry, timing, tuner
-from gemmgen.shapes import HIDDEN, TOKENS, Shape
+from gemmgen.select import registry, timing, tuner
+from gemmgen.select.shapes import HIDDEN, TOKENS, Shape
 
 
 def main() -> int:

@@ -24,7 +24,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import gemmgen
 from gemm_power import QUERY, read_samples  # nvidia-smi's samples, parsed (same folder)
-from gemmgen import timing
+from gemmgen.select import timing
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 SHAPES = [  # (batch, heads, seqlen) at d128

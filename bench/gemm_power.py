@@ -22,7 +22,7 @@ import time
 import torch
 
 import gemmgen
-from gemmgen import timing
+from gemmgen.select import timing
 
 SHAPES = [(512, 1024, 128), (64, 4096, 64), (4096, 512, 128)]  # (B*H, M = N, K)
 QUERY = "timestamp,power.draw,clocks.sm,clocks.mem,temperature.gpu,clocks_event_reasons.active"

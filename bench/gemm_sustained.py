@@ -24,7 +24,7 @@ import datetime
 import torch
 
 import gemmgen
-from gemmgen import registry, timing
+from gemmgen.select import registry, timing
 
 # The output-bound Q Kᵀ shapes of bench/results/batched_gemm_h200.md (device ratio < 0.9).
 SHAPES = ((4096, 512, 512, 128), (512, 1024, 1024, 128), (512, 2048, 2048, 128), (64, 4096, 4096, 128))

@@ -1,7 +1,7 @@
 """One batched Q x K^T shape, gemmgen's strided instance against torch.matmul (cuBLAS), timed four
 ways and the whole set twice, to separate the kernels' speed from the way they are timed:
 
-- eager: CUDA events around each call (gemmgen.timing.median_ms), what bench/batched_gemm.py reports;
+- eager: CUDA events around each call (gemmgen.select.timing.median_ms), what bench/batched_gemm.py reports;
 - hide_host: the same with a spin kernel ahead of each call, so the events time the kernels alone;
 - graph: calls replayed from a CUDA graph, back to back;
 - batch20: events around 20 calls queued back to back.
@@ -15,7 +15,7 @@ import argparse
 import torch
 
 import gemmgen
-from gemmgen import timing
+from gemmgen.select import timing
 
 
 def batch_ms(fn, n: int = 20) -> float:

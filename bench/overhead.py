@@ -28,7 +28,8 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import gemmgen
-from gemmgen import abi, launch, ops, torch_op
+from gemmgen.kernels import abi, launch
+from gemmgen.ops import attention as ops, torch_op
 
 
 def per_call_us(fn: Callable[[], object], iters: int, rounds: int = 5, sync: bool = True) -> float:

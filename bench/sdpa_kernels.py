@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch.nn.attention import sdpa_kernel
 
 from fa_sweep import BACKENDS, DTYPES  # the sweep's (same folder)
-from gemmgen.shapes import HIDDEN, SEQLENS, TOKENS
+from gemmgen.select.shapes import HIDDEN, SEQLENS, TOKENS
 
 
 def kernels(fn) -> list[dict]:

@@ -26,7 +26,7 @@ from collections import defaultdict
 import torch
 
 import gemmgen
-from gemmgen import tuner, registry, selection, shapes, tuning_db
+from gemmgen.select import tuner, registry, selection, shapes, tuning_db
 
 
 def main() -> int:

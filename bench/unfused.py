@@ -15,8 +15,8 @@ import math
 import torch
 
 import gemmgen
-from gemmgen import timing
-from gemmgen.shapes import HIDDEN, TOKENS
+from gemmgen.select import timing
+from gemmgen.select.shapes import HIDDEN, TOKENS
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 

@@ -10,6 +10,7 @@ The torch-facing pieces load lazily, so `gemmgen generate` does not pay for impo
 from __future__ import annotations
 
 import importlib
+from pathlib import Path
 from typing import Any
 
 from gemmgen.errors import (CacheError, DeviceError, GemmgenError, GemmgenLaunchError, GemmgenWarning,
@@ -17,27 +18,31 @@ from gemmgen.errors import (CacheError, DeviceError, GemmgenError, GemmgenLaunch
 
 __version__ = "0.1.0"
 
+# Installed, the wheel maps the checkout's generator/ and templates/ folders to gemmgen.generator and
+# gemmgen.templates. Run from a checkout that is not installed (PYTHONPATH=<checkout>), the folder
+# holding them is searched for gemmgen's subpackages too, so the same names resolve.
+_checkout = Path(__file__).resolve().parent.parent
+if not (Path(__file__).resolve().parent / "generator").is_dir() and (_checkout / "generator" / "__init__.py").is_file():
+    __path__.append(str(_checkout))  # noqa: F821 (a package's __path__)
+
 _LAZY_ATTRS = {
-    "fused_attention": "gemmgen.ops",
-    "fused_attention_varlen": "gemmgen.ops",
-    "selected_instance": "gemmgen.ops",
-    "explain": "gemmgen.ops",
-    "autotune": "gemmgen.tuner",
-    "attention_reference": "gemmgen.reference",
-    "set_build_dirs": "gemmgen.registry",
-    "refresh": "gemmgen.registry",
+    "fused_attention": "gemmgen.ops.attention",
+    "fused_attention_varlen": "gemmgen.ops.attention",
+    "selected_instance": "gemmgen.ops.attention",
+    "explain": "gemmgen.ops.attention",
+    "autotune": "gemmgen.select.tuner",
+    "attention_reference": "gemmgen.ops.reference",
+    "set_build_dirs": "gemmgen.select.registry",
+    "refresh": "gemmgen.select.registry",
     "cache_dir": "gemmgen.cache",
-    "Shape": "gemmgen.shapes",
-    "parse_shape": "gemmgen.shapes",
-    "batched_gemm": "gemmgen.gemm",
-    "batched_gemm_ptrs": "gemmgen.gemm",
-    "unfused_attention": "gemmgen.unfused",
+    "Shape": "gemmgen.select.shapes",
+    "parse_shape": "gemmgen.select.shapes",
+    "batched_gemm": "gemmgen.ops.gemm",
+    "batched_gemm_ptrs": "gemmgen.ops.gemm",
+    "unfused_attention": "gemmgen.ops.unfused",
 }
-_SUBMODULES = {"abi", "arch", "buckets", "build", "cache", "cli", "cli_explain", "cli_profile", "cli_tune",
-               "device", "families", "heuristic", "jit", "launch", "manifest", "ops", "plot", "problem",
-               "reference", "registry", "render", "selection", "shapes", "space", "timing", "toolchain",
-               "torch_op", "tuner", "tuning_db"}
-_SUBMODULES |= {"gemm", "gemm_select", "unfused", "cli_gemm"}
+# The subpackages: the code generator, and the runtime's selection, operations, kernels and CLI.
+_SUBMODULES = {"arch", "cache", "errors", "generator", "select", "ops", "kernels", "cli"}
 
 __all__ = ["fused_attention", "fused_attention_varlen", "selected_instance", "explain", "autotune", "attention_reference",
            "set_build_dirs", "refresh", "cache_dir", "Shape", "parse_shape",

@@ -56,7 +56,7 @@ GENCODE = ["-gencode=arch=compute_80,code=sm_80", "-gencode=arch=compute_90,code
 
 def make_entry(inst, state: str = "built", error: str | None = None, content_hash: str | None = None):
     """A manifest entry for a family instance (content hash: the instance's own, unless given)."""
-    from gemmgen import manifest
+    from gemmgen.generator import manifest
 
     return manifest.InstanceEntry(name=inst.name, family=inst.family, params=inst.params(), arch="sm80",
                                   gencode=GENCODE, library=f"lib/{inst.name}.so", symbol=inst.symbol,
@@ -66,7 +66,7 @@ def make_entry(inst, state: str = "built", error: str | None = None, content_has
 
 def write_build_dir(root: Path, entries: list) -> Path:
     """A build directory <root>/sm80 holding `entries` (with empty library files); returns root."""
-    from gemmgen import manifest
+    from gemmgen.generator import manifest
 
     (root / "sm80" / "lib").mkdir(parents=True, exist_ok=True)
     for e in entries:

@@ -7,7 +7,8 @@ import subprocess
 
 import pytest
 
-from gemmgen import abi, render
+from gemmgen.kernels import abi
+from gemmgen.generator import render
 
 
 def compiler_layout(tmp_path, struct: str, fields: list[str]) -> list[int]:

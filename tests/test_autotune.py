@@ -5,10 +5,10 @@ import math
 
 import pytest
 
-from gemmgen import tuner, device, registry, selection, timing, tuning_db
+from gemmgen.select import tuner, device, registry, selection, timing, tuning_db
 from gemmgen.errors import GemmgenWarning
-from gemmgen.problem import Problem
-from gemmgen.shapes import Shape
+from gemmgen.select.problem import Problem
+from gemmgen.select.shapes import Shape
 
 H200 = device.synthetic((9, 0), 132, "NVIDIA H200")
 MB = 1024 * 1024
@@ -91,7 +91,8 @@ def test_gemm_tuning_times_both_states_and_picks_the_best_in_both(monkeypatch):
     hold the GPU at its power cap, so no candidate is timed alone."""
     from types import SimpleNamespace
 
-    from gemmgen import cli_gemm, gemm_select
+    from gemmgen.cli import gemm as cli_gemm
+    from gemmgen.select import gemm_select
 
     sustained = {"fast_hot": 0.0100, "even": 0.0103, "fast_cool": 0.0125, "slow": 0.0200}
     short = {"fast_hot": 0.0095, "even": 0.0082, "fast_cool": 0.0080}
@@ -131,7 +132,8 @@ def test_gemm_tuning_times_the_finalists_of_long_calls_alone(monkeypatch):
     loses to the second."""
     from types import SimpleNamespace
 
-    from gemmgen import cli_gemm, gemm_select, tuning_db
+    from gemmgen.cli import gemm as cli_gemm
+    from gemmgen.select import gemm_select, tuning_db
 
     sustained = {"a": 1.00, "b": 1.02, "c": 1.05, "d": 1.10, "slow": 2.0}
     alone = {"a": 1.12, "b": 1.00, "c": 1.03}
@@ -183,7 +185,7 @@ def test_unwritable_cache_keeps_results_in_memory(tmp_path, monkeypatch):
 
 def test_autotune_is_the_function_after_its_module_is_imported():
     import gemmgen
-    from gemmgen import tuner  # noqa: F401  (importing a submodule sets an attribute on the package)
+    from gemmgen.select import tuner  # noqa: F401  (importing a submodule sets an attribute on a package)
     assert callable(gemmgen.autotune) and gemmgen.autotune is tuner.autotune
 
 

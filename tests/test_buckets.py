@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from gemmgen import buckets
+from gemmgen.select import buckets
 from gemmgen.errors import InputError
 
 

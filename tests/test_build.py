@@ -13,7 +13,9 @@ import pytest
 import torch
 
 from conftest import ROOT, fake_nvcc, run_cli
-from gemmgen import abi, build, device, manifest, registry, toolchain
+from gemmgen.kernels import abi
+from gemmgen.generator import build, manifest, toolchain
+from gemmgen.select import device, registry, selection
 from gemmgen.errors import GemmgenLaunchError, ToolchainError
 
 SMALL = "d32_none"  # the two smallest default instances: fp16 and bf16, head_dim 32, no mask
@@ -149,7 +151,7 @@ def test_registry_binds_built_instance(compiled):
     out, _ = compiled
     registry.set_build_dirs([out])
     try:
-        cand = registry.select(registry.Problem(dtype="bf16", head_dim=32, causal=False,
+        cand = selection.select(registry.Problem(dtype="bf16", head_dim=32, causal=False,
                                                 device=device.synthetic((8, 6), 84), seqlen_q=100))
         assert cand.name == SMALL_NAMES[0]
         assert cand.kernel.info().head_dim == 32  # loaded, bound and ABI-checked without a GPU

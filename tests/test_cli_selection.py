@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from conftest import make_entry, run_cli, write_build_dir
-from gemmgen import device, tuning_db
-from gemmgen.families.fa2_sm80 import DType, Fa2Sm80Instance, Mask
+from gemmgen.select import device, tuning_db
+from gemmgen.generator.families.fa2_sm80 import DType, Fa2Sm80Instance, Mask
 
 DEFAULT = Fa2Sm80Instance(DType.BF16, 128, Mask.NONE, 128, 64, 4)
 TWO_STAGE = Fa2Sm80Instance(DType.BF16, 128, Mask.NONE, 128, 64, 4, 2)
@@ -151,9 +151,10 @@ def test_tune_commands_errors(tmp_path):
 def test_plot_draws_a_png(tmp_path):
     import math
 
-    from gemmgen import tuner, plot
-    from gemmgen.problem import Problem
-    from gemmgen.shapes import Shape
+    from gemmgen.select import tuner
+    from gemmgen.cli import plot
+    from gemmgen.select.problem import Problem
+    from gemmgen.select.shapes import Shape
 
     shape = Shape(2, 16, 1024, 1024, 128)
     result = tuner.TuneResult(shape, Problem("bf16", 128, False, device.synthetic((9, 0), 132)), [

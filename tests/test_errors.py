@@ -7,7 +7,7 @@ import torch
 from conftest import run_cli
 from gemmgen import GemmgenError, fused_attention
 from gemmgen.errors import DeviceError, InputError
-from gemmgen.launch import empty_like_layout
+from gemmgen.kernels.launch import empty_like_layout
 
 FP16 = torch.float16
 

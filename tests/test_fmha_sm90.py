@@ -8,11 +8,13 @@ import dataclasses
 import pytest
 
 from conftest import run_cli
-from gemmgen import abi, device, manifest, registry, render, space
+from gemmgen.kernels import abi
+from gemmgen.select import device, registry, selection
+from gemmgen.generator import manifest, render, space
 from gemmgen.arch import Arch
-from gemmgen.families import fmha_sm90 as fam
-from gemmgen.families.fmha_sm90 import DType, FmhaSm90Instance, Mask, Schedule
-from gemmgen.problem import Problem
+from gemmgen.generator.families import fmha_sm90 as fam
+from gemmgen.generator.families.fmha_sm90 import DType, FmhaSm90Instance, Mask, Schedule
+from gemmgen.select.problem import Problem
 
 H200 = device.synthetic((9, 0), 132)
 BUILD_ONE = "fmha_sm90_fp16_d64_causal_tma_m64n64s4_lr"  # the quickest to compile
@@ -127,7 +129,7 @@ def test_problem_reason(kw, reason):
 def test_registry_prefers_the_family_that_can_run(tmp_path):
     """With an sm90 and an sm80 instance built, a negative scale goes to fa2_sm80 with the reason."""
     from conftest import make_entry, write_build_dir
-    from gemmgen.families import fa2_sm80
+    from gemmgen.generator.families import fa2_sm80
 
     sm90 = next(i for i in fam.DEFAULT if i.name == "fmha_sm90_bf16_d128_none_pingpong_m128n128s5_lr")
     assert sm90 in fam.DEFAULT
@@ -137,7 +139,7 @@ def test_registry_prefers_the_family_that_can_run(tmp_path):
     try:
         good, rejected = registry.candidates(problem())
         assert {c.name for c in good} == {sm80.name, sm90.name}
-        assert registry.select(problem()).name == sm90.name  # the heuristic weighs the family's speed
+        assert selection.select(problem()).name == sm90.name  # the heuristic weighs the family's speed
         good, rejected = registry.candidates(problem(negative_scale=True))
         assert [c.name for c in good] == [sm80.name]
         assert any(sm90.name in label and "scales >= 0" in reason for label, reason in rejected)

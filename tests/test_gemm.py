@@ -11,12 +11,14 @@ import pytest
 import torch
 
 from conftest import make_entry, run_cli, write_build_dir
-from gemmgen import abi, device, gemm_select, manifest, registry, render, toolchain
+from gemmgen.kernels import abi
+from gemmgen.select import device, gemm_select, registry
+from gemmgen.generator import manifest, render, toolchain
 from gemmgen.arch import Arch
 from gemmgen.errors import DeviceError, GemmgenLaunchError, InputError, NoInstanceError, ToolchainError
-from gemmgen.families import gemm_sm80, gemm_sm90, softmax_sm80
-from gemmgen.gemm import batched_gemm, batched_gemm_ptrs
-from gemmgen.unfused import unfused_attention
+from gemmgen.generator.families import gemm_sm80, gemm_sm90, softmax_sm80
+from gemmgen.ops.gemm import batched_gemm, batched_gemm_ptrs
+from gemmgen.ops.unfused import unfused_attention
 
 H200 = device.synthetic((9, 0), 132, "NVIDIA H200")
 

@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT, make_entry
-from gemmgen import device, heuristic, shapes
-from gemmgen.families import fa2_sm80 as fam
-from gemmgen.families.fa2_sm80 import DType, Fa2Sm80Instance, Mask
-from gemmgen.problem import Problem
-from gemmgen.registry import Candidate
+from gemmgen.select import device, heuristic, shapes
+from gemmgen.generator.families import fa2_sm80 as fam
+from gemmgen.generator.families.fa2_sm80 import DType, Fa2Sm80Instance, Mask
+from gemmgen.select.problem import Problem
+from gemmgen.select.registry import Candidate
 
 H200 = device.synthetic((9, 0), 132, "NVIDIA H200")
 SWEEP_TABLE = ROOT / "bench" / "results" / "sm80_fa_sweep_h200_candidates.txt"

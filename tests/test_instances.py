@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import pytest
 
-from gemmgen import space
+from gemmgen.generator import space
 from gemmgen.arch import Arch, parse_arch
-from gemmgen.families import fa2_sm80 as fam
-from gemmgen.families.fa2_sm80 import DType, Fa2Sm80Instance, Mask
+from gemmgen.generator.families import fa2_sm80 as fam
+from gemmgen.generator.families.fa2_sm80 import DType, Fa2Sm80Instance, Mask
 
 
 def test_space_nonempty_valid_unique():

@@ -12,9 +12,9 @@ import time
 import pytest
 
 from conftest import ROOT, fake_nvcc
-from gemmgen import device, jit, registry
+from gemmgen.select import device, jit, registry
 from gemmgen.errors import NoInstanceError
-from gemmgen.problem import Problem
+from gemmgen.select.problem import Problem
 
 NAME = "fa2_sm80_fp16_d32_none_m128n128w4s1"  # the default instance for fp16, d32, no mask
 # Stands in for nvcc: logs each compile, sleeps $FAKE_NVCC_SLEEP s, writes the depfile and a library.
@@ -23,7 +23,7 @@ sleep "${FAKE_NVCC_SLEEP:-0}"
 echo "$target: $src" > "$dep"
 : > "$out"
 """)
-BUILD = ("from gemmgen import device, jit; from gemmgen.problem import Problem; "
+BUILD = ("from gemmgen.select import device, jit; from gemmgen.select.problem import Problem; "
          "print(jit.ensure_built(Problem('fp16', 32, False, device.synthetic((9, 0), 132))))")
 
 

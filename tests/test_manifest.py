@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from gemmgen import abi, manifest
+from gemmgen.kernels import abi
+from gemmgen.generator import manifest
 from gemmgen.errors import GemmgenError, ManifestError
 
 

@@ -10,12 +10,14 @@ import pytest
 import torch
 
 from conftest import run_cli
-from gemmgen import abi, device, manifest, registry, render, space, toolchain
+from gemmgen.kernels import abi
+from gemmgen.select import device, registry
+from gemmgen.generator import manifest, render, space, toolchain
 from gemmgen.arch import Arch
 from gemmgen.errors import InputError, ToolchainError
-from gemmgen.families import mea_sm80 as fam
-from gemmgen.families.mea_sm80 import DType, MeaSm80Instance
-from gemmgen.problem import Problem
+from gemmgen.generator.families import mea_sm80 as fam
+from gemmgen.generator.families.mea_sm80 import DType, MeaSm80Instance
+from gemmgen.select.problem import Problem
 
 SMALL = "mea_sm80_fp16_k64_q64k64_aligned"
 TC = render.Toolchain(flags=("-O3",), nvcc_version="13.0.88", cutlass_version="4.2.0")
@@ -130,7 +132,7 @@ def test_feature_argument_errors(kw, match):
 
 
 def test_mask_preparation_broadcasts_and_pads():
-    from gemmgen.ops import _prepare_mask
+    from gemmgen.ops.attention import _prepare_mask
 
     q, k, _ = qkv(b=2, h=3, n=16)
     bias = _prepare_mask(torch.randn(16, 16, dtype=torch.float16), q, k)

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from gemmgen.reference import attention_reference, causal_offset
+from gemmgen.ops.reference import attention_reference, causal_offset
 
 
 def rand(*shape, seed):

@@ -3,11 +3,12 @@ from __future__ import annotations
 
 import pytest
 
-from gemmgen import manifest, registry
-from gemmgen.device import DeviceFacts
+from gemmgen.generator import manifest
+from gemmgen.select import registry, selection
+from gemmgen.select.device import DeviceFacts
 from gemmgen.errors import InputError, NoInstanceError
-from gemmgen.families import fa2_sm80 as fam
-from gemmgen.families.fa2_sm80 import DType, Fa2Sm80Instance, Mask
+from gemmgen.generator.families import fa2_sm80 as fam
+from gemmgen.generator.families.fa2_sm80 import DType, Fa2Sm80Instance, Mask
 
 GENCODE = ["-gencode=arch=compute_80,code=sm_80", "-gencode=arch=compute_90,code=sm_90"]
 
@@ -86,17 +87,17 @@ def test_missing_library(build_dir):
 def test_heuristic(build_dir):
     # Equal estimates (16 waves of 128 rows or 32 of 64), equally far from the default tile: the name.
     big = problem(batch_heads=512, seqlen_q=1024, seqlen_k=1024)
-    assert registry.select(big).name == "fa2_sm80_fp16_d64_none_m128n128w4s1"
-    assert registry.select(problem(seqlen_q=129)).name == "fa2_sm80_fp16_d64_none_m64n64w4s1"  # 192 < 256 rows
-    assert registry.select(problem(seqlen_q=17)).name == "fa2_sm80_fp16_d64_none_m64n64w4s1"
-    forced = registry.select(problem(seqlen_q=129), "fa2_sm80_fp16_d64_none_m128n128w4s1")
+    assert selection.select(big).name == "fa2_sm80_fp16_d64_none_m128n128w4s1"
+    assert selection.select(problem(seqlen_q=129)).name == "fa2_sm80_fp16_d64_none_m64n64w4s1"  # 192 < 256 rows
+    assert selection.select(problem(seqlen_q=17)).name == "fa2_sm80_fp16_d64_none_m64n64w4s1"
+    forced = selection.select(problem(seqlen_q=129), "fa2_sm80_fp16_d64_none_m128n128w4s1")
     assert forced.name == "fa2_sm80_fp16_d64_none_m128n128w4s1"
-    assert registry.select(problem(seqlen_q=129)) is registry.select(problem(seqlen_q=129))  # cached
+    assert selection.select(problem(seqlen_q=129)) is selection.select(problem(seqlen_q=129))  # cached
 
 
 def test_no_candidate_message(build_dir):
     with pytest.raises(NoInstanceError) as info:
-        registry.select(problem(causal=True))
+        selection.select(problem(causal=True))
     text = str(info.value)
     assert "No gemmgen instance can run fp16 head_dim=64 causal on sm_90" in text
     for name in ("fa2_sm80_fp16_d64_none_m128n128w4s1", "fa2_sm80_bf16_d64_none_m128n128w4s1",
@@ -105,14 +106,14 @@ def test_no_candidate_message(build_dir):
     default = next(i.name for i in fam.DEFAULT if (i.dtype.value, i.head_dim, i.causal) == ("fp16", 64, True))
     assert f"gemmgen generate --arch sm80 --out {build_dir} --filter {default}" in text
     with pytest.raises(NoInstanceError, match="No gemmgen family supports"):
-        registry.select(problem(cc=(7, 5)))
+        selection.select(problem(cc=(7, 5)))
 
 
 def test_named_instance_errors(build_dir):
     with pytest.raises(InputError, match="no instance named 'nope'"):
-        registry.select(problem(), "nope")
+        selection.select(problem(), "nope")
     with pytest.raises(NoInstanceError, match="dtype fp16, the problem is bf16"):
-        registry.select(problem(dtype="bf16"), "fa2_sm80_fp16_d64_none_m64n64w4s1")
+        selection.select(problem(dtype="bf16"), "fa2_sm80_fp16_d64_none_m64n64w4s1")
 
 
 def test_build_dirs_from_env(monkeypatch, tmp_path):
@@ -127,6 +128,6 @@ def test_empty_build_dir_message(tmp_path):
     registry.set_build_dirs([tmp_path])
     try:
         with pytest.raises(NoInstanceError, match="No built instances found in"):
-            registry.select(problem())
+            selection.select(problem())
     finally:
         registry.set_build_dirs(None)

@@ -4,9 +4,9 @@ from __future__ import annotations
 import jinja2
 import pytest
 
-from gemmgen import render
+from gemmgen.generator import render
 from gemmgen.arch import Arch
-from gemmgen.families.fa2_sm80 import DType, Fa2Sm80Instance, Mask
+from gemmgen.generator.families.fa2_sm80 import DType, Fa2Sm80Instance, Mask
 
 TC = render.Toolchain(flags=("-O3",), nvcc_version="13.0.88", cutlass_version="4.2.0")
 FP16 = Fa2Sm80Instance(DType.FP16, 64, Mask.CAUSAL, 128, 128, 4)

@@ -7,10 +7,10 @@ import time
 import pytest
 
 from conftest import make_entry, write_build_dir
-from gemmgen import device, registry, selection, tuning_db
+from gemmgen.select import device, registry, selection, tuning_db
 from gemmgen.errors import InputError, NoInstanceError
-from gemmgen.families.fa2_sm80 import DType, Fa2Sm80Instance, Mask
-from gemmgen.problem import Problem
+from gemmgen.generator.families.fa2_sm80 import DType, Fa2Sm80Instance, Mask
+from gemmgen.select.problem import Problem
 
 H200 = device.synthetic((9, 0), 132, "NVIDIA H200")
 DEFAULT = Fa2Sm80Instance(DType.BF16, 128, Mask.CAUSAL, 128, 64, 4)

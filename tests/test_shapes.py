@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from gemmgen import shapes
+from gemmgen.select import shapes
 from gemmgen.errors import InputError
 
 

@@ -7,7 +7,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import gemmgen
-from gemmgen import torch_op
+from gemmgen.ops import torch_op
 
 FP16 = torch.float16
 

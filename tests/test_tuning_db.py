@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from gemmgen import tuning_db
+from gemmgen.select import tuning_db
 from gemmgen.errors import CacheError, GemmgenWarning, TuningDatabaseError
 
 FP = {"gpu": "NVIDIA H200", "cc": "9.0", "sm_count": 132, "driver": "580.65.06", "cuda": "13.0",

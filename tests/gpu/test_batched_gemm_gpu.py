@@ -14,9 +14,9 @@ import pytest
 import torch
 
 import gemmgen
-from gemmgen import gemm_select, registry
+from gemmgen.select import gemm_select, registry
 from gemmgen.errors import InputError
-from gemmgen.reference import attention_reference
+from gemmgen.ops.reference import attention_reference
 
 pytestmark = pytest.mark.gpu
 
@@ -65,7 +65,7 @@ def test_strided(dtype, b_transposed, m, n, k):
 def test_repeated_calls_take_the_fast_path(out_dtype):
     """A call seen before skips the checks and the selection: fresh inputs each time, poisoned or
     newly allocated outputs, alpha changing, and a changed stride falling back to the full path."""
-    from gemmgen import gemm
+    from gemmgen.ops import gemm
 
     for rep in range(3):
         key = ("fast", rep, out_dtype)
@@ -94,7 +94,7 @@ EVERY_INSTANCE_SHAPES = [((2, 3, 201, 72, 1032), 0.25), ((1, 1, 256, 128, 8192),
 
 def test_every_built_strided_instance():
     """Each built strided GEMM instance, forced by name, on the shapes above that it can run."""
-    from gemmgen import gemm
+    from gemmgen.ops import gemm
 
     ran, failures = 0, []
     for cand in registry.load()[0]:

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import gemmgen
-from gemmgen import launch, registry
+from gemmgen.kernels import launch
+from gemmgen.select import registry
 from gemmgen.errors import NoInstanceError
 
 from test_fused_attention import check, make_qkv, randn
@@ -140,8 +141,8 @@ def test_tuner_timing_relaunches_params(graph):
     graph. fmha_sm90 always writes LSE: launch() must not leave a per-call scratch buffer in the
     caller's params, or later calls (and graph replays) write LSE into freed memory."""
     _sm90()
-    from gemmgen import tuner
-    from gemmgen.shapes import Shape
+    from gemmgen.select import tuner
+    from gemmgen.select.shapes import Shape
 
     shape = Shape(2, 4, 300, 300, 64, causal=False, dtype="fp16")
     cands = [c for c in registry.candidates(tuner.problem_of(shape, 0))[0] if c.entry.family == "fmha_sm90"]

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import gemmgen
-from gemmgen.reference import attention_reference
-from gemmgen.space import supported_head_dims
+from gemmgen.ops.reference import attention_reference
+from gemmgen.generator.space import supported_head_dims
 
 pytestmark = pytest.mark.gpu
 
@@ -176,7 +176,8 @@ def test_selection_and_forced_instance():
     q, k, v = make_qkv(1, 2, 2, 64, 64, 64, torch.float16, "select")
     name = gemmgen.selected_instance(q, k, v, causal=True)
     # Any family may win (which are built decides); the winner must be one that can run the call.
-    from gemmgen import launch, registry
+    from gemmgen.kernels import launch
+    from gemmgen.select import registry
     assert name in {c.name for c in registry.candidates(launch.problem_for(q, k, True, v=v))[0]}
     assert name.startswith(("fa2_sm80_fp16_d64_causal_", "fmha_sm90_fp16_d64_causal_", "mea_sm80_fp16_"))
     check(q, k, v, causal=True, instance=name)
@@ -193,7 +194,7 @@ def test_default_scale_is_inverse_sqrt_d():
 
 def test_every_built_instance():
     """Every built instance (all tiles and pipeline stages, not only the defaults) on odd lengths."""
-    from gemmgen import registry
+    from gemmgen.select import registry
     built = [c.entry for c in registry.load()[0] if c.entry.state == "built" and c.entry.family == "fa2_sm80"]
     assert built, "no built instance: run `gemmgen generate --arch sm80`"
     dtypes = {"fp16": torch.float16, "bf16": torch.bfloat16}

@@ -13,9 +13,9 @@ import torch
 import torch.nn.functional as F
 
 import gemmgen
-from gemmgen import registry
-from gemmgen.families import mea_sm80
-from gemmgen.reference import attention_reference, causal_offset
+from gemmgen.select import registry
+from gemmgen.generator.families import mea_sm80
+from gemmgen.ops.reference import attention_reference, causal_offset
 from test_fused_attention import DTYPES, MASK_IDS, MASKS, TOLERANCE, check, make_qkv, randn
 
 pytestmark = pytest.mark.gpu

@@ -13,10 +13,11 @@ import pytest
 import torch
 
 import gemmgen
-from gemmgen import abi, registry, selection, tuner, tuning_db
+from gemmgen.kernels import abi
+from gemmgen.select import registry, selection, tuner, tuning_db
 from gemmgen.errors import GemmgenLaunchError
-from gemmgen.reference import attention_reference
-from gemmgen.shapes import Shape
+from gemmgen.ops.reference import attention_reference
+from gemmgen.select.shapes import Shape
 
 pytestmark = pytest.mark.gpu
 

@@ -1,0 +1,88 @@
+"""`gemmgen explain`: the candidates for one shape, why each other instance is rejected, the winner and
+where the decision came from (tuned bucket, nearest tuned bucket, heuristic).
+
+On a machine without the GPU in question, --cc/--sms (and --gpu, to use that GPU model's tuning
+database from the cache, e.g. one imported with `gemmgen tune import`) describe it instead.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from gemmgen.select import device, registry, selection, tuning_db
+from gemmgen.errors import DeviceError, GemmgenError, InputError
+from gemmgen.select.problem import ALIGN_BYTES, Problem
+from gemmgen.select.shapes import parse_shape
+
+
+def parse_cc(text: str) -> tuple[int, int]:
+    """ "9.0" -> (9, 0); raise InputError if malformed."""
+    try:
+        major, minor = (int(p) for p in text.split("."))
+    except ValueError:
+        raise InputError(f"malformed --cc {text!r}: expected MAJOR.MINOR, e.g. 9.0") from None
+    return major, minor
+
+
+def device_facts(args: argparse.Namespace) -> tuple[device.DeviceFacts, tuning_db.TuningDB | None]:
+    """The GPU to explain for, and its tuning database when it is not this machine's GPU."""
+    if args.cc:
+        if not args.sms or args.sms < 1:
+            raise InputError("--cc needs --sms N (the GPU's SM count)")
+        facts = device.synthetic(parse_cc(args.cc), args.sms, args.gpu or "")
+        return facts, find_database(facts)
+    import torch
+
+    if not torch.cuda.is_available():
+        raise DeviceError(f"no CUDA GPU visible to this torch ({torch.__version__}); describe the GPU "
+                          f"with --cc X.Y --sms N [--gpu NAME]")
+    if not 0 <= args.device < torch.cuda.device_count():
+        raise InputError(f"--device {args.device}: this machine has {torch.cuda.device_count()} GPU(s)")
+    return device.facts(args.device), None
+
+
+def find_database(facts: device.DeviceFacts) -> tuning_db.TuningDB | None:
+    """The most recent readable database in the cache made on a GPU of this name and cc."""
+    cc = f"{facts.cc[0]}.{facts.cc[1]}"
+    found = []
+    for path in tuning_db.database_files():
+        try:
+            db = tuning_db.read(path)
+        except GemmgenError:
+            continue
+        if db.device.get("gpu") == facts.name and str(db.device.get("cc")) == cc:
+            found.append((path.stat().st_mtime, str(path), db))
+    return max(found)[2] if found else tuning_db.TuningDB(device=facts.fingerprint())
+
+
+def run(args: argparse.Namespace) -> int:
+    """Print the decision for --shape; returns the exit status."""
+    if args.build_dir:
+        registry.set_build_dirs(args.build_dir)
+    shape = parse_shape(args.shape, dtype=args.dtype, causal=args.causal, heads_kv=args.heads_kv,
+                        layout=args.layout)
+    facts, db = device_facts(args)
+    problem = Problem(dtype=shape.dtype, head_dim=shape.head_dim, causal=shape.causal, device=facts,
+                      batch_heads=shape.batch * shape.heads, seqlen_q=shape.seqlen_q, seqlen_k=shape.seqlen_k,
+                      gqa=shape.heads // shape.kv_heads, layout=shape.layout, align=ALIGN_BYTES)
+    decision = selection.decide(problem, args.instance, db=db)
+    print(f"shape: {shape.describe()}")
+    print(decision.report())
+    sys.stdout.flush()
+    return 0
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The arguments of `gemmgen explain`."""
+    p.add_argument("--shape", required=True, help="B,H,Nq,Nk,d (or B,H,N,d), optionally ,causal")
+    p.add_argument("--causal", action="store_true")
+    p.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
+    p.add_argument("--heads-kv", type=int, help="key/value heads (GQA/MQA; default: H)")
+    p.add_argument("--layout", choices=("bhnd", "bnhd", "mixed"), default="bhnd",
+                   help="storage order of q and k/v (default: bhnd)")
+    p.add_argument("--instance", help="explain this instance instead of the pick")
+    p.add_argument("--build-dir", action="append", help="where to find manifests (repeatable)")
+    p.add_argument("--device", type=int, default=0, help="CUDA device index (default: 0)")
+    p.add_argument("--cc", help="explain for a GPU that is not here: compute capability, e.g. 9.0")
+    p.add_argument("--sms", type=int, help="with --cc: its number of SMs")
+    p.add_argument("--gpu", help="with --cc: its name as torch reports it (selects its tuning database)")

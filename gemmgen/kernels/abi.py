@@ -1,0 +1,234 @@
+"""ctypes side of the C ABI in templates/include/gemmgen/abi.h (keep the two in step)."""
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+import threading
+from pathlib import Path
+
+from gemmgen.errors import GemmgenLaunchError
+from gemmgen.generator.manifest import ABI_VERSION  # noqa: F401 (the version the bindings follow)
+
+INFO_NEEDS_LSE = 1  # GEMMGEN_INFO_NEEDS_LSE
+ERR_LEN = 1024  # bytes of the message buffer handed to the entry points
+_local = threading.local()
+
+
+def _err_buffer() -> ctypes.Array:
+    """This thread's message buffer, emptied: one allocation per thread, not one per launch."""
+    buf = getattr(_local, "err", None)
+    if buf is None:
+        buf = _local.err = ctypes.create_string_buffer(ERR_LEN)
+    buf[0] = b"\0"
+    return buf
+STATUS_NAMES = {0: "GEMMGEN_OK", 1: "GEMMGEN_INVALID_ARGUMENT", 2: "GEMMGEN_CUDA_ERROR"}
+
+
+class AttnParams(ctypes.Structure):
+    """GemmgenAttnParams: pointers, sizes, strides in elements, scale, causal offset."""
+
+    _fields_ = [
+        ("q", ctypes.c_void_p),
+        ("k", ctypes.c_void_p),
+        ("v", ctypes.c_void_p),
+        ("o", ctypes.c_void_p),
+        ("lse", ctypes.c_void_p),  # float*, may be NULL
+        ("batch", ctypes.c_int32),
+        ("heads", ctypes.c_int32),
+        ("heads_kv", ctypes.c_int32),
+        ("seqlen_q", ctypes.c_int32),
+        ("seqlen_k", ctypes.c_int32),
+        ("head_dim", ctypes.c_int32),
+        ("q_batch_stride", ctypes.c_int64), ("q_head_stride", ctypes.c_int64), ("q_row_stride", ctypes.c_int64),
+        ("k_batch_stride", ctypes.c_int64), ("k_head_stride", ctypes.c_int64), ("k_row_stride", ctypes.c_int64),
+        ("v_batch_stride", ctypes.c_int64), ("v_head_stride", ctypes.c_int64), ("v_row_stride", ctypes.c_int64),
+        ("o_batch_stride", ctypes.c_int64), ("o_head_stride", ctypes.c_int64), ("o_row_stride", ctypes.c_int64),
+        ("scale", ctypes.c_float),
+        ("causal_offset", ctypes.c_int32),
+        ("bias", ctypes.c_void_p),  # NULL: no additive mask
+        ("bias_batch_stride", ctypes.c_int64), ("bias_head_stride", ctypes.c_int64),
+        ("bias_row_stride", ctypes.c_int64),
+        ("dropout_p", ctypes.c_float),
+        ("dropout_seed", ctypes.c_uint64),
+        ("dropout_offset", ctypes.c_uint64),
+        ("cu_seqlens_q", ctypes.c_void_p),  # int32*, NULL: fixed lengths
+        ("cu_seqlens_k", ctypes.c_void_p),
+    ]
+
+
+class InstanceInfo(ctypes.Structure):
+    """GemmgenInstanceInfo: the static facts of one compiled instance."""
+
+    _fields_ = [(name, ctypes.c_int32) for name in
+                ("abi_version", "head_dim", "block_m", "block_n", "threads", "smem_bytes", "causal", "flags")]
+
+    def as_dict(self) -> dict[str, int]:
+        """The fields as a plain dict."""
+        return {name: getattr(self, name) for name, _ in self._fields_}
+
+
+class Instance:
+    """The two entry points of one instance library: `<symbol>` (run) and `<symbol>_info`."""
+
+    def __init__(self, library: ctypes.CDLL, symbol: str) -> None:
+        self.symbol = symbol
+        self._run = getattr(library, symbol)
+        self._run.argtypes = [ctypes.POINTER(AttnParams), ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int]
+        self._run.restype = ctypes.c_int
+        self._info = getattr(library, f"{symbol}_info")
+        self._info.argtypes = [ctypes.POINTER(InstanceInfo)]
+        self._info.restype = ctypes.c_int
+        self.needs_lse = bool(self.info().flags & INFO_NEEDS_LSE)
+
+    def info(self) -> InstanceInfo:
+        """Call `<symbol>_info`; raise GemmgenLaunchError on a non-zero status."""
+        info = InstanceInfo()
+        status = self._info(ctypes.byref(info))
+        if status != 0:
+            raise GemmgenLaunchError(f"{self.symbol}_info returned {STATUS_NAMES.get(status, status)}")
+        return info
+
+    def run(self, params: AttnParams, stream: int | None) -> None:
+        """Launch on `stream` (a cudaStream_t as an int; 0 or None is the default stream).
+
+        Raises GemmgenLaunchError with the library's message on a non-zero status.
+        """
+        err = _err_buffer()
+        status = self._run(ctypes.byref(params), ctypes.c_void_p(stream or None), err, ERR_LEN)
+        if status != 0:
+            message = err.value.decode(errors="replace") or "no message"
+            raise GemmgenLaunchError(f"{self.symbol}: {message} ({STATUS_NAMES.get(status, status)})")
+
+
+@functools.lru_cache(maxsize=None)
+def _load_library(path: str) -> ctypes.CDLL:
+    # RTLD_LOCAL: each instance's static cudart and CUTLASS symbols stay out of the global namespace.
+    return ctypes.CDLL(path, mode=os.RTLD_LOCAL | os.RTLD_NOW)
+
+
+def load_library(path: Path) -> ctypes.CDLL:
+    """Load a compiled instance library once per process (later calls return the cached handle)."""
+    try:
+        return _load_library(str(Path(path).resolve()))
+    except OSError as exc:
+        raise GemmgenLaunchError(f"cannot load {path}: {exc}") from exc
+
+
+@functools.lru_cache(maxsize=None)
+def _bind(path: str, symbol: str) -> Instance:
+    return Instance(load_library(Path(path)), symbol)
+
+
+def bind(path: Path, symbol: str) -> Instance:
+    """Load `path` (cached) and bind its `symbol` entry points (cached); raise GemmgenLaunchError if absent."""
+    try:
+        return _bind(str(path), symbol)
+    except AttributeError as exc:
+        raise GemmgenLaunchError(f"{path} does not export {symbol} / {symbol}_info: {exc}") from exc
+
+
+# Batched GEMM and the unfused path's softmax (the structs appended to abi.h).
+
+GEMM_STRIDED = 0  # GEMMGEN_GEMM_STRIDED
+GEMM_PTR_ARRAY = 1  # GEMMGEN_GEMM_PTR_ARRAY
+
+_STRIDES = [(f"stride_{op}_{dim}", ctypes.c_int64) for op in "abc" for dim in ("batch", "head", "row")]
+
+
+class BatchedGemmStridedArgs(ctypes.Structure):
+    """GemmgenBatchedGemmStridedArgs: the seed's BatchedGemmStridedArgs plus alpha."""
+
+    _fields_ = [("A", ctypes.c_void_p), ("B", ctypes.c_void_p), ("C", ctypes.c_void_p),
+                *[(n, ctypes.c_uint32) for n in ("M", "N", "K", "batch", "num_heads")],
+                *_STRIDES, ("b_transposed", ctypes.c_int32), ("alpha", ctypes.c_float)]
+
+
+class BatchedGemmPtrArgs(ctypes.Structure):
+    """GemmgenBatchedGemmPtrArgs: device arrays of pointers, one row stride per operand, alpha."""
+
+    _fields_ = [("A_ptrs", ctypes.c_void_p), ("B_ptrs", ctypes.c_void_p), ("C_ptrs", ctypes.c_void_p),
+                *[(n, ctypes.c_uint32) for n in ("M", "N", "K", "batch", "num_heads")],
+                ("stride_a_row", ctypes.c_int64), ("stride_b_row", ctypes.c_int64),
+                ("stride_c_row", ctypes.c_int64), ("b_transposed", ctypes.c_int32), ("alpha", ctypes.c_float)]
+
+
+class GemmInfo(ctypes.Structure):
+    """GemmgenGemmInfo: the static facts of one compiled GEMM instance."""
+
+    _fields_ = [(name, ctypes.c_int32) for name in
+                ("abi_version", "tile_m", "tile_n", "tile_k", "stages", "threads", "smem_bytes",
+                 "alignment", "b_transposed", "strategy", "out_bytes")]
+
+    def as_dict(self) -> dict[str, int]:
+        """The fields as a plain dict."""
+        return {name: getattr(self, name) for name, _ in self._fields_}
+
+
+class SoftmaxArgs(ctypes.Structure):
+    """GemmgenSoftmaxArgs: fp32 scores in, probabilities in the instance's dtype out."""
+
+    _fields_ = [("s", ctypes.c_void_p), ("p", ctypes.c_void_p),
+                ("rows", ctypes.c_uint32), ("cols", ctypes.c_uint32), ("matrices", ctypes.c_uint32),
+                ("s_matrix_stride", ctypes.c_int64), ("s_row_stride", ctypes.c_int64),
+                ("p_matrix_stride", ctypes.c_int64), ("p_row_stride", ctypes.c_int64),
+                ("causal", ctypes.c_int32), ("causal_offset", ctypes.c_int32)]
+
+
+class Kernel:
+    """The entry points of a GEMM or softmax library: `<symbol>(const Args*, stream, err, err_len)`
+    and, for GEMMs, `<symbol>_info(GemmgenGemmInfo*)`."""
+
+    def __init__(self, library: ctypes.CDLL, symbol: str, args_type: type, *, has_info: bool) -> None:
+        self.symbol = symbol
+        self.args_type = args_type
+        self._run = getattr(library, symbol)
+        self._run.argtypes = [ctypes.POINTER(args_type), ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int]
+        self._run.restype = ctypes.c_int
+        self._info = None
+        if has_info:
+            self._info = getattr(library, f"{symbol}_info")
+            self._info.argtypes = [ctypes.POINTER(GemmInfo)]
+            self._info.restype = ctypes.c_int
+
+    def info(self) -> GemmInfo:
+        """Call `<symbol>_info`; raise GemmgenLaunchError on a non-zero status or when there is none."""
+        if self._info is None:
+            raise GemmgenLaunchError(f"{self.symbol} has no _info entry point")
+        info = GemmInfo()
+        status = self._info(ctypes.byref(info))
+        if status != 0:
+            raise GemmgenLaunchError(f"{self.symbol}_info returned {STATUS_NAMES.get(status, status)}")
+        return info
+
+    def run(self, args: ctypes.Structure, stream: int | None) -> None:
+        """Launch on `stream`; raise GemmgenLaunchError with the library's message on failure."""
+        if not isinstance(args, self.args_type):
+            raise TypeError(f"{self.symbol} takes {self.args_type.__name__}, got {type(args).__name__}")
+        err = _err_buffer()
+        status = self._run(ctypes.byref(args), ctypes.c_void_p(stream or None), err, ERR_LEN)
+        if status != 0:
+            message = err.value.decode(errors="replace") or "no message"
+            raise GemmgenLaunchError(f"{self.symbol}: {message} ({STATUS_NAMES.get(status, status)})")
+
+
+@functools.lru_cache(maxsize=None)
+def _bind_kernel(path: str, symbol: str, args_type: type, has_info: bool) -> Kernel:
+    return Kernel(load_library(Path(path)), symbol, args_type, has_info=has_info)
+
+
+def bind_gemm(path: Path, symbol: str, strategy: int) -> Kernel:
+    """Bind a GEMM instance's entry points (cached); `strategy` picks the args struct."""
+    args_type = BatchedGemmPtrArgs if strategy == GEMM_PTR_ARRAY else BatchedGemmStridedArgs
+    try:
+        return _bind_kernel(str(path), symbol, args_type, True)
+    except AttributeError as exc:
+        raise GemmgenLaunchError(f"{path} does not export {symbol} / {symbol}_info: {exc}") from exc
+
+
+def bind_softmax(path: Path, symbol: str) -> Kernel:
+    """Bind a softmax instance's entry point (cached)."""
+    try:
+        return _bind_kernel(str(path), symbol, SoftmaxArgs, False)
+    except AttributeError as exc:
+        raise GemmgenLaunchError(f"{path} does not export {symbol}: {exc}") from exc

@@ -1,0 +1,158 @@
+"""From tensors to a launch: the problem of a call, the output layout, the C ABI params, and running
+one compiled instance on the inputs' device and current stream."""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from gemmgen.kernels import abi
+from gemmgen.select import device
+from gemmgen.select.problem import ALIGN_BYTES, Problem, layout_kind
+from gemmgen.ops.reference import causal_offset
+
+DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
+TORCH_DTYPES = {name: dt for dt, name in DTYPE_NAMES.items()}
+
+try:  # the raw cudaStream_t, without building a torch.cuda.Stream object (inductor uses the same)
+    _raw_stream = torch._C._cuda_getCurrentRawStream
+except AttributeError:  # a torch build without CUDA
+    def _raw_stream(index: int) -> int:
+        return torch.cuda.current_stream(index).cuda_stream
+
+
+def empty_like_layout(q: torch.Tensor, shape: tuple[int, ...] | torch.Size | None = None) -> torch.Tensor:
+    """An uninitialized tensor with q's dim order (q's layout, made dense), head_dim innermost.
+
+    The real op and its fake implementation both allocate O through this, so they agree on strides.
+    """
+    if shape is None and q.is_contiguous():
+        return torch.empty_like(q)
+    shape = tuple(q.shape if shape is None else shape)
+    order = sorted(range(3), key=lambda i: (-q.stride(i), i)) + [3]
+    strides, step = [0] * 4, 1
+    for i in reversed(order):
+        strides[i], step = step, step * shape[i]
+    return torch.empty_strided(shape, strides, dtype=q.dtype, device=q.device)
+
+
+def max_offset(*tensors: torch.Tensor | None) -> int:
+    """The largest element offset from its data pointer that any of `tensors` reaches, plus one.
+    Every call computes it (a cache key holds whether it passes int32), so a dense tensor, whose
+    reach is its element count, skips the sum over its dims."""
+    best = 0
+    for t in tensors:
+        if t is None:
+            continue
+        n = t.numel()
+        if n:
+            best = max(best, n if t.is_contiguous() else sum((d - 1) * s for d, s in zip(t.shape, t.stride())) + 1)
+    return best
+
+
+def problem_for(q: torch.Tensor, k: torch.Tensor, causal: bool, *, v: torch.Tensor | None = None,
+                causal_alignment: str = "top_left", scale: float | None = None, dropout: bool = False,
+                bias: bool | torch.Tensor | None = False, varlen: bool = False) -> Problem:
+    """The Problem of a validated call (q, k on one CUDA device). `bias` may be the bias tensor itself
+    (its extent then counts in max_offset)."""
+    b, h, nq, d = q.shape
+    bias_tensor = bias if isinstance(bias, torch.Tensor) else None
+    return Problem(dtype=DTYPE_NAMES[q.dtype], head_dim=d, causal=bool(causal),
+                   device=device.facts(q.get_device()), batch_heads=b * h, seqlen_q=nq,
+                   seqlen_k=k.shape[2], gqa=h // k.shape[1],
+                   layout=layout_kind(q.stride(), k.stride()), align=ALIGN_BYTES,
+                   causal_alignment=causal_alignment, negative_scale=scale is not None and scale < 0,
+                   zero_scale=scale == 0,
+                   dropout=dropout, bias=bias is not None and bias is not False, varlen=varlen,
+                   max_offset=max_offset(q, k, v, bias_tensor))
+
+
+def problem_for_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: int, max_seqlen_q: int,
+                       max_seqlen_k: int, causal: bool, *, causal_alignment: str = "top_left",
+                       scale: float | None = None, dropout: bool = False) -> Problem:
+    """The Problem of a validated variable-length call: packed q [Tq, H, d], k, v [Tk, Hkv, d]."""
+    h, d = q.shape[1], q.shape[2]
+    return Problem(dtype=DTYPE_NAMES[q.dtype], head_dim=d, causal=bool(causal),
+                   device=device.facts(q.get_device()), batch_heads=batch * h, seqlen_q=max_seqlen_q,
+                   seqlen_k=max_seqlen_k, gqa=h // k.shape[1], layout="bnhd", align=ALIGN_BYTES,
+                   causal_alignment=causal_alignment, negative_scale=scale is not None and scale < 0,
+                   zero_scale=scale == 0,
+                   dropout=dropout, varlen=True, max_offset=max_offset(q, k, v))
+
+
+# causal_offset of a call without a mask: every key j <= i + INT32_MAX is visible. Families whose
+# instances are causal or not read the offset only when causal; those serving both read it always.
+NO_MASK_OFFSET = 2**31 - 1
+
+
+def params(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor | None,
+           *, causal: bool, causal_alignment: str, scale: float | None, dropout_p: float = 0.0,
+           seed: int = 0, offset: int = 0, bias: torch.Tensor | None = None) -> abi.AttnParams:
+    """The C ABI params of one call (pointers, sizes, strides in elements, scale, causal offset, and
+    the optional dropout and bias; `bias` is [B, H, Nq, Nk] by its strides, 0 broadcasting)."""
+    b, h, nq, d = q.shape
+    nk = k.shape[2]
+    qs, ks, vs, os_ = q.stride(), k.stride(), v.stride(), o.stride()
+    p = abi.AttnParams(
+        q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lse.data_ptr() if lse is not None else None,
+        b, h, k.shape[1], nq, nk, d,
+        qs[0], qs[1], qs[2], ks[0], ks[1], ks[2], vs[0], vs[1], vs[2], os_[0], os_[1], os_[2],
+        1.0 / math.sqrt(d) if scale is None else float(scale),
+        causal_offset(nq, nk, causal_alignment) if causal else NO_MASK_OFFSET)
+    _set_features(p, dropout_p, seed, offset)
+    if bias is not None:
+        p.bias = bias.data_ptr()
+        p.bias_batch_stride, p.bias_head_stride, p.bias_row_stride = bias.stride()[:3]
+    return p
+
+
+def params_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor | None,
+                  cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
+                  *, causal: bool, scale: float | None, dropout_p: float = 0.0, seed: int = 0,
+                  offset: int = 0) -> abi.AttnParams:
+    """The C ABI params of a variable-length call: packed q, o [Tq, H, d], k, v [Tk, Hkv, d]; LSE
+    [B, H, max_seqlen_q]; causal is top-left within each sequence."""
+    h, d = q.shape[1], q.shape[2]
+    qs, ks, vs, os_ = q.stride(), k.stride(), v.stride(), o.stride()
+    p = abi.AttnParams(
+        q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lse.data_ptr() if lse is not None else None,
+        cu_seqlens_q.shape[0] - 1, h, k.shape[1], max_seqlen_q, max_seqlen_k, d,
+        0, qs[1], qs[0], 0, ks[1], ks[0], 0, vs[1], vs[0], 0, os_[1], os_[0],
+        1.0 / math.sqrt(d) if scale is None else float(scale), 0 if causal else NO_MASK_OFFSET)
+    _set_features(p, dropout_p, seed, offset)
+    p.cu_seqlens_q, p.cu_seqlens_k = cu_seqlens_q.data_ptr(), cu_seqlens_k.data_ptr()
+    return p
+
+
+def _set_features(p: abi.AttnParams, dropout_p: float, seed: int, offset: int) -> None:
+    if dropout_p > 0.0:
+        p.dropout_p, p.dropout_seed, p.dropout_offset = dropout_p, seed, offset
+
+
+def draw_seed(index: int, draws: int) -> tuple[int, int]:
+    """(seed, offset) for dropout from torch's CUDA generator of device `index`, advancing it past
+    `draws` 32-bit Philox outputs, so that torch.manual_seed makes the masks reproducible."""
+    gen = torch.cuda.default_generators[index]
+    base = gen.get_offset()
+    try:
+        gen.set_offset(base + -(-draws // 4) * 4)
+    except RuntimeError:  # a generator in CUDA graph capture: the captured call keeps its mask
+        pass
+    return gen.initial_seed(), base
+
+
+def launch(kernel: Any, p: abi.AttnParams, index: int) -> None:
+    """Run `kernel` with `p` on CUDA device `index` and its current stream. A kernel that always
+    writes LSE (its info flags say so) gets a scratch buffer when the caller wants none; the call
+    then runs on a copy of `p`, so a caller that launches the same params again (the tuner) never
+    hands the kernel this call's buffer after it is freed."""
+    if not p.lse and kernel.needs_lse:
+        scratch = torch.empty(p.batch * p.heads * p.seqlen_q, dtype=torch.float32, device=f"cuda:{index}")
+        p = type(p).from_buffer_copy(p)
+        p.lse = scratch.data_ptr()  # the caching allocator reuses it only after this stream's work
+    if torch.cuda.current_device() == index:
+        kernel.run(p, _raw_stream(index))
+    else:
+        with torch.cuda.device(index):
+            kernel.run(p, _raw_stream(index))

@@ -1,0 +1,287 @@
+"""fused_attention: validate the tensors, then call the gemmgen::fused_attention custom op
+(gemmgen.ops.torch_op), which selects an instance and launches it."""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor
+
+from gemmgen.kernels import launch
+from gemmgen.select import selection
+from gemmgen.ops import torch_op
+from gemmgen.ops.grad import check_no_grad
+from gemmgen.errors import DeviceError, InputError
+from gemmgen.select.problem import ALIGN_BYTES
+from gemmgen.ops.reference import ALIGNMENTS
+from gemmgen.generator.space import supported_head_dims
+
+DTYPES = launch.DTYPE_NAMES
+ALIGN_ELEMENTS = 8  # strides in elements: 8 x 2 bytes keeps every row start 16-byte aligned
+INT32_MAX = 2**31 - 1
+HEAD_DIMS = supported_head_dims()
+
+
+def _check_strides(name: str, t: torch.Tensor) -> None:
+    (n0, n1, n2, n3), (s0, s1, s2, s3) = t.shape, t.stride()
+    # Dims of size 1 are never stepped over, so their strides do not matter.
+    if n3 > 1 and s3 != 1:
+        raise InputError(f"{name} must be contiguous in its last dim (head_dim); its strides are "
+                         f"{(s0, s1, s2, s3)}")
+    if (n0 > 1 and s0 % ALIGN_ELEMENTS) or (n1 > 1 and s1 % ALIGN_ELEMENTS) or (n2 > 1 and s2 % ALIGN_ELEMENTS):
+        raise InputError(f"{name}'s strides {(s0, s1, s2, s3)} must be multiples of {ALIGN_ELEMENTS} "
+                         f"elements (16 bytes) outside the last dim")
+
+
+def _check_out(out: torch.Tensor, q: torch.Tensor) -> None:
+    if not isinstance(out, torch.Tensor):
+        raise InputError(f"out must be a torch.Tensor, got {type(out).__name__}")
+    if out.shape != q.shape or out.dtype != q.dtype:
+        raise InputError(f"out must have q's shape {tuple(q.shape)} and dtype {q.dtype}; got "
+                         f"{tuple(out.shape)} {out.dtype}")
+    dims = sorted((s, n) for s, n in zip(out.stride(), out.shape) if n > 1)
+    if any(s2 < s1 * n1 for (s1, n1), (s2, _) in zip(dims, dims[1:])) or (dims and dims[0][0] == 0):
+        raise InputError(f"out's elements overlap (strides {tuple(out.stride())})")
+    _check_strides("out", out)
+
+
+def _validate(q, k, v, out, *, device: bool = True) -> None:
+    """Every check that needs only the tensors' metadata (so torch.compile traces it), and the data
+    pointers' alignment outside of tracing; the device checks last unless device=False."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise InputError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise InputError(f"{name} must be 4-D ([batch, heads, seqlen, head_dim]); got shape "
+                             f"{tuple(t.shape)}")
+    if not q.dtype == k.dtype == v.dtype or q.dtype not in DTYPES:
+        raise InputError(f"q, k, v must share one dtype among torch.float16, torch.bfloat16; got "
+                         f"{q.dtype}, {k.dtype}, {v.dtype}")
+    (b, h, _, d), (bk, hk, nk, dk), (bv, hv, nv, dv) = q.shape, k.shape, v.shape
+    if not d == dk == dv or d not in HEAD_DIMS:
+        raise InputError(f"head_dim must be equal across q, k, v and one of {HEAD_DIMS}; got {d}, {dk}, {dv}")
+    if not b == bk == bv:
+        raise InputError(f"batch must be equal across q, k, v; got {b}, {bk}, {bv}")
+    if nk != nv:
+        raise InputError(f"k and v must have the same seqlen; got {nk} and {nv}")
+    if hk != hv or hk == 0 or h % hk:
+        raise InputError(f"k and v must have the same number of heads, dividing q's {h} (GQA/MQA); "
+                         f"got {hk} and {hv}")
+    if max(*q.shape, *k.shape) > INT32_MAX:
+        raise InputError(f"sizes must fit in int32; got {tuple(q.shape)}, {tuple(k.shape)}")
+    _check_strides("q", q)
+    _check_strides("k", k)
+    _check_strides("v", v)
+    if out is not None:
+        _check_out(out, q)
+    if not torch.compiler.is_compiling() and not isinstance(q, FakeTensor):  # the op checks them too
+        if (q.data_ptr() | k.data_ptr() | v.data_ptr() | (out.data_ptr() if out is not None else 0)) % ALIGN_BYTES:
+            for name, t in (("q", q), ("k", k), ("v", v), ("out", out)):
+                if t is not None and t.data_ptr() % ALIGN_BYTES:
+                    raise InputError(f"{name}'s data pointer is not {ALIGN_BYTES}-byte aligned "
+                                     f"(storage offset {t.storage_offset()})")
+    if device:
+        _check_device(q, k, v, out)
+
+
+def _check_device(q, k, v, out) -> None:
+    if not q.device == k.device == v.device or (out is not None and out.device != q.device):
+        devices = {t.device for t in (q, k, v, out) if t is not None}
+        raise InputError(f"q, k, v{', out' if out is not None else ''} must be on one device; got "
+                         f"{', '.join(sorted(map(str, devices)))}")
+    if q.device.type != "cuda":
+        gpu = "" if torch.cuda.is_available() else f"; this torch ({torch.__version__}) sees no CUDA GPU"
+        raise DeviceError(f"fused_attention needs a CUDA GPU: the tensors are on {q.device}{gpu}")
+
+
+def _check_args(causal_alignment: str, scale: float | None) -> float | None:
+    if causal_alignment not in ALIGNMENTS:
+        raise InputError(f"causal_alignment {causal_alignment!r}; supported: {', '.join(ALIGNMENTS)}")
+    if isinstance(scale, bool) or not (scale is None or isinstance(scale, (int, float))):
+        raise InputError(f"scale must be a float or None, got {type(scale).__name__}")
+    if scale is not None and not math.isfinite(scale):
+        raise InputError(f"scale must be finite, got {scale}")
+    return None if scale is None else float(scale)
+
+
+SEED_LIMIT = 2**63  # seeds and offsets travel as int64 through the torch op
+
+
+def _check_dropout(dropout_p: float, seed: int | None, offset: int) -> float:
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
+        raise InputError(f"dropout_p must be a float, got {type(dropout_p).__name__}")
+    if not 0.0 <= dropout_p < 1.0:
+        raise InputError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    for name, value in (("seed", seed), ("offset", offset)):
+        if value is None and name == "seed":
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < SEED_LIMIT:
+            raise InputError(f"{name} must be an int in [0, 2**63), got {value!r}")
+    return float(dropout_p)
+
+
+def _padded_copy(mask: torch.Tensor) -> torch.Tensor:
+    """mask ([B or 1, H or 1, Nq, Nk] view) copied into rows padded to a multiple of ALIGN_ELEMENTS: the
+    kernel reads the mask in 16-byte vectors, up to the padded end of a row."""
+    b, h, nq, nk = mask.shape
+    padded = -(-nk // ALIGN_ELEMENTS) * ALIGN_ELEMENTS
+    store = mask.new_empty((b, h, nq, padded))
+    store[..., :nk].copy_(mask)
+    return store[..., :nk]
+
+
+def _prepare_mask(attn_mask: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
+    """attn_mask as the op's bias: q's dtype, [B, H, Nq, Nk] by its strides (0 where it broadcasts
+    over batch, heads or rows), rows contiguous, 16-byte aligned and padded to 8 elements."""
+    if attn_mask is None:
+        return None
+    if not isinstance(attn_mask, torch.Tensor):
+        raise InputError(f"attn_mask must be a torch.Tensor, got {type(attn_mask).__name__}")
+    if attn_mask.device != q.device:
+        raise InputError(f"attn_mask must be on q's device {q.device}; got {attn_mask.device}")
+    if attn_mask.dtype == torch.bool:  # True: take part (torch's convention)
+        attn_mask = torch.zeros(attn_mask.shape, dtype=q.dtype, device=q.device).masked_fill(
+            ~attn_mask, float("-inf"))
+    if attn_mask.dtype != q.dtype:
+        raise InputError(f"attn_mask must be torch.bool or q's dtype {q.dtype}; got {attn_mask.dtype}")
+    b, h, nq, _ = q.shape
+    nk = k.shape[2]
+    if attn_mask.dim() > 4:
+        raise InputError(f"attn_mask must have at most 4 dims; got shape {tuple(attn_mask.shape)}")
+    try:
+        full = attn_mask.expand(b, h, nq, nk)
+    except RuntimeError:
+        raise InputError(f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to "
+                         f"[B, H, Nq, Nk] = {[b, h, nq, nk]}") from None
+    # Keep the broadcast over batch and heads (stride 0); materialize what the kernel cannot read.
+    compact = full[:1 if full.stride(0) == 0 else b, :1 if full.stride(1) == 0 else h]
+    s0, s1, s2, s3 = compact.stride()
+    aligned = (s3 == 1 or nk == 1) and s2 % ALIGN_ELEMENTS == 0 and s1 % ALIGN_ELEMENTS == 0 \
+        and s0 % ALIGN_ELEMENTS == 0 and nk % ALIGN_ELEMENTS == 0 and nk > 1
+    if not aligned or torch.compiler.is_compiling() or isinstance(q, FakeTensor) or \
+            compact.data_ptr() % ALIGN_BYTES:
+        compact = _padded_copy(compact)
+    return compact.expand(b, h, nq, nk)
+
+
+def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
+                    causal_alignment: str = "top_left", scale: float | None = None,
+                    return_lse: bool = False, instance: str | None = None,
+                    out: torch.Tensor | None = None, dropout_p: float = 0.0, seed: int | None = None,
+                    offset: int = 0,
+                    attn_mask: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """O = softmax(scale * Q K^T + mask) V on the GPU, without copying the inputs.
+
+    q: [B, H, Nq, d]; k, v: [B, Hkv, Nk, d], Hkv dividing H (GQA/MQA); fp16 or bf16; any strides
+    with a contiguous last dim, other strides multiples of 8 elements and 16-byte aligned data
+    (a [B, N, H, d] tensor passes as x.transpose(1, 2)). causal_alignment "top_left" (torch's) lets
+    query i see keys j <= i; "bottom_right" (FlashAttention's) keys j <= i + Nk - Nq. scale defaults
+    to 1/sqrt(d). O comes back in q's layout (or is written into `out`); with return_lse, also the
+    float32 natural-log LSE [B, H, Nq] (-inf and O = 0 for a row that sees no key).
+    `instance` forces a built instance by name. Runs on the inputs' device and current stream, as
+    the torch custom op torch.ops.gemmgen.fused_attention (torch.compile and CUDA graphs work).
+    There is no backward pass: with grad mode on, inputs that require grad raise InputError.
+
+    dropout_p zeroes each attention weight with that probability and scales the rest by
+    1/(1 - dropout_p); the mask is a function of (seed, offset) and the weight's position
+    (Philox), so the same pair gives the same mask. seed=None draws one from torch's CUDA generator
+    (torch.manual_seed makes it reproducible; a CUDA graph replays the mask it captured).
+    attn_mask is added to the scaled scores, broadcastable to [B, H, Nq, Nk] like torch SDPA's float
+    mask, in q's dtype (a bool mask becomes 0 where True and -inf where False).
+    """
+    check_no_grad("fused_attention", q=q, k=k, v=v, attn_mask=attn_mask)
+    scale = _check_args(causal_alignment, scale)
+    dropout_p = _check_dropout(dropout_p, seed, offset)
+    _validate(q, k, v, out, device=False)
+    bias = _prepare_mask(attn_mask, q, k)
+    _check_device(q, k, v, out)
+    causal = bool(causal)
+    features = (dropout_p, seed, offset, bias)
+    if out is None:
+        o, lse = torch_op.fused_attention_op(q, k, v, causal, causal_alignment, scale, return_lse, instance,
+                                             *features)
+    else:
+        lse = torch_op.fused_attention_out_op(q, k, v, out, causal, causal_alignment, scale, return_lse,
+                                              instance, *features)
+        o = out
+    return (o, lse) if return_lse else o
+
+
+def _check_cu_seqlens(name: str, cu: torch.Tensor, total: int, max_seqlen: int, device: torch.device) -> None:
+    if not isinstance(cu, torch.Tensor) or cu.dtype != torch.int32 or cu.dim() != 1 or cu.shape[0] < 2:
+        raise InputError(f"{name} must be a 1-D torch.int32 tensor of batch + 1 offsets; got "
+                         f"{getattr(cu, 'dtype', type(cu).__name__)} of shape {tuple(getattr(cu, 'shape', ()))}")
+    if cu.device != device:
+        raise InputError(f"{name} must be on the tensors' device {device}; got {cu.device}")
+    if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int) or not 0 <= max_seqlen <= INT32_MAX:
+        raise InputError(f"max_seqlen for {name} must be an int in [0, 2**31), got {max_seqlen!r}")
+    # Reading the values needs a sync: not while tracing (checked first: tracing cannot evaluate
+    # is_current_stream_capturing) nor while capturing a CUDA graph.
+    if torch.compiler.is_compiling() or isinstance(cu, FakeTensor) or (
+            cu.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return  # the values cannot be read while tracing or capturing
+    values = cu.tolist()
+    lengths = [b - a for a, b in zip(values, values[1:])]
+    if values[0] != 0 or min(lengths) < 0:
+        raise InputError(f"{name} must start at 0 and never decrease; got {values[:8]}{'...' * (len(values) > 8)}")
+    if values[-1] != total:
+        raise InputError(f"{name} ends at {values[-1]}, the packed tensor has {total} rows")
+    if max(lengths) > max_seqlen:
+        raise InputError(f"max_seqlen {max_seqlen} is below {name}'s longest sequence, {max(lengths)}")
+
+
+def fused_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                           cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, *,
+                           causal: bool = False, scale: float | None = None, return_lse: bool = False,
+                           instance: str | None = None, dropout_p: float = 0.0, seed: int | None = None,
+                           offset: int = 0) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Attention over packed sequences of different lengths (FlashAttention's varlen API).
+
+    q: [Tq, H, d]; k, v: [Tk, Hkv, d], Hkv dividing H; sequence b is rows cu_seqlens_q[b] to
+    cu_seqlens_q[b + 1] of q and cu_seqlens_k[b] to cu_seqlens_k[b + 1] of k and v (int32, batch + 1
+    entries, starting at 0); max_seqlen_q/k bound the lengths. causal is top-left within each
+    sequence (query i sees keys j <= i). Returns O [Tq, H, d] and with return_lse the float32 LSE
+    [B, H, max_seqlen_q] (-inf past a sequence's end and where no key is seen). dropout_p, seed and
+    offset as in fused_attention. The cu_seqlens values are checked (a device-to-host copy) outside
+    torch.compile and CUDA graph capture; a non-contiguous cu_seqlens view is copied to a contiguous
+    one (the kernel reads the offsets as an array).
+    """
+    check_no_grad("fused_attention_varlen", q=q, k=k, v=v)
+    scale = _check_args("top_left", scale)
+    dropout_p = _check_dropout(dropout_p, seed, offset)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 3:
+            raise InputError(f"{name} must be a 3-D torch.Tensor ([total_tokens, heads, head_dim]); got "
+                             f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+    if k.shape[0] != v.shape[0]:
+        raise InputError(f"k and v must have the same number of rows; got {k.shape[0]} and {v.shape[0]}")
+    # As [1, H, T, d] views the 4-D checks apply: dtype, head dim, heads, strides, device.
+    views = [t.unsqueeze(0).transpose(1, 2) for t in (q, k, v)]
+    _validate(*views, None, device=False)
+    _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q, q.device)
+    _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k, q.device)
+    if cu_seqlens_q.shape[0] != cu_seqlens_k.shape[0]:
+        raise InputError(f"cu_seqlens_q and cu_seqlens_k must have the same length; got "
+                         f"{cu_seqlens_q.shape[0]} and {cu_seqlens_k.shape[0]}")
+    _check_device(*views, None)
+    o, lse = torch_op.fused_attention_varlen_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                                bool(causal), scale, return_lse, instance, dropout_p, seed, offset)
+    return (o, lse) if return_lse else o
+
+
+def explain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
+            instance: str | None = None, dropout_p: float = 0.0,
+            attn_mask: torch.Tensor | None = None) -> selection.Decision:
+    """The decision fused_attention makes for these tensors: candidates, rejects with their reasons,
+    winner and its source (decision.report() gives the text `gemmgen explain` prints)."""
+    _validate(q, k, v, None)
+    dropout_p = _check_dropout(dropout_p, None, 0)
+    bias = _prepare_mask(attn_mask, q, k)
+    return selection.decide(launch.problem_for(q, k, causal, v=v, dropout=dropout_p > 0.0, bias=bias), instance)
+
+
+def selected_instance(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
+                      instance: str | None = None) -> str:
+    """The name of the instance fused_attention would run for these tensors."""
+    _validate(q, k, v, None)
+    return selection.select(launch.problem_for(q, k, causal), instance).name

@@ -1,0 +1,166 @@
+"""The heuristic that picks an instance when the tuning database has nothing for a problem.
+
+A simple cost model, from the instance's tile (params block_m, block_n), threads and shared memory:
+
+- Work of one CTA: its padded query rows (block_m) times the key columns it computes (the keys it
+  can see rounded up to block_n; for causal, top-left alignment, row tile i sees (i+1)*block_m
+  keys), so a tall tile on a short sequence pays for the rows it pads.
+- Residency: CTAs per SM = the fewest of shared memory per SM / (smem + 1 KB reserved), threads per
+  SM / threads, and registers: 64K per SM at ASSUMED_REGS_PER_THREAD (ptxas gives this family's
+  tiles 255) allocated per warp in units of 256.
+- Pipeline: a CTA's first K/V loads are exposed, as if it computed PROLOGUE_COLS more key columns,
+  divided by the instance's `stages` param (1 if absent): K/V buffers loading ahead hide them.
+- Time: waves = ceil(CTAs / (SMs * CTAs per SM)), each as long as the mean CTA work divided by
+  the CTA's share of the SM (warps / 8, no more than 1: 8 resident warps keep an SM busy), and
+  by the family's RELATIVE_SPEED (its measured throughput per unit of this work against fa2_sm80's,
+  1 if the family states none): a wgmma kernel does the same tile work about twice as fast.
+
+The model knows nothing of how efficient each tile's code is, so the family's DEFAULT tile (the
+one measured best at most shapes) keeps the pick unless another candidate's estimate is at least
+PREFER_MARGIN lower. Among estimates within TIE of the best, the tile closest to the default wins
+(fewest doublings between their integer params), then the earlier build directory, then the name.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+from gemmgen.select.problem import Problem
+from gemmgen.generator.space import family_named
+
+ASSUMED_REGS_PER_THREAD = 255
+REGS_PER_SM = 65536
+REG_ALLOC_UNIT = 256  # registers are allocated per warp in units of 256
+SMEM_RESERVED_PER_CTA = 1024
+WARPS_TO_FILL_SM = 8
+# Calibrated on every tile of the H200 sweep (bench/results/sm80_fa_sweep_h200_candidates.txt):
+# the pick is 0.987 of the best on average (0.946 at worst) against 0.979 (0.874) for the default
+# tile alone. Two stages pay at N = 512 (+5-14%, one exposed 128-column load out of 8 key tiles) and
+# are noise from N = 2048; a 64-row tile's 10% less causal work at N = 512 pays at d128, while its
+# 5.6% at N = 1024 does not (0.95-0.96x), hence the 8% margin.
+PREFER_MARGIN = 0.08
+PROLOGUE_COLS = 128.0
+TIE = 0.02
+
+
+@dataclasses.dataclass(frozen=True)
+class Estimate:
+    """The model's view of one candidate on one problem (time in arbitrary units)."""
+
+    ctas: int
+    ctas_per_sm: int
+    waves: int
+    padded_rows: int
+    time: float
+
+    def describe(self) -> str:
+        """e.g. "2048 CTAs, 2/SM, 8 waves, est 1.05e+08"."""
+        return (f"{self.ctas} CTAs, {self.ctas_per_sm}/SM, {self.waves} wave{'s' * (self.waves != 1)}, "
+                f"est {self.time:.3g}")
+
+
+def _sum_ceil(count: int, step: int, unit: int) -> int:
+    """sum over j = 1..count of ceil(j * step / unit) * unit, in closed form per period."""
+    if count <= 0:
+        return 0
+    g = math.gcd(step, unit)
+    period = unit // g  # after `period` terms the value grows by step * period exactly
+    first = [-(-j * step // unit) * unit for j in range(1, min(count, period) + 1)]
+    if count <= period:
+        return sum(first)
+    full, rest = divmod(count, period)
+    grow = step * period  # added to each term of a later period
+    total = full * sum(first) + grow * period * full * (full - 1) // 2
+    total += sum(first[:rest]) + rest * grow * full
+    return total
+
+
+def ctas_per_sm(smem_bytes: int, threads: int, problem: Problem) -> int:
+    """Resident CTAs per SM, limited by shared memory, threads and registers (at least 1)."""
+    dev = problem.device
+    smem_per_sm = dev.smem_per_sm or dev.smem_per_block
+    by_smem = smem_per_sm // (smem_bytes + SMEM_RESERVED_PER_CTA) if smem_bytes else 32
+    warps = max(1, -(-threads // 32))
+    regs_per_warp = -(-ASSUMED_REGS_PER_THREAD * 32 // REG_ALLOC_UNIT) * REG_ALLOC_UNIT
+    by_regs = REGS_PER_SM // (regs_per_warp * warps)
+    by_threads = dev.max_threads_per_sm // max(threads, 1)
+    return max(1, min(by_smem, by_regs, by_threads))
+
+
+def estimate(entry: Any, problem: Problem) -> Estimate:
+    """The model's estimate for a manifest entry (block_m, block_n read from its params; 1 if absent)."""
+    block_m = int(entry.params.get("block_m", 1))
+    block_n = int(entry.params.get("block_n", 1))
+    row_tiles = -(-problem.seqlen_q // block_m)
+    keys_full = -(-problem.seqlen_k // block_n) * block_n
+    if problem.causal:
+        # Row tile i sees min(Nk, (i+1)*block_m) keys: the tiles before the key end is reached
+        # grow by block_m each, the rest compute every key tile.
+        growing = min(row_tiles, problem.seqlen_k // block_m)
+        cols = _sum_ceil(growing, block_m, block_n) + (row_tiles - growing) * keys_full
+    else:
+        cols = row_tiles * keys_full
+    ctas = row_tiles * problem.batch_heads
+    per_sm = ctas_per_sm(entry.smem_bytes, entry.threads, problem)
+    waves = -(-ctas // (problem.device.sm_count * per_sm)) if ctas else 0
+    share = min(1.0, (entry.threads / 32) / WARPS_TO_FILL_SM)
+    stages = max(1, int(entry.params.get("stages", 1)))
+    mean_work = block_m * (cols / row_tiles + PROLOGUE_COLS / stages) if row_tiles else 0.0
+    return Estimate(ctas=ctas, ctas_per_sm=per_sm, waves=waves, padded_rows=row_tiles * block_m,
+                    time=waves * mean_work / share / relative_speed(entry.family))
+
+
+def relative_speed(family: str) -> float:
+    """The family's RELATIVE_SPEED (1 for a family that states none or is unknown)."""
+    try:
+        return float(getattr(family_named(family), "RELATIVE_SPEED", 1.0))
+    except KeyError:
+        return 1.0
+
+
+def _default_params(cand: Any) -> dict[str, Any] | None:
+    try:
+        family = family_named(cand.entry.family)
+    except KeyError:
+        return None
+    params = cand.entry.params
+    for inst in family.DEFAULT:
+        default = inst.params()
+        if all(params.get(k) == v for k, v in default.items() if not _is_size(k, v)):
+            return default
+    return None
+
+
+def _is_size(key: str, value: Any) -> bool:
+    """A tile-size param (an int other than head_dim): what the tile distance counts."""
+    return isinstance(value, int) and not isinstance(value, bool) and key != "head_dim"
+
+
+def tile_distance(cand: Any) -> float:
+    """Doublings between the candidate's integer params and its family's DEFAULT instance for the
+    same dtype, head_dim and mask (0 for the default itself; large when there is no default)."""
+    default = _default_params(cand)
+    if default is None:
+        return 1e9
+    params = cand.entry.params
+    gap = 0.0
+    for key, value in default.items():
+        if _is_size(key, value):
+            mine = params.get(key)
+            gap += abs(math.log2(mine / value)) if isinstance(mine, int) and mine > 0 and value > 0 else 1.0
+    return gap
+
+
+def choose(cands: list[Any], problem: Problem) -> tuple[Any, dict[str, Estimate]]:
+    """The heuristic's pick among `cands` (not empty) and each candidate's estimate, by name."""
+    estimates = {c.name: estimate(c.entry, problem) for c in cands}
+    best_time = min(e.time for e in estimates.values())
+    defaults = [c for c in cands if tile_distance(c) == 0]
+    if defaults:
+        default = min(defaults, key=lambda c: (estimates[c.name].time, c.order, c.name))
+        if estimates[default.name].time <= best_time / (1 - PREFER_MARGIN):
+            return default, estimates
+    near = [c for c in cands if estimates[c.name].time <= best_time * (1 + TIE)]
+    pick = min(near, key=lambda c: (tile_distance(c), estimates[c.name].time, c.order, c.name))
+    return pick, estimates

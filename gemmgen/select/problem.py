@@ -1,0 +1,90 @@
+"""A problem: what decides which instances can run a call (the functional key) and which of them
+wins (the sizes, through their bucket)."""
+from __future__ import annotations
+
+import dataclasses
+
+from gemmgen.select import buckets
+from gemmgen.select.device import DeviceFacts
+
+ALIGN_BYTES = 16  # data pointers and outer strides; the kernels load 16 bytes per thread per copy
+
+
+def layout_kind(q_strides: tuple[int, ...], k_strides: tuple[int, ...]) -> str:
+    """ "bhnd" when Q's and K's rows lie inside their heads ([B, H, N, d] storage order), "bnhd"
+    when their heads lie inside their rows ([B, N, H, d] storage), "mixed" otherwise."""
+    q_rows_inner = q_strides[2] <= q_strides[1]
+    k_rows_inner = k_strides[2] <= k_strides[1]
+    if q_rows_inner == k_rows_inner:
+        return "bhnd" if q_rows_inner else "bnhd"
+    return "mixed"
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    """One attention call as the registry sees it.
+
+    Functional key (selects the candidates): dtype, head_dim, causal, the GPU (`device`), the
+    layout kind, the GQA ratio H / Hkv and the byte alignment of the data, and what only some
+    families run: the causal alignment, a negative or zero scale, dropout, an additive bias, variable
+    lengths, element offsets past int32. Sizes (select the winner, through `bucket`):
+    batch_heads = B * H, seqlen_q, seqlen_k.
+    """
+
+    dtype: str  # "fp16" | "bf16"
+    head_dim: int
+    causal: bool
+    device: DeviceFacts
+    batch_heads: int = 1
+    seqlen_q: int = 1
+    seqlen_k: int = 1
+    gqa: int = 1
+    layout: str = "bhnd"
+    align: int = ALIGN_BYTES
+    causal_alignment: str = "top_left"
+    negative_scale: bool = False
+    zero_scale: bool = False
+    dropout: bool = False
+    bias: bool = False
+    varlen: bool = False
+    max_offset: int = 0  # the largest element offset from a tensor's data pointer the call reaches
+
+    @property
+    def cc(self) -> tuple[int, int]:
+        """The GPU's compute capability."""
+        return self.device.cc
+
+    @property
+    def smem_limit(self) -> int:
+        """Shared memory one block may opt into on the GPU, bytes."""
+        return self.device.smem_per_block
+
+    @property
+    def mask(self) -> str:
+        """The instance-parameter spelling of the mask: "causal" or "none"."""
+        return "causal" if self.causal else "none"
+
+    @property
+    def functional_key(self) -> str:
+        """The part of the functional key a tuning database files entries under (the GPU is the
+        database itself; layout and GQA ratio are in the bucket), e.g. "bf16_d128_causal_a16"."""
+        features = "".join(f"_{name}" for name in ("dropout", "bias", "varlen") if getattr(self, name))
+        return f"{self.dtype}_d{self.head_dim}_{self.mask}_a{self.align}{features}"
+
+    @property
+    def bucket(self) -> buckets.Bucket:
+        """The size bucket of this problem."""
+        return buckets.bucket_of(layout=self.layout, gqa=self.gqa, batch_heads=self.batch_heads,
+                                 seqlen_q=self.seqlen_q, seqlen_k=self.seqlen_k)
+
+    def describe(self) -> str:
+        """A one-line description of the functional key, for messages."""
+        mask = "no mask" if not self.causal else "causal" if self.causal_alignment == "top_left" else \
+            f"causal ({self.causal_alignment})"
+        extra = "".join(f", {name}" for name in ("dropout", "bias", "varlen") if getattr(self, name))
+        return f"{self.dtype} head_dim={self.head_dim} {mask}{extra} on sm_{self.cc[0]}{self.cc[1]}"
+
+    def describe_sizes(self) -> str:
+        """The sizes and the rest of the key, for `gemmgen explain`."""
+        return (f"B*H={self.batch_heads} Nq={self.seqlen_q} Nk={self.seqlen_k}, layout {self.layout}, "
+                f"GQA ratio {self.gqa}, {self.align}-byte aligned")

@@ -1,0 +1,290 @@
+"""Autotune: measure every candidate of a problem, check each one's output, remember the times.
+
+For each shape: every candidate is first checked against the float64 reference on a small proxy
+problem of the same functional key (same dtype, head dim, mask, layout kind, GQA ratio), then
+timed (gemmgen.select.timing) on inputs of the real size, and its real-size output is checked on sampled
+rows. Candidates within CONTEND_MARGIN of the fastest are then timed again in CONTEND_ROUNDS
+rounds whose order rotates, each keeping the median of its times: one pass in a fixed order lets
+the GPU's clock, which the power cap moves within a second, favour one of two near-equal tiles.
+A candidate that fails to load or launch, or gives a wrong result, gets infinite time and
+keeps its reason; it can never win. All times go into the GPU's tuning database under the shape's
+bucket, so later calls in that bucket run the winner (gemmgen.select.selection, source "tuned").
+A kernel that corrupts the CUDA context (an illegal address) fails every later launch of the
+process as well; the reasons of the candidates after it then say so.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+import time
+import warnings
+import zlib
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+import torch
+
+from gemmgen.select import device as device_mod
+from gemmgen.kernels import launch
+from gemmgen.select import registry, timing, tuning_db
+from gemmgen.errors import CacheError, GemmgenError, GemmgenWarning
+from gemmgen.select.problem import ALIGN_BYTES, Problem
+from gemmgen.ops.reference import attention_reference
+from gemmgen.select.registry import Candidate
+from gemmgen.select.selection import WRONG_RESULT
+from gemmgen.select.shapes import Shape, parse_shape
+
+TOLERANCE = {"fp16": 2e-3, "bf16": 1e-2}  # relative Frobenius error ||O - ref|| / ||ref||
+LSE_TOLERANCE = 1e-3
+PROXY_LEN, PROXY_LEN_K = 257, 263  # odd: partial tiles and the causal diagonal are exercised
+SAMPLED_ROWS = 8
+# A tuning on the H200 picked a tile 0.7% ahead in its one pass that ran 10% behind in rounds of
+# alternating order (bench/NOTES.md, experiment 23).
+CONTEND_MARGIN = 1.05
+CONTEND_ROUNDS = 3
+
+Progress = Callable[[str], None]
+
+
+@dataclasses.dataclass
+class Measurement:
+    """One candidate on one shape: median ms (inf when it failed) and why it failed."""
+
+    name: str
+    content_hash: str
+    ms: float
+    reason: str | None = None
+    error: float | None = None  # relative error of the proxy check
+
+    @property
+    def ok(self) -> bool:
+        """True for a finite time."""
+        return math.isfinite(self.ms)
+
+
+@dataclasses.dataclass
+class TuneResult:
+    """What autotune measured for one shape."""
+
+    shape: Shape
+    problem: Problem
+    measurements: list[Measurement]
+    database: Path | None = None  # where the times were stored (None: not stored)
+
+    @property
+    def winner(self) -> Measurement | None:
+        """The fastest measurement that passed its checks."""
+        ok = [m for m in self.measurements if m.ok]
+        return min(ok, key=lambda m: m.ms) if ok else None
+
+
+class WrongResult(GemmgenError):
+    """A candidate's output does not match the reference."""
+
+
+def make_qkv(shape: Shape, index: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Fresh standard-normal q, k, v on device `index` in the shape's layout kind."""
+    dtype = launch.TORCH_DTYPES[shape.dtype]
+    gen = torch.Generator(device=f"cuda:{index}").manual_seed(seed)
+
+    def randn(heads: int, n: int, seq_outer: bool) -> torch.Tensor:
+        dims = (shape.batch, n, heads, shape.head_dim) if seq_outer else (shape.batch, heads, n, shape.head_dim)
+        t = torch.randn(dims, dtype=dtype, device=f"cuda:{index}", generator=gen)
+        return t.transpose(1, 2) if seq_outer else t
+
+    q_outer = shape.layout == "bnhd"
+    kv_outer = shape.layout in ("bnhd", "mixed")
+    return (randn(shape.heads, shape.seqlen_q, q_outer), randn(shape.kv_heads, shape.seqlen_k, kv_outer),
+            randn(shape.kv_heads, shape.seqlen_k, kv_outer))
+
+
+def proxy_shape(shape: Shape) -> Shape:
+    """A small problem of the same functional key, cheap to check against float64."""
+    gqa = shape.heads // shape.kv_heads
+    hkv = min(shape.kv_heads, 2)
+    nk = min(shape.seqlen_k, PROXY_LEN if shape.seqlen_q == shape.seqlen_k else PROXY_LEN_K)
+    return dataclasses.replace(shape, batch=1, heads=hkv * gqa, heads_kv=hkv,
+                               seqlen_q=min(shape.seqlen_q, PROXY_LEN), seqlen_k=nk)
+
+
+def _run(kernel: Any, q, k, v, o, lse, causal: bool) -> None:
+    launch.launch(kernel, launch.params(q, k, v, o, lse, causal=causal, causal_alignment="top_left",
+                                       scale=None), q.get_device())
+
+
+def check_proxy(kernel: Any, shape: Shape, index: int) -> float:
+    """Run `kernel` on the proxy problem and compare O and LSE with float64; returns the relative
+    error; raises WrongResult."""
+    small = proxy_shape(shape)
+    q, k, v = make_qkv(small, index, seed=zlib.crc32(small.spec().encode()))
+    o = launch.empty_like_layout(q).fill_(float("nan"))
+    lse = torch.full(q.shape[:3], float("nan"), dtype=torch.float32, device=q.device)
+    _run(kernel, q, k, v, o, lse, shape.causal)
+    ref, ref_lse = attention_reference(q, k, v, shape.causal)
+    err = ((o.double() - ref).norm() / ref.norm().clamp_min(1e-300)).item()
+    seen = torch.isfinite(ref_lse)
+    lse_gap = (lse.double() - ref_lse).abs() / ref_lse.abs().clamp_min(1.0)
+    lse_err = lse_gap[seen].max().item() if seen.any() else 0.0
+    if not torch.equal(torch.isneginf(lse), ~seen):
+        lse_err = math.inf
+    if not err <= TOLERANCE[shape.dtype] or not lse_err <= LSE_TOLERANCE:  # NaN fails
+        raise WrongResult(f"{WRONG_RESULT}: relative error {err:.2e} (tolerance {TOLERANCE[shape.dtype]:.0e}), "
+                          f"LSE error {lse_err:.2e} on {small.describe()}")
+    return err
+
+
+def check_sampled_rows(q, k, v, o, shape: Shape) -> None:
+    """Compare SAMPLED_ROWS rows of the first and last (batch, head) of a real-size output with
+    float64; raise WrongResult."""
+    group = shape.heads // shape.kv_heads
+    rows = torch.linspace(0, shape.seqlen_q - 1, SAMPLED_ROWS, device=q.device).long().unique()
+    for b, h in ((0, 0), (shape.batch - 1, shape.heads - 1)):
+        qs = q[b, h, rows].double()
+        ks, vs = k[b, h // group].double(), v[b, h // group].double()
+        scores = (qs @ ks.T) / math.sqrt(shape.head_dim)
+        if shape.causal:
+            cols = torch.arange(shape.seqlen_k, device=q.device)
+            scores = scores.masked_fill(cols[None, :] > rows[:, None], float("-inf"))
+        ref = torch.softmax(scores, dim=-1).nan_to_num(0.0) @ vs
+        err = ((o[b, h, rows].double() - ref).norm() / ref.norm().clamp_min(1e-300)).item()
+        if not err <= TOLERANCE[shape.dtype]:
+            raise WrongResult(f"{WRONG_RESULT}: relative error {err:.2e} on sampled rows of {shape.describe()}")
+
+
+def measure(cands: list[Candidate], shape: Shape, *, index: int, warmup: int = 5, reps: int = 30,
+            graph: bool = False, progress: Progress | None = None) -> list[Measurement]:
+    """Check and time every candidate on `shape` (see the module docstring)."""
+    facts = device_mod.facts(index)
+    with torch.cuda.device(index):
+        q0, k0, v0 = make_qkv(shape, index, seed=1)
+        set_bytes = sum(t.numel() * t.element_size() for t in (q0, k0, v0, q0))
+        copies, flush = timing.plan_copies(set_bytes, facts.l2_bytes, torch.cuda.mem_get_info(index)[0])
+        inputs = [(q0, k0, v0)] + [make_qkv(shape, index, seed=2 + i) for i in range(copies - 1)]
+        outs = [launch.empty_like_layout(q) for q, _, _ in inputs]
+        flush_buf = timing.flush_buffer(index, facts.l2_bytes) if flush and not graph else None
+        result, timers = [], []
+        for n, cand in enumerate(cands):
+            if progress:
+                progress(f"candidate {n + 1}/{len(cands)} {cand.name}")
+            m, timer = _measure_one(cand, shape, inputs, outs, index=index, warmup=warmup, reps=reps,
+                                    graph=graph, flush=flush_buf)
+            result.append(m)
+            timers.append(timer)
+        _contend(result, timers, progress)
+        del inputs, outs, flush_buf, timers
+    return result
+
+
+def _contend(result: list[Measurement], timers: list, progress: Progress | None) -> None:
+    """Re-time the candidates within CONTEND_MARGIN of the fastest in rotating rounds (in place)."""
+    best = min((m.ms for m in result if m.ok), default=math.inf)
+    close = [i for i, m in enumerate(result) if m.ok and m.ms <= best * CONTEND_MARGIN]
+    if len(close) < 2:
+        return
+    if progress:
+        progress(f"{len(close)} candidates within {CONTEND_MARGIN - 1:.0%}: {CONTEND_ROUNDS} rounds")
+    times = {i: [result[i].ms] for i in close}
+    try:
+        for rnd in range(CONTEND_ROUNDS):
+            for i in close[rnd % len(close):] + close[:rnd % len(close)]:
+                times[i].append(timers[i]())
+    except (GemmgenError, RuntimeError) as exc:
+        # A later candidate broke the CUDA context: the first pass's times stand.
+        warnings.warn(f"re-timing stopped ({exc}); first-pass times kept", GemmgenWarning, stacklevel=2)
+        return
+    for i in close:
+        result[i].ms = statistics.median(times[i])
+
+
+def _measure_one(cand: Candidate, shape: Shape, inputs, outs, *, index: int, warmup: int, reps: int,
+                 graph: bool, flush) -> tuple[Measurement, Callable[[], float] | None]:
+    """The candidate's measurement, and a function that times it again (None when it failed)."""
+    def failed(reason: str, error: float | None = None) -> tuple[Measurement, None]:
+        return Measurement(cand.name, cand.content_hash, math.inf, reason, error), None
+
+    try:
+        kernel = cand.kernel
+        err = check_proxy(kernel, shape, index)
+        # LSE buffers made here for kernels that always write LSE: no allocation inside the timed calls.
+        lses = [torch.empty(q.shape[0] * q.shape[1] * q.shape[2], dtype=torch.float32, device=q.device)
+                if kernel.needs_lse else None for q, _, _ in inputs]
+        prepared = [launch.params(q, k, v, o, lse, causal=shape.causal, causal_alignment="top_left", scale=None)
+                    for (q, k, v), o, lse in zip(inputs, outs, lses)]
+        outs[0].fill_(float("nan"))
+
+        def timer(_lses: list = lses) -> float:  # holds the LSE buffers as long as the timer lives
+            return timing.median_ms(lambda i: launch.launch(kernel, prepared[i], index), len(prepared),
+                                    warmup=warmup, reps=reps, graph=graph, flush=flush)
+        ms = timer()
+        check_sampled_rows(*inputs[0], outs[0], shape)
+    except WrongResult as exc:
+        return failed(str(exc))
+    except (GemmgenError, RuntimeError, OSError) as exc:
+        return failed(f"failed to run: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}")
+    return Measurement(cand.name, cand.content_hash, ms, None, err), timer
+
+
+def problem_of(shape: Shape, index: int) -> Problem:
+    """The Problem of a shape on device `index`."""
+    return Problem(dtype=shape.dtype, head_dim=shape.head_dim, causal=shape.causal,
+                   device=device_mod.facts(index), batch_heads=shape.batch * shape.heads,
+                   seqlen_q=shape.seqlen_q, seqlen_k=shape.seqlen_k,
+                   gqa=shape.heads // shape.kv_heads, layout=shape.layout, align=ALIGN_BYTES)
+
+
+def entries_of(result: TuneResult) -> tuning_db.Entries:
+    """The tuning-database entries of one result."""
+    now = time.time()
+    recs = {m.content_hash: tuning_db.Record(m.name, m.ms, m.reason, m.error, result.shape.spec(), now).to_json()
+            for m in result.measurements}
+    return {result.problem.functional_key: {result.problem.bucket.key: recs}}
+
+
+def store(result: TuneResult, *, strict: bool = True) -> Path | None:
+    """Write a result into the tuning database. With strict=False an unwritable cache is a warning
+    and the times are kept in memory for this process."""
+    fingerprint = result.problem.device.fingerprint()
+    try:
+        path = tuning_db.update(fingerprint, entries_of(result)).path
+    except (CacheError, OSError) as exc:
+        if strict:
+            raise
+        warnings.warn(f"gemmgen: tuning results not stored ({exc}); kept for this process only",
+                      GemmgenWarning, stacklevel=2)
+        tuning_db.remember(fingerprint, entries_of(result))
+        path = None
+    registry.refresh()  # cached decisions predate these times
+    return path
+
+
+def tune_shape(shape: Shape, *, index: int | None = None, candidates: list[Candidate] | None = None,
+               warmup: int = 5, reps: int = 30, graph: bool = False, save: bool = True,
+               strict: bool = True, progress: Progress | None = None) -> TuneResult:
+    """Measure every candidate of one shape (or `candidates`) and store the times (unless save=False)."""
+    index = torch.cuda.current_device() if index is None else index
+    problem = problem_of(shape, index)
+    cands = registry.candidates(problem)[0] if candidates is None else candidates
+    result = TuneResult(shape, problem, measure(cands, shape, index=index, warmup=warmup, reps=reps,
+                                                graph=graph, progress=progress))
+    if save and result.measurements:
+        result.database = store(result, strict=strict)
+    return result
+
+
+def autotune(problems: Iterable[Shape | str], *, device: int | None = None, warmup: int = 5, reps: int = 30,
+             graph: bool = False, save: bool = True) -> list[TuneResult]:
+    """Tune each problem (a Shape, or "B,H,N,d[,causal]" text for bf16) on CUDA device `device`
+    (default: the current one): every candidate checked and timed, the times stored in the tuning
+    database. Later fused_attention calls in the same size buckets run the winners."""
+    shapes = [parse_shape(p) if isinstance(p, str) else p for p in problems]
+    return [tune_shape(s, index=device, warmup=warmup, reps=reps, graph=graph, save=save) for s in shapes]
+
+
+def tune_call(q: torch.Tensor, k: torch.Tensor, causal: bool) -> TuneResult:
+    """Tune the bucket of one fused_attention call (GEMMGEN_AUTOTUNE=1), on fresh inputs of its shape."""
+    b, h, nq, d = q.shape
+    problem = launch.problem_for(q, k, causal)
+    shape = Shape(b, h, nq, k.shape[2], d, causal=causal, dtype=problem.dtype, heads_kv=k.shape[1],
+                  layout=problem.layout)
+    return tune_shape(shape, index=q.get_device(), strict=False)

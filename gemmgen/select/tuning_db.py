@@ -1,0 +1,279 @@
+"""The tuning database: every measured time of every candidate, per GPU and size bucket.
+
+One JSON file per GPU fingerprint (model, driver, CUDA, gemmgen version) in <cache>/tuning/:
+
+    {"schema": 1, "kind": "gemmgen-tuning", "device": {fingerprint},
+     "entries": {functional key: {bucket key: {instance content hash: record}}}}
+
+A record is {"name", "ms" (null: failed), "reason", "error" (relative error of the check), "shape",
+"at" (unix time)}. Keying by content hash keeps old measurements when instances are added, and
+drops them from use when an instance's code changes. Writers take <file>.lock, re-read the file,
+merge (per bucket and instance the most recent measurement wins) and replace it atomically, so
+concurrent processes lose nothing. A corrupt or foreign file is reported with a GemmgenWarning,
+renamed aside (<file>.corrupt-<time> / .foreign-<time>) and read as empty: it never fails an op.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import re
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Iterable
+
+import filelock
+
+from gemmgen import cache
+from gemmgen.errors import GemmgenWarning, TuningDatabaseError
+
+SCHEMA = 1
+KIND = "gemmgen-tuning"
+BUNDLE_KIND = "gemmgen-tuning-bundle"
+LOCK_TIMEOUT_S = 60.0
+
+Entries = dict[str, dict[str, dict[str, dict[str, Any]]]]  # functional key -> bucket -> hash -> record
+
+
+@dataclasses.dataclass(frozen=True)
+class Record:
+    """One measurement of one instance in one bucket."""
+
+    name: str
+    ms: float  # math.inf when it failed to launch or gave a wrong result
+    reason: str | None = None
+    error: float | None = None
+    shape: str | None = None
+    at: float = 0.0
+    # Batched GEMM tuning (gemmgen.cli.gemm.measure): ms is the time under sustained load in
+    # rotation with the other candidates, ms_short per call over short runs, ms_alone under
+    # sustained load with the GPU to itself (the finalists of long calls); None where not taken.
+    ms_short: float | None = None
+    ms_alone: float | None = None
+
+    @property
+    def ok(self) -> bool:
+        """True when the measurement is a finite time."""
+        return math.isfinite(self.ms)
+
+    def to_json(self) -> dict[str, Any]:
+        """The record as stored (ms null for infinity)."""
+        out = {"name": self.name, "ms": self.ms if self.ok else None, "reason": self.reason,
+               "error": self.error, "shape": self.shape, "at": self.at}
+        if self.ms_short is not None:
+            out["ms_short"] = self.ms_short
+        if self.ms_alone is not None:
+            out["ms_alone"] = self.ms_alone
+        return out
+
+    @staticmethod
+    def from_json(data: dict[str, Any]) -> "Record":
+        """The record of a stored dict; raise TuningDatabaseError if malformed."""
+        try:
+            ms = math.inf if data["ms"] is None else float(data["ms"])
+            short, alone = data.get("ms_short"), data.get("ms_alone")
+            return Record(name=str(data["name"]), ms=ms, reason=data.get("reason"),
+                          error=data.get("error"), shape=data.get("shape"), at=float(data.get("at", 0.0)),
+                          ms_short=None if short is None else float(short),
+                          ms_alone=None if alone is None else float(alone))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise TuningDatabaseError(f"malformed record {data!r}: {exc}") from None
+
+
+@dataclasses.dataclass
+class TuningDB:
+    """The contents of one database file."""
+
+    device: dict[str, Any]
+    entries: Entries = dataclasses.field(default_factory=dict)
+    path: Path | None = None
+
+    def buckets(self, functional_key: str) -> dict[str, dict[str, Record]]:
+        """bucket key -> content hash -> Record, for one functional key."""
+        return {b: {h: Record.from_json(r) for h, r in recs.items()}
+                for b, recs in self.entries.get(functional_key, {}).items()}
+
+    def add(self, functional_key: str, bucket_key: str, content_hash: str, record: Record) -> None:
+        """Add or replace one record (in memory)."""
+        self.entries.setdefault(functional_key, {}).setdefault(bucket_key, {})[content_hash] = record.to_json()
+
+    def count(self) -> int:
+        """The number of records."""
+        return sum(len(recs) for b in self.entries.values() for recs in b.values())
+
+    def to_json(self) -> dict[str, Any]:
+        """The file's JSON."""
+        return {"schema": SCHEMA, "kind": KIND, "device": self.device, "entries": self.entries}
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9.]+", "_", text).strip("_") or "gpu"
+
+
+def path_for(fingerprint: dict[str, Any], folder: Path | None = None) -> Path:
+    """The database file of a GPU fingerprint: <cache>/tuning/<gpu>-sm<cc>-<hash>.json."""
+    digest = hashlib.sha256(json.dumps(fingerprint, sort_keys=True).encode()).hexdigest()[:12]
+    name = f"{_slug(fingerprint['gpu'])}-sm{str(fingerprint['cc']).replace('.', '')}-{digest}.json"
+    return (folder or cache.cache_dir() / "tuning") / name
+
+
+def merge_entries(into: Entries, other: Entries) -> int:
+    """Merge `other` into `into`, the most recent record per (key, bucket, hash) winning; returns how
+    many records of `other` were taken."""
+    taken = 0
+    for fkey, bucket_map in other.items():
+        for bkey, recs in bucket_map.items():
+            mine = into.setdefault(fkey, {}).setdefault(bkey, {})
+            for chash, rec in recs.items():
+                if chash not in mine or float(rec.get("at", 0)) >= float(mine[chash].get("at", 0)):
+                    mine[chash] = rec
+                    taken += 1
+    return taken
+
+
+def _validate(data: Any, where: Path | str) -> TuningDB:
+    if not isinstance(data, dict) or data.get("kind") != KIND:
+        raise TuningDatabaseError(f"{where}: not a gemmgen tuning database")
+    if data.get("schema") != SCHEMA:
+        raise TuningDatabaseError(f"{where}: schema {data.get('schema')}, this gemmgen reads {SCHEMA}")
+    device, entries = data.get("device"), data.get("entries")
+    if not isinstance(device, dict) or not isinstance(entries, dict) or not {"gpu", "cc"} <= set(device):
+        raise TuningDatabaseError(f"{where}: lacks its device (gpu, cc) or entries")
+    for fkey, bucket_map in entries.items():
+        if not isinstance(bucket_map, dict) or not all(isinstance(r, dict) for r in bucket_map.values()):
+            raise TuningDatabaseError(f"{where}: entries[{fkey!r}] is malformed")
+        for bkey, recs in bucket_map.items():
+            for rec in recs.values():
+                try:
+                    Record.from_json(rec if isinstance(rec, dict) else {})
+                except TuningDatabaseError as exc:
+                    raise TuningDatabaseError(f"{where}: in {fkey} {bkey}: {exc}") from None
+    return TuningDB(device=device, entries=entries, path=Path(where) if isinstance(where, Path) else None)
+
+
+def _read_json(path: Path) -> object:
+    try:
+        return json.loads(Path(path).read_text())
+    except OSError as exc:
+        raise TuningDatabaseError(f"{path}: cannot read ({exc.strerror or exc})") from exc
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise TuningDatabaseError(f"{path}: not valid JSON ({exc})") from exc
+
+
+def read(path: Path) -> TuningDB:
+    """Read and validate a database file; raise TuningDatabaseError if it is not one."""
+    data = _read_json(path)
+    return _validate(data, Path(path))
+
+
+def _is_bad(path: Path, fingerprint: dict[str, Any]) -> bool:
+    try:
+        return read(path).device != fingerprint
+    except TuningDatabaseError:
+        return path.exists()
+
+
+def _set_aside(path: Path, fingerprint: dict[str, Any], tag: str, why: str) -> None:
+    """Rename a corrupt or foreign file out of the way (re-checked under the lock, since another
+    process may have replaced it meanwhile) and warn."""
+    aside: Path | None = path.with_name(f"{path.name}.{tag}-{time.strftime('%Y%m%dT%H%M%S')}")
+    try:
+        with filelock.FileLock(str(path) + ".lock", timeout=5):
+            if not _is_bad(path, fingerprint):
+                return
+            path.rename(aside)
+    except (OSError, filelock.Timeout):
+        aside = None
+    where = f"moved to {aside}" if aside else "left in place (could not move it)"
+    warnings.warn(f"gemmgen: ignoring tuning database {path}: {why}; {where}", GemmgenWarning, stacklevel=3)
+
+
+def load(path: Path, fingerprint: dict[str, Any]) -> TuningDB:
+    """The database at `path` for this GPU; an empty one if missing. A corrupt file or one for
+    another fingerprint is reported, set aside and read as empty (never raises)."""
+    path = Path(path)
+    if not path.exists():
+        return TuningDB(device=dict(fingerprint), path=path)
+    try:
+        db = read(path)
+    except TuningDatabaseError as exc:
+        if path.exists():
+            _set_aside(path, fingerprint, "corrupt", str(exc).removeprefix(f"{path}: "))
+        return TuningDB(device=dict(fingerprint), path=path)
+    if db.device != fingerprint:
+        diff = ", ".join(f"{k} {db.device.get(k)!r} != {v!r}" for k, v in fingerprint.items()
+                         if db.device.get(k) != v)
+        _set_aside(path, fingerprint, "foreign", f"made for another GPU or version ({diff or 'other fields'})")
+        return TuningDB(device=dict(fingerprint), path=path)
+    return db
+
+
+_cached: dict[Path, tuple[tuple[int, int], TuningDB]] = {}
+
+
+def cached(fingerprint: dict[str, Any]) -> TuningDB:
+    """The database of this GPU, re-read only when its file changed (for selection)."""
+    path = path_for(fingerprint)
+    try:
+        st = path.stat()
+        stamp = (st.st_mtime_ns, st.st_size)
+    except OSError:
+        stamp = (0, 0)
+    hit = _cached.get(path)
+    if hit is None or hit[0] != stamp:
+        hit = (stamp, load(path, fingerprint))
+        _cached[path] = hit
+    return hit[1]
+
+
+def remember(fingerprint: dict[str, Any], entries: Entries) -> None:
+    """Merge `entries` into this process's copy of the database only (when it cannot be written)."""
+    db = cached(fingerprint)
+    merge_entries(db.entries, entries)
+
+
+def update(fingerprint: dict[str, Any], entries: Entries, path: Path | None = None) -> TuningDB:
+    """Merge `entries` into the database of `fingerprint` under its file lock and write it back
+    atomically; returns the merged database. Raises CacheError when the folder is not writable."""
+    path = Path(path) if path is not None else path_for(fingerprint, cache.writable_dir("tuning"))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with filelock.FileLock(str(path) + ".lock", timeout=LOCK_TIMEOUT_S):
+        db = load(path, fingerprint)
+        merge_entries(db.entries, entries)
+        cache.atomic_write_text(path, json.dumps(db.to_json(), indent=1, sort_keys=True) + "\n")
+    _cached.pop(path, None)
+    return db
+
+
+def database_files(folder: Path | None = None) -> list[Path]:
+    """The database files in <cache>/tuning (or `folder`)."""
+    folder = folder or cache.cache_dir() / "tuning"
+    return sorted(p for p in folder.glob("*.json") if p.is_file())
+
+
+def export_bundle(paths: Iterable[Path], out: Path) -> int:
+    """Write the databases at `paths` into one bundle file; returns the number of databases."""
+    dbs = [read(p).to_json() for p in paths]
+    text = json.dumps({"schema": SCHEMA, "kind": BUNDLE_KIND, "databases": dbs}, indent=1, sort_keys=True)
+    cache.atomic_write_text(Path(out), text + "\n")
+    return len(dbs)
+
+
+def import_file(path: Path) -> list[tuple[Path, int]]:
+    """Merge a bundle (or a single database file) into the cache, each database into the file of
+    its own fingerprint; returns (database file, records taken) per database."""
+    data = _read_json(path)
+    if isinstance(data, dict) and data.get("kind") == BUNDLE_KIND:
+        if data.get("schema") != SCHEMA or not isinstance(data.get("databases"), list):
+            raise TuningDatabaseError(f"{path}: unsupported bundle (schema {data.get('schema')})")
+        dbs = [_validate(d, f"{path} database #{i}") for i, d in enumerate(data["databases"])]
+    else:
+        dbs = [_validate(data, path)]
+    done = []
+    for db in dbs:
+        target = path_for(db.device, cache.writable_dir("tuning"))
+        done.append((target, db.count()))
+        update(db.device, db.entries, target)
+    return done

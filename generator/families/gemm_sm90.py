@@ -1,0 +1,218 @@
+"""Batched GEMM for Hopper (sm_90a): CUTLASS 3.x kernels from the collective builders (TMA loads,
+wgmma, warp-specialized persistent schedules), strided (batch mode, L = batch * heads where the
+strides nest, else one launch per outer index) or pointer-array (CUTLASS's ptr-array kernels).
+TMA needs 16-byte aligned pointers and strides: odd strides and extents fall back to gemm_sm80's
+alignment-1 instances, whose sm_90 code runs here too.
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import hashlib
+import itertools
+
+from gemmgen.arch import Arch
+from gemmgen.generator.families.gemm_sm80 import (B_TRANSPOSED, DTYPE_BYTES, DTYPE_CPP, DTYPES, OUT_FP32, STRATEGIES,
+                                        STRATEGY_CPP, DType, Strategy)
+
+FAMILY = "gemm_sm90"
+KIND = "gemm"
+HEADER_DIRS = ("gemm_sm90", "gemm")  # under templates/include/gemmgen/: its build key covers them
+BUILT_BY_DEFAULT = False  # built when named: gemmgen generate --family gemm_sm90
+TEMPLATE = "gemm_sm90.cu.jinja"
+ARCHS = (Arch.SM90,)
+
+
+class Schedule(enum.Enum):
+    COOPERATIVE = "coop"
+    PINGPONG = "pp"
+
+
+SCHEDULE_CPP = {Schedule.COOPERATIVE: "Cooperative", Schedule.PINGPONG: "Pingpong"}
+
+
+class TileScheduler(enum.Enum):
+    """How output tiles are dealt to the persistent CTAs: whole tiles (one SM per tile) in
+    CUTLASS's static order; stream-K, which also splits the K loop of a tile over SMs when there
+    are too few tiles to fill the GPU (a few large matrices: B*H = 8, K = N of P x V) and fixes up
+    the partial sums; or in order, each cluster taking its next tile from a counter, so that the
+    tiles of a batch run together while its A and B are in L2 (gemm_sm90/in_order_scheduler.h)."""
+    PERSISTENT = "persistent"
+    STREAM_K = "streamk"
+    IN_ORDER = "inorder"
+
+
+TILE_SCHEDULER_CPP = {TileScheduler.PERSISTENT: "cutlass::gemm::PersistentScheduler",
+                      TileScheduler.STREAM_K: "cutlass::gemm::StreamKScheduler",
+                      TileScheduler.IN_ORDER: "gemmgen::gemm_sm90::InOrderScheduler"}
+SCHEDULER_NAME = {TileScheduler.STREAM_K: "stream-K", TileScheduler.IN_ORDER: "the in-order one"}
+COOPERATIVE_ONLY = {
+    TileScheduler.STREAM_K: "CUTLASS's sm90 stream-K scheduler runs with the cooperative schedule only",
+    TileScheduler.IN_ORDER: ("the in-order scheduler runs with the cooperative schedule only: CUTLASS's ping-pong "
+                             "kernel ends a dynamic schedule with a slot that only some of its readers release"),
+}
+TILE_SCHEDULER_SUFFIX = {TileScheduler.PERSISTENT: "", TileScheduler.STREAM_K: "_sk", TileScheduler.IN_ORDER: "_io"}
+
+# Axes.
+TILE_MS = (64, 128, 256)
+TILE_NS = (64, 128, 256)
+TILE_KS = (64,)  # 128 bytes of fp16/bf16: one TMA box row, the 128-byte swizzle
+SCHEDULES = tuple(Schedule)
+# CTA clusters (M, N): a 2x1 cluster multicasts B's tile to both CTAs, a 1x2 cluster A's.
+CLUSTERS = ((1, 1), (2, 1), (1, 2))
+TILE_SCHEDULERS = tuple(TileScheduler)
+# Columns of the epilogue's sub-tile: 0 is CUTLASS's choice (32); 64 halves the sub-tiles and
+# their barriers per tile and doubles the bytes of each TMA store, for GEMMs whose time is the
+# store of a large C (Q x K^T with a short K); 128 halves them again.
+EPI_TILE_NS = (0, 64, 128)
+# The L2 policy of the A and B loads: CUTLASS's (evict-normal), or evict-last, which keeps operand
+# lines in L2 while the output streams through it; other tiles of the same batch read them again
+# (bench/NOTES.md, experiment 24). Strided kernels only: ours is a variant of CUTLASS's strided
+# mainloop (templates/include/gemmgen/gemm_sm90/batched.h, EvictLastMainloop).
+EVICT_LASTS = (False, True)
+EPI_STAGES = 2  # the sub-tiles staged in shared memory for TMA stores (CUTLASS's count)
+MIN_STAGES = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmSm90Instance:
+    dtype: DType
+    out_fp32: bool
+    b_transposed: bool
+    strategy: Strategy
+    tile_m: int
+    tile_n: int
+    tile_k: int
+    schedule: Schedule
+    cluster_m: int
+    tile_scheduler: TileScheduler = TileScheduler.PERSISTENT
+    cluster_n: int = 1
+    epi_tile_n: int = 0  # 0: CUTLASS's automatic epilogue tile
+    evict_last: bool = False  # A and B loads marked evict-last in L2
+
+    family = FAMILY
+    align = 8  # TMA: 16-byte vectors of fp16/bf16
+
+    @property
+    def name(self) -> str:
+        """Readable, stable, unique: used for the file, the symbol, the manifest and logs."""
+        out = "f32" if self.out_fp32 else self.dtype.value
+        layout = "nt" if self.b_transposed else "nn"
+        return (f"{FAMILY}_{self.strategy.value}_{self.dtype.value}_{out}_{layout}"
+                f"_m{self.tile_m}n{self.tile_n}k{self.tile_k}_{self.schedule.value}_c{self.cluster_m}"
+                + (f"x{self.cluster_n}" if self.cluster_n > 1 else "")
+                + (f"_e{self.epi_tile_n}" if self.epi_tile_n else "")
+                + TILE_SCHEDULER_SUFFIX[self.tile_scheduler]
+                + ("_el" if self.evict_last else ""))
+
+    @property
+    def symbol(self) -> str:
+        return f"gemmgen_{self.name}"
+
+    @property
+    def threads(self) -> int:
+        """A producer warpgroup and two consumer warpgroups."""
+        return 384
+
+    @property
+    def out_dtype(self) -> DType:
+        return DType.FP32 if self.out_fp32 else self.dtype
+
+    @property
+    def align_c(self) -> int:
+        return 16 // DTYPE_BYTES[self.out_dtype]
+
+    @property
+    def epi_tile(self) -> tuple[int, int]:
+        """The epilogue's sub-tile: one consumer warpgroup's rows (both warpgroups' under the
+        cooperative schedule) by epi_tile_n columns, or 32 when CUTLASS chooses."""
+        rows = min(self.tile_m, 128 if self.schedule is Schedule.COOPERATIVE else 64)
+        return rows, self.epi_tile_n or min(32, self.tile_n)
+
+    @property
+    def smem_bytes(self) -> int:
+        """The smallest footprint the builder accepts: MIN_STAGES stages and the epilogue's
+        staged sub-tiles (the builder then fills the rest of shared memory with stages)."""
+        rows, cols = self.epi_tile
+        epilogue = EPI_STAGES * rows * cols * DTYPE_BYTES[self.out_dtype]
+        return MIN_STAGES * (self.tile_m + self.tile_n) * self.tile_k * DTYPE_BYTES[self.dtype] + epilogue
+
+    def params(self) -> dict:
+        """Plain values for the manifest and the template."""
+        return {"dtype": self.dtype.value, "out_dtype": self.out_dtype.value, "b_transposed": self.b_transposed,
+                "strategy": self.strategy.value, "tile_m": self.tile_m, "tile_n": self.tile_n,
+                "tile_k": self.tile_k, "schedule": self.schedule.value, "cluster_m": self.cluster_m,
+                "cluster_n": self.cluster_n, "epi_tile_n": self.epi_tile_n,
+                "tile_scheduler": self.tile_scheduler.value, "align": self.align, "align_c": self.align_c,
+                **({"evict_last": True} if self.evict_last else {})}
+
+    def template_values(self) -> dict:
+        run, args, strategy = STRATEGY_CPP[self.strategy]
+        return {**self.params(), "name": self.name, "symbol": self.symbol, "element": DTYPE_CPP[self.dtype],
+                "element_out": DTYPE_CPP[self.out_dtype], "schedule_cpp": SCHEDULE_CPP[self.schedule],
+                "tile_scheduler_cpp": TILE_SCHEDULER_CPP[self.tile_scheduler],
+                "run": run, "args_type": args, "strategy_cpp": strategy, "evict_last": self.evict_last}
+
+    def content_hash(self) -> str:
+        """Hash of the family and parameters (template text and toolchain join it in the build key)."""
+        return hashlib.sha256((FAMILY + repr(sorted(self.params().items()))).encode()).hexdigest()[:16]
+
+
+def invalid_reason(inst: GemmSm90Instance, arch: Arch = Arch.SM90) -> str | None:
+    """The one validity rule of this family: None when valid, else why not."""
+    if arch is not Arch.SM90:
+        return "wgmma and TMA exist only in sm_90a"
+    if inst.dtype not in DTYPES:
+        return f"input dtype {inst.dtype.value} not in {[d.value for d in DTYPES]}"
+    if inst.schedule is Schedule.COOPERATIVE and inst.tile_m < 128:
+        return "the cooperative schedule splits tile_m over two 64-row consumer warpgroups: tile_m >= 128"
+    if inst.schedule is Schedule.PINGPONG and inst.tile_m > 128:
+        return "a ping-pong consumer warpgroup holds the whole tile: tile_m <= 128"
+    if inst.tile_m * inst.tile_n > 128 * 256:
+        return f"a {inst.tile_m}x{inst.tile_n} fp32 accumulator exceeds two warpgroups' registers"
+    if inst.schedule is Schedule.PINGPONG and inst.tile_m * inst.tile_n > 128 * 128:
+        # One warpgroup holds it: 256 fp32 per thread against setmaxnreg's 240 (ptxas: 4.7 KB of spill).
+        return (f"a ping-pong tile's {inst.tile_m}x{inst.tile_n} fp32 accumulator is one warpgroup's: "
+                f"{inst.tile_m * inst.tile_n // 128} registers per thread exceed the 240 it gets")
+    if inst.cluster_m * inst.cluster_n > 1 and inst.strategy is Strategy.PTR_ARRAY:
+        return "the pointer-array kernels gain no multicast: matrices differ per block"
+    if inst.epi_tile_n:
+        if inst.strategy is Strategy.PTR_ARRAY:
+            return "the epilogue tile is an axis of the strided kernels only"
+        if inst.tile_n % inst.epi_tile_n or inst.epi_tile_n <= min(32, inst.tile_n):
+            return f"epilogue tile columns {inst.epi_tile_n} must divide tile_n {inst.tile_n} and exceed the automatic 32"
+    if inst.evict_last and inst.strategy is Strategy.PTR_ARRAY:
+        return "evict-last operand loads are an axis of the strided kernels only"
+    if inst.tile_scheduler is not TileScheduler.PERSISTENT:
+        # Both other schedulers ride on CUTLASS's cooperative kernel; pointer arrays bring their own.
+        if inst.schedule is not Schedule.COOPERATIVE:
+            return COOPERATIVE_ONLY[inst.tile_scheduler]
+        if inst.strategy is Strategy.PTR_ARRAY:
+            return f"the pointer-array kernels take the grouped scheduler, not {SCHEDULER_NAME[inst.tile_scheduler]}"
+    if inst.smem_bytes > arch.max_smem_bytes:
+        return f"shared memory {inst.smem_bytes} B exceeds {arch.value}'s {arch.max_smem_bytes} B"
+    return None
+
+
+def problem_reason(params: dict, problem) -> str | None:
+    """Nothing beyond gemmgen.select.gemm_select's functional checks: any K, any batch count."""
+    return None
+
+
+SPACE: tuple[GemmSm90Instance, ...] = tuple(
+    inst
+    for dtype, out_fp32, bt, strategy, tm, tn, tk, schedule, (cm, cn), scheduler, epi_n, el in itertools.product(
+        DTYPES, OUT_FP32, B_TRANSPOSED, STRATEGIES, TILE_MS, TILE_NS, TILE_KS, SCHEDULES, CLUSTERS,
+        TILE_SCHEDULERS, EPI_TILE_NS, EVICT_LASTS)
+    for inst in [GemmSm90Instance(dtype, out_fp32, bt, strategy, tm, tn, tk, schedule, cm, scheduler, cn, epi_n, el)]
+    if invalid_reason(inst) is None
+)
+
+# One tile per (dtype, output, layout, strategy): 128x128x64 cooperative, no cluster, the
+# builder's auto stage count; enough tiles at M = N = 512 and B*H >= 8 to fill 132 SMs.
+DEFAULT: tuple[GemmSm90Instance, ...] = tuple(
+    inst for inst in SPACE
+    if (inst.tile_m, inst.tile_n, inst.tile_k, inst.schedule, inst.cluster_m, inst.cluster_n, inst.epi_tile_n,
+        inst.tile_scheduler, inst.evict_last) == (128, 128, 64, Schedule.COOPERATIVE, 1, 1, 0,
+                                                  TileScheduler.PERSISTENT, False)
+)
