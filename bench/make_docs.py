@@ -1,0 +1,224 @@
+"""Write docs/benchmarks.md from the committed result tables in bench/results/.
+
+    python bench/make_docs.py           # regenerate docs/benchmarks.md
+    python bench/make_docs.py --check   # exit 1 when docs/benchmarks.md differs from what this writes
+
+One section per bench/results/*.md file: its title (the file name, with the file's own first heading
+where it starts with one), the GPU the file names, the bench/NOTES.md experiments that cite it, then
+the file's text copied verbatim: its tables, the lines that say how they were measured and the
+summary lines the bench script printed. Only two things change: the file's headings move two levels
+down, under the section's, and a fenced block of raw output is replaced by a line pointing at the
+file. The figures are never retyped: change a result file, then run this script.
+"""
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+NOTES = ROOT / "bench" / "NOTES.md"
+OUT = ROOT / "docs" / "benchmarks.md"
+
+# The tables that describe the current code, first, in this order, with a title each; every other
+# result file follows under "Experiment tables", in the order of the first experiment citing it.
+CURRENT = {
+    "fa_sweep_h200.md": "All attention families against torch SDPA (the FlashAttention sweep)",
+    "fmha_pick_ab_kernels_h200.md": "The registry's pick against the fastest SDPA backend, kernels alone",
+    "fmha_pick_ab_graph_h200.md": "The registry's pick against the fastest SDPA backend, CUDA graph replays",
+    "fmha_pick_ab_eager_h200.md": "The registry's pick against the fastest SDPA backend, per call with the host path",
+    "sm80_ab_fa2_h200.md": "fa2_sm80 against FlashAttention-2, alternating rounds",
+    "sm80_fa_sweep_h200.md": "fa2_sm80 sweep: best instance, default pick and SDPA backends",
+    "selection_value_h200.md": "Value of selection: heuristic and tuned picks against the fastest candidate",
+    "overhead_h200.md": "Host overhead per call",
+    "batched_gemm_h200.md": "Batched GEMM against cuBLAS",
+    "unfused_h200.md": "Unfused attention against fused attention and manual PyTorch",
+    "sdpa_kernels_h200.md": "What each SDPA backend launches",
+}
+
+# How a current table's build was made, where its file does not say (commands, not figures).
+BUILT_WITH = {
+    "fa_sweep_h200.md": (
+        "Built with `gemmgen generate --arch sm80 --family fa2_sm80 --family mea_sm80`, `gemmgen generate "
+        "--arch sm90 --family fmha_sm90` and `gemmgen generate --arch sm90 --all --filter "
+        "'fmha_sm90_.*_d64_(none_pingpong_m192n128|causal_tma_m64n64).*_lr$'` (the two tiles beside the "
+        "defaults that still win somewhere), tuned with `gemmgen profile --arch sm90 --sweep fa`, measured "
+        "with `python bench/fa_sweep.py --kernels`. \"pick\" is the registry's choice from the tuning "
+        "database; \"pick/peer\" is the pick against the fastest SDPA backend. Every candidate's figure: "
+        "[fa_sweep_h200_candidates.txt](../bench/results/fa_sweep_h200_candidates.txt)."),
+    "fmha_pick_ab_kernels_h200.md": (
+        "The build and tuning of fa_sweep_h200, measured with `python bench/ab_sweep.py --rounds 6 --kernels`."),
+    "fmha_pick_ab_graph_h200.md": (
+        "The build and tuning of fa_sweep_h200, measured with `python bench/ab_sweep.py --rounds 6 --graph`."),
+    "fmha_pick_ab_eager_h200.md": (
+        "The build and tuning of fa_sweep_h200, measured with `python bench/ab_sweep.py --rounds 6` (per call, "
+        "host path included)."),
+    "sm80_ab_fa2_h200.md": (
+        "`python bench/ab_sweep.py --family fa2_sm80 --peer FA2 --seq-len 1024 2048 4096 8192 16384`: the "
+        "fastest fa2_sm80 instance against SDPA's FlashAttention-2 backend."),
+    "sm80_fa_sweep_h200.md": (
+        "`python bench/fa_sweep.py` in its earlier one-pass form, over the sm80 instances built with "
+        "`gemmgen generate --arch sm80 --all --filter "
+        "'(d64|d128)_.*(m128n(32|64|128)w4|m64n64w4|m128n128w8)s[12]'`; \"default pick\" is the heuristic's "
+        "choice without tuning data. It predates bench/NOTES.md experiment 13 (see sm80_ab_fa2_h200)."),
+    "selection_value_h200.md": "`python bench/selection_value.py` over the fa2_sm80 build of sm80_fa_sweep_h200.",
+    "overhead_h200.md": "`python bench/overhead.py`.",
+    "unfused_h200.md": "`python bench/unfused.py`.",
+    "sdpa_kernels_h200.md": "`python bench/sdpa_kernels.py`.",
+}
+
+GPU_RE = re.compile(r"NVIDIA [A-Z]\d{2,4}\w*")
+EXPERIMENT_RE = re.compile(r"^## (\d+)\. ", re.MULTILINE)
+HEADING_RE = re.compile(r"^(#{1,6})\s+(.*\S)\s*$")
+FENCE = "```"
+
+
+def experiments_citing(notes: str) -> dict[str, list[int]]:
+    """For every file name under bench/results, the numbers of the NOTES.md experiments citing it."""
+    starts = [(m.start(), int(m.group(1))) for m in EXPERIMENT_RE.finditer(notes)]
+    cited: dict[str, list[int]] = {}
+    for i, (start, number) in enumerate(starts):
+        end = starts[i + 1][0] if i + 1 < len(starts) else len(notes)
+        section = notes[start:end]
+        for path in sorted(RESULTS.iterdir()):
+            if re.search(rf"(?<![\w/.-]){re.escape(path.name)}|results/{re.escape(path.name)}", section):
+                cited.setdefault(path.name, []).append(number)
+    return cited
+
+
+def cites(numbers: list[int]) -> str:
+    """'bench/NOTES.md experiment 7' or 'bench/NOTES.md experiments 7, 29'."""
+    return f"bench/NOTES.md experiment{'s' if len(numbers) > 1 else ''} " + ", ".join(map(str, numbers))
+
+
+def body(lines: list[str], name: str) -> list[str]:
+    """The file's lines as the section shows them: headings two levels down, fenced blocks replaced by
+    a pointer to the file, a blank line before a table that follows a line of text."""
+    out: list[str] = []
+    fence: list[str] | None = None
+    for line in lines:
+        if fence is not None:
+            if line.startswith(FENCE):
+                n = len(fence)
+                out.append(f"*({n} line{'s' if n != 1 else ''} of raw output: see {name})*")
+                fence = None
+            else:
+                fence.append(line)
+            continue
+        if line.startswith(FENCE):
+            fence = []
+            continue
+        m = HEADING_RE.match(line)
+        if m:
+            line = "#" * min(6, len(m.group(1)) + 2) + " " + m.group(2)
+        if line.startswith("|") and out and out[-1].strip() and not out[-1].startswith("|"):
+            out.append("")
+        out.append(line)
+    if fence is not None:  # an unclosed fence: keep its text as the file has it
+        out += [FENCE, *fence]
+    while out and not out[-1].strip():
+        out.pop()
+    return out
+
+
+def section(path: Path, title: str | None, cited: list[int]) -> list[str]:
+    """The docs section of one result file."""
+    text = path.read_text()
+    lines = text.splitlines()
+    while lines and not lines[0].strip():
+        lines.pop(0)
+    own = HEADING_RE.match(lines[0]) if lines else None
+    if own:
+        lines = lines[1:]
+        while lines and not lines[0].strip():
+            lines.pop(0)
+    stem = path.stem
+    shown = title or (own.group(2) if own else None)
+    out = [f'<a id="{stem}"></a>', "", f"### {stem}" + (f": {shown}" if shown else ""), ""]
+    gpu = GPU_RE.search(text)
+    facts = [f"File: [bench/results/{path.name}](../bench/results/{path.name})",
+             f"GPU: {gpu.group(0) if gpu else 'not named in the file'}"]
+    if cited:
+        facts.append("cited in " + cites(cited))
+    out += ["; ".join(facts) + ".", ""]
+    if path.name in BUILT_WITH:
+        out += [BUILT_WITH[path.name], ""]
+    out += body(lines, path.name) + [""]
+    return out
+
+
+INTRO = """\
+# Benchmarks
+
+Generated by `python bench/make_docs.py` from the committed result files in
+[bench/results](../bench/results); do not edit it by hand (`python bench/make_docs.py --check` fails
+when it is stale). Every table below is copied verbatim from the file named above it, which also
+names the GPU, the software versions and the date of the run. The scripts that wrote them are in
+[bench/](../bench), and [bench/NOTES.md](../bench/NOTES.md) records each experiment: the prediction,
+the change and what was measured.
+
+Conventions: attention TFLOP/s = 4·B·H·Nq·Nk·d / time, halved for causal; GEMM TFLOP/s =
+2·B·H·M·N·K / time. The FlashAttention sweep holds B·N = 16384 tokens and H·d = 2048, Nq = Nk = N.
+"FA2", "efficient" and "cuDNN" are torch SDPA's backends, timed in the same process on the same
+inputs. "Kernels alone" means each call was queued behind a spin kernel so that the CUDA events time
+the GPU work only; "graph" means calls replayed back to back from a CUDA graph; "per call" or "eager"
+includes the host path. Which mode a table used is in its file's first line.
+"""
+
+
+def render() -> str:
+    """The text of docs/benchmarks.md."""
+    notes = NOTES.read_text() if NOTES.is_file() else ""
+    cited = experiments_citing(notes)
+    md = sorted(p for p in RESULTS.glob("*.md"))
+    current = [RESULTS / name for name in CURRENT if (RESULTS / name).is_file()]
+    rest = sorted((p for p in md if p.name not in CURRENT),
+                  key=lambda p: (cited.get(p.name, [10**6])[0], p.name))
+    out = [INTRO, "## Contents", "", "Current tables:", ""]
+    out += [f"- [{p.stem}](#{p.stem}): {CURRENT[p.name]}" for p in current]
+    out += ["", "Experiment tables (the runs behind bench/NOTES.md, in the order of the experiments):", ""]
+    for p in rest:
+        nums = cited.get(p.name)
+        out.append(f"- [{p.stem}](#{p.stem})" + (f" (experiment {nums[0]})" if nums else ""))
+    out += ["", "## Current tables", ""]
+    for p in current:
+        out += section(p, CURRENT[p.name], cited.get(p.name, []))
+    out += ["## Experiment tables", ""]
+    for p in rest:
+        out += section(p, None, cited.get(p.name, []))
+    others = sorted(p for p in RESULTS.iterdir() if p.is_file() and p.suffix != ".md")
+    if others:
+        out += ["## Other result files", "",
+                "Logs, candidate lists and plots (not tables), as the bench scripts wrote them:", ""]
+        for p in others:
+            nums = cited.get(p.name)
+            out.append(f"- [bench/results/{p.name}](../bench/results/{p.name})" + (f" ({cites(nums)})" if nums else ""))
+        out.append("")
+    return "\n".join(out).rstrip("\n") + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="exit 1 if docs/benchmarks.md is stale")
+    args = parser.parse_args(argv)
+    text = render()
+    if args.check:
+        current = OUT.read_text() if OUT.is_file() else None
+        if current != text:
+            print(f"{OUT.relative_to(ROOT)} is stale: run `python bench/make_docs.py`", file=sys.stderr)
+            return 1
+        print(f"{OUT.relative_to(ROOT)} is up to date")
+        return 0
+    OUT.parent.mkdir(parents=True, exist_ok=True)
+    if not OUT.is_file() or OUT.read_text() != text:
+        OUT.write_text(text)
+        print(f"wrote {OUT.relative_to(ROOT)} ({len(text)} characters)")
+    else:
+        print(f"{OUT.relative_to(ROOT)} is up to date")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
