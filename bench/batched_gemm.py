@@ -42,7 +42,7 @@ import torch
 import gemmgen
 from gemmgen.cli import gemm as cli_gemm
 from gemmgen.ops import gemm
-from gemmgen.select import gemm_select, timing
+from gemmgen.select import gemm_select, selection, timing
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 # Seconds of load before each shape's sustained timings: the shapes run back to back, so the GPU
@@ -204,7 +204,7 @@ def main() -> int:
                             row += f" {tf(st['strided']):.1f} | {tf(st['cuBLAS']):.1f} | {steady_ratio:.2f} |"
                         else:
                             row += " - | - | - |"
-                    pick = gemm_select.select(gemm.strided_problem(a, b, c, b_transposed=bt)).name
+                    pick = selection.select(gemm.strided_problem(a, b, c, b_transposed=bt)).name
                     row += f" {pick.removeprefix('gemm_')} |"
                     lines.append(row)
                     print(row, flush=True)

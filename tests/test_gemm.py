@@ -12,7 +12,7 @@ import torch
 
 from conftest import make_entry, run_cli, write_build_dir
 from gemmgen.kernels import abi
-from gemmgen.select import device, gemm_select, registry
+from gemmgen.select import device, gemm_select, registry, selection
 from gemmgen.generator import manifest, render, toolchain
 from gemmgen.arch import Arch
 from gemmgen.errors import DeviceError, GemmgenLaunchError, InputError, NoInstanceError, ToolchainError
@@ -125,9 +125,9 @@ def test_stream_k_heuristic_on_few_tiles(tmp_path):
     streamk = dataclasses.replace(base, tile_scheduler=gemm_sm90.TileScheduler.STREAM_K)
     registry.set_build_dirs([write_build_dir(tmp_path, [make_entry(base), make_entry(streamk)])])
     try:
-        few = gemm_select.decide(_problem(m=1024, n=64, k=1024, batch_count=8, b_transposed=False))
+        few = selection.decide(_problem(m=1024, n=64, k=1024, batch_count=8, b_transposed=False))
         assert few.winner.name == streamk.name, few.report()
-        many = gemm_select.decide(_problem(m=4096, n=64, k=1024, batch_count=512, b_transposed=False))
+        many = selection.decide(_problem(m=4096, n=64, k=1024, batch_count=512, b_transposed=False))
         assert many.winner.name == base.name, many.report()
     finally:
         registry.set_build_dirs(None)
@@ -206,7 +206,7 @@ def gemm_build(tmp_path):
 
 
 def test_selection_reasons_and_heuristic(gemm_build):
-    decision = gemm_select.decide(_problem())
+    decision = selection.decide(_problem())
     assert decision.source == "heuristic"
     assert decision.winner.name == "gemm_sm80_strided_fp16_fp16_nt_m128n128k32w4s4a8"
     assert {c.name for c in decision.candidates} == {decision.winner.name,
@@ -215,7 +215,7 @@ def test_selection_reasons_and_heuristic(gemm_build):
     assert "strategy ptr" in reasons["gemm_sm80_ptr_fp16_fp16_nt_m128n128k32w4s4a8"]
     assert "b_transposed False" in reasons["gemm_sm80_strided_fp16_fp16_nn_m128n128k32w4s4a8"]
     assert "out_dtype fp32" in reasons["gemm_sm80_strided_fp16_f32_nt_m128n128k32w4s4a8"]
-    odd = gemm_select.decide(_problem(k=17, align=1))
+    odd = selection.decide(_problem(k=17, align=1))
     assert odd.winner.name == "gemm_sm80_strided_fp16_fp16_nt_m64n64k32w4s2a1"
     odd_reasons = dict((label.split()[0], reason) for label, reason in odd.rejected)
     assert "needs alignment 8" in odd_reasons["gemm_sm80_strided_fp16_fp16_nt_m128n128k32w4s4a8"]
@@ -226,7 +226,7 @@ def test_selection_without_instances_names_the_command(tmp_path):
     registry.set_build_dirs([tmp_path])
     try:
         with pytest.raises(NoInstanceError, match="gemmgen generate --arch sm80 --family gemm_sm80"):
-            gemm_select.decide(_problem(device=device.synthetic((8, 0), 108)))
+            selection.decide(_problem(device=device.synthetic((8, 0), 108)))
     finally:
         registry.set_build_dirs(None)
 

@@ -13,7 +13,7 @@ import argparse
 import math
 import time
 
-from gemmgen.select import device, gemm_select, registry, tuning_db
+from gemmgen.select import device, gemm_select, registry, selection, tuning_db
 from gemmgen.errors import InputError
 
 DTYPE_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4}
@@ -21,16 +21,20 @@ DTYPE_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4}
 
 def add_arguments(p: argparse.ArgumentParser, *, profile: bool) -> None:
     """The shape arguments shared by both commands, and each one's own."""
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--heads", type=int, default=16)
-    p.add_argument("--m", type=int, default=1024)
-    p.add_argument("--n", type=int, default=1024)
-    p.add_argument("--k", type=int, default=64)
-    p.add_argument("--dtype", choices=("fp16", "bf16"), default="fp16")
+    p.add_argument("--batch", type=int, default=8, help="batch size B (default: 8)")
+    p.add_argument("--heads", type=int, default=16, help="heads H: B * H matrices (default: 16)")
+    p.add_argument("--m", type=int, default=1024, help="rows of A and C (default: 1024)")
+    p.add_argument("--n", type=int, default=1024, help="columns of B and C (default: 1024)")
+    p.add_argument("--k", type=int, default=64, help="the reduced dimension (default: 64)")
+    p.add_argument("--dtype", choices=("fp16", "bf16"), default="fp16", help="input element type (default: fp16)")
     p.add_argument("--out-fp32", action="store_true", help="fp32 output (default: the input dtype)")
     p.add_argument("--b-transposed", action="store_true", help="A * B^T with B stored [N, K] (Q x K^T)")
-    p.add_argument("--strategy", choices=gemm_select.STRATEGIES, default="strided")
-    p.add_argument("--build-dir", action="append", help="where to find manifests (repeatable)")
+    p.add_argument("--strategy", choices=gemm_select.STRATEGIES, default="strided",
+                   help="strided: one descriptor with batch and head strides; ptr: arrays of pointers "
+                        "(default: strided)")
+    p.add_argument("--build-dir", action="append",
+                   help="where to find manifests (repeatable; default: $GEMMGEN_BUILD_DIR, else ./build "
+                        "and the builds `gemmgen generate` recorded)")
     p.add_argument("--device", type=int, default=0, help="CUDA device index (default 0)")
     if profile:
         p.add_argument("--reps", type=int, default=30,
@@ -71,7 +75,7 @@ def run_explain(args: argparse.Namespace) -> int:
     if args.build_dir:
         registry.set_build_dirs(args.build_dir)
     facts, db = cli_explain.device_facts(args)
-    decision = gemm_select.decide(problem_of(args, facts), args.instance, db=db)
+    decision = selection.decide(problem_of(args, facts), args.instance, db=db)
     print(decision.report())
     return 0
 
@@ -92,7 +96,7 @@ def run_profile(args: argparse.Namespace) -> int:
     torch.cuda.set_device(args.device)
     facts = device.facts(args.device)
     problem = problem_of(args, facts)
-    decision = gemm_select.decide(problem)
+    decision = selection.decide(problem)
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
     out_dtype = torch.float32 if args.out_fp32 else dtype
     b, h, m, n, k = args.batch, args.heads, args.m, args.n, args.k

@@ -17,7 +17,7 @@ from typing import Sequence
 import torch
 
 from gemmgen.kernels import abi
-from gemmgen.select import device, gemm_select, registry
+from gemmgen.select import device, gemm_select, registry, selection
 from gemmgen.errors import DeviceError, InputError
 from gemmgen.select.gemm_select import GemmProblem
 from gemmgen.ops.grad import check_no_grad
@@ -93,7 +93,7 @@ def _kernel(cand: gemm_select.Candidate) -> abi.Kernel:
 
 
 def _launch(problem: GemmProblem, args, index: int, instance: str | None) -> None:
-    cand = gemm_select.select(problem, instance)
+    cand = selection.select(problem, instance)
     kernel = _kernel(cand)
     if torch.cuda.current_device() == index:
         kernel.run(args, _raw_stream(index))
@@ -174,7 +174,7 @@ def batched_gemm(a: torch.Tensor, b: torch.Tensor, *, b_transposed: bool = False
     if len(_calls) >= _MAX_CALLS:
         _calls.clear()
     _calls[_call_key(a, b, out, b_transposed, instance)] = (
-        _kernel(gemm_select.select(problem, instance)), (m, n, k, bb, h, *sa, *sb, *sc, int(bool(b_transposed))))
+        _kernel(selection.select(problem, instance)), (m, n, k, bb, h, *sa, *sb, *sc, int(bool(b_transposed))))
     return out
 
 

@@ -10,7 +10,7 @@ import math
 import torch
 
 from gemmgen.kernels import abi
-from gemmgen.select import device, gemm_select
+from gemmgen.select import device, selection, softmax_select
 from gemmgen.ops import gemm
 from gemmgen.errors import InputError
 from gemmgen.kernels.launch import _raw_stream
@@ -66,7 +66,7 @@ def unfused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, caus
                       out=s.view(b, hk, groups * nq, nk))
     args = abi.SoftmaxArgs(s.data_ptr(), p.data_ptr(), nq, nk, b * h, nq * nk, nk, nq * nk, nk, int(bool(causal)),
                            causal_offset(nq, nk, causal_alignment) if causal else 0)
-    cand = gemm_select.softmax_candidate(gemm.DTYPES[q.dtype], device.facts(q.get_device()))
+    cand = selection.select(softmax_select.SoftmaxProblem(gemm.DTYPES[q.dtype], device.facts(q.get_device())))
     with torch.cuda.device(q.device):
         abi.bind_softmax(cand.library, cand.entry.symbol).run(args, _raw_stream(q.get_device()))
     gemm.batched_gemm(p.view(b, hk, groups * nq, nk), v, out=out.view(b, hk, groups * nq, d))

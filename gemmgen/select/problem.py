@@ -3,6 +3,7 @@ wins (the sizes, through their bucket)."""
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 from gemmgen.select import buckets
 from gemmgen.select.device import DeviceFacts
@@ -48,6 +49,7 @@ class Problem:
     bias: bool = False
     varlen: bool = False
     max_offset: int = 0  # the largest element offset from a tensor's data pointer the call reaches
+    kind: ClassVar[str] = "attention"  # the selection engine's Kind for it
 
     @property
     def cc(self) -> tuple[int, int]:
@@ -70,6 +72,11 @@ class Problem:
         database itself; layout and GQA ratio are in the bucket), e.g. "bf16_d128_causal_a16"."""
         features = "".join(f"_{name}" for name in ("dropout", "bias", "varlen") if getattr(self, name))
         return f"{self.dtype}_d{self.head_dim}_{self.mask}_a{self.align}{features}"
+
+    @property
+    def bucket_key(self) -> str:
+        """The bucket's key in the tuning database."""
+        return self.bucket.key
 
     @property
     def bucket(self) -> buckets.Bucket:
