@@ -91,7 +91,6 @@ def test_corrupt_file_is_set_aside():
 @pytest.mark.parametrize("mutate, words", [
     (lambda d: d.update(schema=99), "schema 99"),
     (lambda d: d.update(kind="other"), "not a gemmgen tuning database"),
-    (lambda d: d["entries"]["k"]["b"]["h"].update(ms="fast"), "malformed record"),
     (lambda d: d.update(entries=[]), "lacks its device"),
 ])
 def test_invalid_files_are_corrupt(mutate, words):
@@ -105,6 +104,26 @@ def test_invalid_files_are_corrupt(mutate, words):
     with pytest.warns(GemmgenWarning, match=words):
         assert tuning_db.cached(FP).count() == 0
     assert not path.exists()
+
+
+@pytest.mark.parametrize("field, value", [("ms", "fast"), ("reason", 5), ("name", 3), ("at", "now"),
+                                          ("ms", -1.0), ("error", [1]), ("ms_short", True), ("shape", {})])
+def test_records_of_the_wrong_type_are_left_out_and_reported(field, value):
+    """A record that is valid JSON but not of the schema (a reason of 5 once crashed selection) is
+    left out with a warning; the file's other records load, and the file stays where it is."""
+    tuning_db.update(FP, {"k": {"b": {"h": rec("x", 1.0, 1.0), "good": rec("y", 2.0, 1.0)}}})
+    path = tuning_db.path_for(FP)
+    data = json.loads(path.read_text())
+    data["entries"]["k"]["b"]["h"][field] = value
+    path.write_text(json.dumps(data))
+    with pytest.warns(GemmgenWarning, match=f"left out 1 malformed record.*{field}"):
+        db = tuning_db.read(path)
+    assert {h: r.name for h, r in db.buckets("k")["b"].items()} == {"good": "y"}
+    with pytest.warns(GemmgenWarning, match="left out 1 malformed record"):
+        assert tuning_db.cached(FP).count() == 1
+    assert path.exists()
+    tuning_db.update(FP, {"k": {"b2": {"h": rec("z", 1.0, 1.0)}}})  # the next write drops it for good
+    assert tuning_db.read(path).count() == 2
 
 
 def test_foreign_file_is_set_aside():

@@ -12,6 +12,7 @@ alignment-1 instances (odd K or N).
 """
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import torch
@@ -20,6 +21,7 @@ from gemmgen.kernels import abi
 from gemmgen.select import device, gemm_select, registry, selection
 from gemmgen.errors import DeviceError, InputError
 from gemmgen.select.gemm_select import GemmProblem
+from gemmgen.ops.checks import check_bool, check_finite, check_instance, check_no_overlap, check_tensor_list
 from gemmgen.ops.grad import check_no_grad
 from gemmgen.kernels.launch import _raw_stream
 
@@ -137,6 +139,9 @@ def batched_gemm(a: torch.Tensor, b: torch.Tensor, *, b_transposed: bool = False
     if hit is not None:
         return hit
     check_no_grad("batched_gemm", a=a, b=b, out=out)
+    check_bool("b_transposed", b_transposed)
+    check_instance(instance)
+    alpha = check_finite("alpha", alpha)
     _check_tensor("a", a, 4)
     _check_tensor("b", b, 4)
     if a.dtype not in DTYPES or b.dtype != a.dtype:
@@ -146,10 +151,13 @@ def batched_gemm(a: torch.Tensor, b: torch.Tensor, *, b_transposed: bool = False
     if b.shape[:2] != a.shape[:2] or kb != k:
         want = "[B, H, N, K]" if b_transposed else "[B, H, K, N]"
         raise InputError(f"b must be {want} matching a's [B, H, M, K] = {tuple(a.shape)}; got {tuple(b.shape)}")
-    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool):
-        raise InputError(f"alpha must be a float, got {type(alpha).__name__}")
+    launches = bb * h * m * n > 0 and k > 0  # else C is empty or zeroed: no operand is read
     if out is None:
-        out = torch.empty(bb, h, m, n, dtype=_out_dtype(out_dtype, a.dtype), device=a.device)
+        dtype = _out_dtype(out_dtype, a.dtype)
+        if launches:
+            _check_pointers((("a", a), ("b", b)))
+        _check_devices("a, b", (a, b))  # before allocating C
+        out = torch.empty(bb, h, m, n, dtype=dtype, device=a.device)
     else:
         _check_tensor("out", out, 4)
         if tuple(out.shape) != (bb, h, m, n) or out.dtype not in (a.dtype, torch.float32):
@@ -158,12 +166,14 @@ def batched_gemm(a: torch.Tensor, b: torch.Tensor, *, b_transposed: bool = False
         if out_dtype is not None and out_dtype != out.dtype:
             raise InputError(f"out_dtype {out_dtype} disagrees with out's dtype {out.dtype}")
         _check_out_overlap("out", out)
-    _check_devices("a, b, out", (a, b, out))
+        check_no_overlap([("out", out)], [("a", a), ("b", b)])
+        if launches:
+            _check_pointers((("a", a), ("b", b), ("out", out)))
+        _check_devices("a, b, out", (a, b, out))
     if out.numel() == 0:
         return out
     if k == 0:
         return out.zero_()
-    _check_pointers((("a", a), ("b", b), ("out", out)))
     problem = strided_problem(a, b, out, b_transposed=b_transposed)
     # A stride over a dim of size 1 is never stepped: pass one that cannot break an alignment check.
     sa, sb, sc = _strides(a, k), _strides(b, k if b_transposed else n), _strides(out, n)
@@ -197,6 +207,9 @@ def _fast_path(a, b, out, b_transposed, alpha, out_dtype, instance) -> torch.Ten
     out_dtype that disagrees with out, unaligned data)."""
     if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or type(alpha) not in (int, float):
         return None
+    if type(b_transposed) is not bool or not (instance is None or isinstance(instance, str)) or not (
+            (type(alpha) is float and math.isfinite(alpha)) or (type(alpha) is int and abs(alpha) < 2**63)):
+        return None  # the full path names the argument
     if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad or (
             isinstance(out, torch.Tensor) and out.requires_grad)):
         return None  # the full path raises
@@ -231,7 +244,10 @@ class PointerArrays:
     def __init__(self, a_list: Sequence[torch.Tensor], b_list: Sequence[torch.Tensor],
                  out_list: Sequence[torch.Tensor] | None = None, *, b_transposed: bool = False,
                  out_dtype: torch.dtype | None = None) -> None:
-        a_list, b_list = list(a_list), list(b_list)
+        a_list, b_list = check_tensor_list("a_list", a_list), check_tensor_list("b_list", b_list)
+        if out_list is not None:
+            out_list = check_tensor_list("out_list", out_list)
+        check_bool("b_transposed", b_transposed)
         if not a_list or len(a_list) != len(b_list) or (out_list is not None and len(out_list) != len(a_list)):
             lens = (len(a_list), len(b_list), None if out_list is None else len(out_list))
             raise InputError(f"a_list, b_list (and out_list) must be non-empty and of one length; got {lens}")
@@ -257,8 +273,8 @@ class PointerArrays:
                                      f"one row stride per operand")
         if out_list is None:
             dtype = _out_dtype(out_dtype, a0.dtype)
+            _check_devices("a_list, b_list", a_list + b_list)  # before allocating the outputs
             out_list = [torch.empty(m, n, dtype=dtype, device=a0.device) for _ in a_list]
-        out_list = list(out_list)
         c0 = out_list[0]
         for i, c in enumerate(out_list):
             check_no_grad("batched_gemm_ptrs", **{f"out_list[{i}]": c})
@@ -267,6 +283,10 @@ class PointerArrays:
                     or (c.stride(0) != c0.stride(0) and m > 1):
                 raise InputError(f"out_list[{i}] must be [M, N] = {(m, n)} of {a0.dtype} or torch.float32, one "
                                  f"dtype and row stride for all; got {tuple(c.shape)} {c.dtype}")
+            _check_out_overlap(f"out_list[{i}]", c)
+        check_no_overlap([(f"out_list[{i}]", c) for i, c in enumerate(out_list)],
+                         [(f"a_list[{i}]", t) for i, t in enumerate(a_list)] +
+                         [(f"b_list[{i}]", t) for i, t in enumerate(b_list)])
         _check_devices("a_list, b_list, out_list", a_list + b_list + out_list)
         named = [(f"a_list[{i}]", t) for i, t in enumerate(a_list)] + \
                 [(f"b_list[{i}]", t) for i, t in enumerate(b_list)] + \
@@ -299,7 +319,8 @@ class PointerArrays:
             for c in self.out_list:
                 c.zero_()
             return self.out_list
-        self.args.alpha = float(alpha)
+        self.args.alpha = check_finite("alpha", alpha)
+        check_instance(instance)
         _launch(self.problem, self.args, self.index, instance)
         return self.out_list
 
@@ -312,9 +333,10 @@ def batched_gemm_ptrs(a_list: Sequence[torch.Tensor], b_list: Sequence[torch.Ten
     strategy (one launch for all). Every A_i is [M, K], every B_i [K, N] ([N, K] with b_transposed),
     one dtype (fp16/bf16), one row stride per operand, contiguous rows, 16-byte aligned data. Returns
     `out_list` (written in place) or new [M, N] tensors of `out_dtype` (default: the input dtype)."""
-    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool):
-        raise InputError(f"alpha must be a float, got {type(alpha).__name__}")
-    if out_list is not None and out_dtype is not None and any(c.dtype != out_dtype for c in out_list):
-        raise InputError(f"out_dtype {out_dtype} disagrees with out_list's dtype")
+    alpha = check_finite("alpha", alpha)
+    check_instance(instance)
+    if out_list is not None and out_dtype is not None:
+        if any(c.dtype != out_dtype for c in check_tensor_list("out_list", out_list)):
+            raise InputError(f"out_dtype {out_dtype} disagrees with out_list's dtype")
     arrays = PointerArrays(a_list, b_list, out_list, b_transposed=b_transposed, out_dtype=out_dtype)
     return arrays.run(alpha=alpha, instance=instance)

@@ -69,17 +69,24 @@ class Record:
         return out
 
     @staticmethod
-    def from_json(data: dict[str, Any]) -> "Record":
-        """The record of a stored dict; raise TuningDatabaseError if malformed."""
-        try:
-            ms = math.inf if data["ms"] is None else float(data["ms"])
-            short, alone = data.get("ms_short"), data.get("ms_alone")
-            return Record(name=str(data["name"]), ms=ms, reason=data.get("reason"),
-                          error=data.get("error"), shape=data.get("shape"), at=float(data.get("at", 0.0)),
-                          ms_short=None if short is None else float(short),
-                          ms_alone=None if alone is None else float(alone))
-        except (KeyError, TypeError, ValueError) as exc:
-            raise TuningDatabaseError(f"malformed record {data!r}: {exc}") from None
+    def from_json(data: Any) -> "Record":
+        """The record of a stored dict, checked against the schema (RECORD_FIELDS: types, ranges);
+        raise TuningDatabaseError naming the first field that does not fit."""
+        if not isinstance(data, dict):
+            raise TuningDatabaseError(f"malformed record {data!r}: not an object")
+        for key, (types, required, check) in RECORD_FIELDS.items():
+            value = data.get(key)
+            if value is None:
+                if required:
+                    raise TuningDatabaseError(f"malformed record {data!r}: {key} is missing")
+                continue
+            if isinstance(value, bool) or not isinstance(value, types) or not check(value):
+                raise TuningDatabaseError(f"malformed record {data!r}: {key} {value!r} is not {_DESCRIBE[key]}")
+        ms, short, alone = data["ms"], data.get("ms_short"), data.get("ms_alone")
+        return Record(name=data["name"], ms=math.inf if ms is None else float(ms), reason=data.get("reason"),
+                      error=None if data.get("error") is None else float(data["error"]), shape=data.get("shape"),
+                      at=float(data.get("at") or 0.0), ms_short=None if short is None else float(short),
+                      ms_alone=None if alone is None else float(alone))
 
 
 @dataclasses.dataclass
@@ -108,6 +115,27 @@ class TuningDB:
         return {"schema": SCHEMA, "kind": KIND, "device": self.device, "entries": self.entries}
 
 
+def _nonneg(x: float) -> bool:
+    return math.isfinite(x) and x >= 0
+
+
+# The record schema: field -> (JSON types, required, range check). "ms" is required but may be null
+# (a failed candidate); every other field may be absent or null.
+RECORD_FIELDS: dict[str, tuple[tuple[type, ...], bool, Any]] = {
+    "name": ((str,), True, lambda x: x != ""),
+    "ms": ((int, float), False, _nonneg),
+    "reason": ((str,), False, lambda x: True),
+    "error": ((int, float), False, _nonneg),
+    "shape": ((str,), False, lambda x: True),
+    "at": ((int, float), False, _nonneg),
+    "ms_short": ((int, float), False, _nonneg),
+    "ms_alone": ((int, float), False, _nonneg),
+}
+_DESCRIBE = {"name": "a non-empty string", "ms": "a finite number >= 0 or null", "reason": "a string",
+             "error": "a finite number >= 0", "shape": "a string", "at": "a finite number >= 0",
+             "ms_short": "a finite number >= 0", "ms_alone": "a finite number >= 0"}
+
+
 def _slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9.]+", "_", text).strip("_") or "gpu"
 
@@ -133,7 +161,10 @@ def merge_entries(into: Entries, other: Entries) -> int:
     return taken
 
 
-def _validate(data: Any, where: Path | str) -> TuningDB:
+def _validate(data: Any, where: Path | str, dropped: list[str] | None = None) -> TuningDB:
+    """The database in `data`. A file whose frame is wrong (kind, schema, device, the entries'
+    nesting) raises TuningDatabaseError; a record that does not fit the schema is left out and,
+    when `dropped` is given, described there (else it raises too)."""
     if not isinstance(data, dict) or data.get("kind") != KIND:
         raise TuningDatabaseError(f"{where}: not a gemmgen tuning database")
     if data.get("schema") != SCHEMA:
@@ -141,16 +172,30 @@ def _validate(data: Any, where: Path | str) -> TuningDB:
     device, entries = data.get("device"), data.get("entries")
     if not isinstance(device, dict) or not isinstance(entries, dict) or not {"gpu", "cc"} <= set(device):
         raise TuningDatabaseError(f"{where}: lacks its device (gpu, cc) or entries")
+    if not all(isinstance(device.get(k), str if k == "gpu" else (str, int, float)) for k in ("gpu", "cc")):
+        raise TuningDatabaseError(f"{where}: its device's gpu and cc are malformed")
+    kept: Entries = {}
     for fkey, bucket_map in entries.items():
         if not isinstance(bucket_map, dict) or not all(isinstance(r, dict) for r in bucket_map.values()):
             raise TuningDatabaseError(f"{where}: entries[{fkey!r}] is malformed")
         for bkey, recs in bucket_map.items():
-            for rec in recs.values():
+            for chash, rec in recs.items():
                 try:
-                    Record.from_json(rec if isinstance(rec, dict) else {})
+                    Record.from_json(rec)
                 except TuningDatabaseError as exc:
-                    raise TuningDatabaseError(f"{where}: in {fkey} {bkey}: {exc}") from None
-    return TuningDB(device=device, entries=entries, path=Path(where) if isinstance(where, Path) else None)
+                    if dropped is None:
+                        raise TuningDatabaseError(f"{where}: in {fkey} {bkey}: {exc}") from None
+                    dropped.append(f"{fkey} {bkey} {chash}: {exc}")
+                    continue
+                kept.setdefault(fkey, {}).setdefault(bkey, {})[chash] = rec
+    return TuningDB(device=device, entries=kept, path=Path(where) if isinstance(where, Path) else None)
+
+
+def _report_dropped(where: Path | str, dropped: list[str]) -> None:
+    if dropped:
+        more = f" (and {len(dropped) - 3} more)" if len(dropped) > 3 else ""
+        warnings.warn(f"gemmgen: tuning database {where}: left out {len(dropped)} malformed record(s): "
+                      f"{'; '.join(dropped[:3])}{more}", GemmgenWarning, stacklevel=3)
 
 
 def _read_json(path: Path) -> object:
@@ -163,14 +208,17 @@ def _read_json(path: Path) -> object:
 
 
 def read(path: Path) -> TuningDB:
-    """Read and validate a database file; raise TuningDatabaseError if it is not one."""
-    data = _read_json(path)
-    return _validate(data, Path(path))
+    """Read and validate a database file: malformed records are left out with a GemmgenWarning;
+    raise TuningDatabaseError if the file is not a database at all."""
+    dropped: list[str] = []
+    db = _validate(_read_json(path), Path(path), dropped)
+    _report_dropped(path, dropped)
+    return db
 
 
 def _is_bad(path: Path, fingerprint: dict[str, Any]) -> bool:
     try:
-        return read(path).device != fingerprint
+        return _validate(_read_json(path), Path(path), []).device != fingerprint
     except TuningDatabaseError:
         return path.exists()
 
@@ -254,8 +302,14 @@ def database_files(folder: Path | None = None) -> list[Path]:
 
 
 def export_bundle(paths: Iterable[Path], out: Path) -> int:
-    """Write the databases at `paths` into one bundle file; returns the number of databases."""
-    dbs = [read(p).to_json() for p in paths]
+    """Write the databases at `paths` into one bundle file; returns the number of databases. A file
+    that is not a database is left out with a GemmgenWarning (the rest are exported)."""
+    dbs = []
+    for p in paths:
+        try:
+            dbs.append(read(p).to_json())
+        except TuningDatabaseError as exc:
+            warnings.warn(f"gemmgen: not exported: {exc}", GemmgenWarning, stacklevel=2)
     text = json.dumps({"schema": SCHEMA, "kind": BUNDLE_KIND, "databases": dbs}, indent=1, sort_keys=True)
     cache.atomic_write_text(Path(out), text + "\n")
     return len(dbs)
@@ -268,9 +322,12 @@ def import_file(path: Path) -> list[tuple[Path, int]]:
     if isinstance(data, dict) and data.get("kind") == BUNDLE_KIND:
         if data.get("schema") != SCHEMA or not isinstance(data.get("databases"), list):
             raise TuningDatabaseError(f"{path}: unsupported bundle (schema {data.get('schema')})")
-        dbs = [_validate(d, f"{path} database #{i}") for i, d in enumerate(data["databases"])]
+        dropped: list[str] = []
+        dbs = [_validate(d, f"{path} database #{i}", dropped) for i, d in enumerate(data["databases"])]
     else:
-        dbs = [_validate(data, path)]
+        dropped = []
+        dbs = [_validate(data, path, dropped)]
+    _report_dropped(path, dropped)
     done = []
     for db in dbs:
         target = path_for(db.device, cache.writable_dir("tuning"))

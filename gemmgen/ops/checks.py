@@ -1,0 +1,79 @@
+"""Argument checks shared by the operations: every failure is an InputError naming the argument,
+raised before any allocation the call makes."""
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+
+from gemmgen.errors import InputError
+
+
+def check_bool(name: str, value: object) -> bool:
+    """`value` if it is a bool (a string such as 'no' is not coerced to True)."""
+    if not isinstance(value, bool):
+        raise InputError(f"{name} must be a bool (True or False), got {value!r}")
+    return value
+
+
+def check_instance(value: object) -> str | None:
+    """An instance name: None or a string."""
+    if value is not None and not isinstance(value, str):
+        raise InputError(f"instance must be an instance name (str) or None, got {type(value).__name__}")
+    return value
+
+
+def check_finite(name: str, value: object) -> float:
+    """`value` as a finite float; bools, non-numbers, infinities, NaN and ints beyond float range fail."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InputError(f"{name} must be a float, got {type(value).__name__}")
+    try:
+        result = float(value)
+    except OverflowError:
+        raise InputError(f"{name} must be a finite float; the int given is beyond float range") from None
+    if not math.isfinite(result):
+        raise InputError(f"{name} must be finite, got {value}")
+    return result
+
+
+def check_tensor_list(name: str, value: object) -> list[torch.Tensor]:
+    """`value` as a list of tensors (a list or tuple of torch.Tensor)."""
+    if not isinstance(value, (list, tuple)):
+        raise InputError(f"{name} must be a list or tuple of torch.Tensor, got {type(value).__name__}")
+    for i, t in enumerate(value):
+        if not isinstance(t, torch.Tensor):
+            raise InputError(f"{name}[{i}] must be a torch.Tensor, got {type(t).__name__}")
+    return list(value)
+
+
+def check_dense(name: str, t: torch.Tensor) -> None:
+    """A strided (dense) tensor: the kernels read memory through strides."""
+    if t.layout != torch.strided:
+        raise InputError(f"{name} must be a dense (strided) tensor, got layout {t.layout}")
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """[first byte, past the last byte] of the memory `t` reaches (empty for no elements)."""
+    if t.numel() == 0:
+        return 0, 0
+    start = t.data_ptr()
+    last = sum((n - 1) * s for n, s in zip(t.shape, t.stride()) if n > 1)
+    return start, start + (last + 1) * t.element_size()
+
+
+def check_no_overlap(outputs: Sequence[tuple[str, torch.Tensor]], inputs: Sequence[tuple[str, torch.Tensor]]) -> None:
+    """Outputs never share memory with an input or with each other (the kernels read inputs while
+    writing outputs, in no defined order). Judged by the byte ranges the tensors reach, which is
+    conservative for interleaved views; meta and fake tensors have no memory to compare."""
+    real = [(n, t) for n, t in (*outputs, *inputs) if t.device.type != "meta"
+            and not type(t).__name__ == "FakeTensor" and t.numel()]
+    spans = {n: (_span(t), t.device) for n, t in real}
+    out_names = [n for n, _ in outputs if n in spans]
+    for i, name in enumerate(out_names):
+        (lo, hi), dev = spans[name]
+        for other in out_names[i + 1:] + [n for n, _ in inputs if n in spans]:
+            (olo, ohi), odev = spans[other]
+            if dev == odev and lo < ohi and olo < hi:
+                raise InputError(f"{name} overlaps {other} in memory; outputs must not share memory with "
+                                 f"inputs or other outputs")
