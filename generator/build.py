@@ -12,6 +12,7 @@ import queue
 import re
 import shlex
 import subprocess
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -20,9 +21,9 @@ from typing import Any, Callable
 import filelock
 
 from gemmgen import __version__
-from gemmgen.generator import manifest, render, toolchain
+from gemmgen.generator import manifest, render, space, toolchain
 from gemmgen.arch import Arch
-from gemmgen.errors import ManifestError, ToolchainError
+from gemmgen.errors import GemmgenError, ManifestError, ToolchainError
 
 # -fvisibility=hidden keeps CUTLASS/CuTe symbols private; the ABI entry points are marked visible.
 COMMON_FLAGS: tuple[str, ...] = (
@@ -220,13 +221,47 @@ def _toolchain(compile: bool) -> tuple[str, list[Path], str, str]:
     return nvcc_path, cutlass_dirs, cutlass_version, nvcc_version
 
 
-def _previous_entries(path: Path, arch: Arch) -> dict[str, manifest.InstanceEntry]:
-    """Entries of an earlier generate into the same folder (kept unless rebuilt now)."""
+def _previous_entries(path: Path, arch: Arch, tc: render.Toolchain, log: Log) -> dict[str, manifest.InstanceEntry]:
+    """Entries of an earlier generate into the same folder (kept unless rebuilt now). When the
+    manifest is missing or unreadable, the instances whose libraries are on disk and current are
+    recovered from the folder itself (recovered_entries)."""
     try:
         old = manifest.load(path)
-    except ManifestError:
-        return {}
-    return {e.name: e for e in old.instances if e.arch == arch.value}
+    except ManifestError as exc:
+        found = recovered_entries(path.parent, arch, tc)
+        if path.exists() or found:
+            log(f"manifest {path} was unreadable ({exc}); recovered {len(found)} built instance(s) "
+                f"from their libraries")
+        return found
+    kept = {e.name: e for e in old.instances if e.arch == arch.value}
+    if old.dropped:  # entries that did not fit the schema: take back what is on disk and current
+        log(f"manifest {path}: left out {len(old.dropped)} malformed entries; recovering from the libraries")
+        kept = {**recovered_entries(path.parent, arch, tc), **kept}
+    return kept
+
+
+def recovered_entries(build_dir: Path, arch: Arch, tc: render.Toolchain) -> dict[str, manifest.InstanceEntry]:
+    """Entries for the libraries in <build_dir>/lib that are current: the instance of that name in a
+    family's space for `arch`, whose source on disk is what it renders to now with `tc`, and whose
+    library is no older than that source. Anything else is left out (rebuilt when asked for)."""
+    by_name = {inst.name: inst for family in space.families_for(arch) for inst in family.SPACE}
+    found = {}
+    for lib in sorted((build_dir / "lib").glob("*.so")):
+        inst = by_name.get(lib.stem)
+        src = render.source_path(build_dir.parent, arch, inst) if inst is not None else None
+        if inst is None or not src.is_file() or lib.stat().st_mtime < src.stat().st_mtime:
+            continue
+        if src.read_text() != render.render_text(inst, tc):
+            continue
+        found[inst.name] = _entry(inst, arch, tc, "built", None)
+    return found
+
+
+def _entry(inst: Any, arch: Arch, tc: render.Toolchain, state: str, error: str | None) -> manifest.InstanceEntry:
+    return manifest.InstanceEntry(
+        name=inst.name, family=inst.family, params=inst.params(), arch=arch.value, gencode=list(arch.gencode),
+        library=library_rel(inst), symbol=inst.symbol, smem_bytes=inst.smem_bytes, threads=inst.threads,
+        content_hash=render.content_hash(inst, tc), state=state, error=error)
 
 
 def hold_lock(path: Path, waiting: str, log: Log) -> filelock.FileLock:
@@ -241,16 +276,31 @@ def hold_lock(path: Path, waiting: str, log: Log) -> filelock.FileLock:
     return lock
 
 
+def check_writable(out: Path, build_dir: Path) -> None:
+    """Create `build_dir` (inside the build folder `out`) and write a probe file into it; raise
+    GemmgenError, one line naming `out`, when either fails."""
+    try:
+        build_dir.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=build_dir, prefix=".probe-"):
+            pass
+    except OSError as exc:
+        reason = exc.strerror or " ".join(str(exc).split())
+        failed = Path(os.fsdecode(exc.filename)) if exc.filename is not None else out
+        where = "" if failed == out or out in failed.parents else f" ({failed})"
+        raise GemmgenError(f"cannot write the build folder {out}: {reason}{where}") from None
+
+
 def generate(arch: Arch, instances: list[Any], *, out: Path, jobs: int | None = None,
              compile: bool = True, log: Log = lambda s: print(s, flush=True)) -> GenerateResult:
     """Render, compile (unless compile=False) and register `instances` under <out>/<arch>.
 
     Holds <out>/<arch>/.lock throughout, so concurrent generates into one folder take turns.
-    Raises ToolchainError when nvcc or CUTLASS is missing (compile=True) or ninja itself fails.
+    Raises GemmgenError naming `out` when <out>/<arch> cannot be created or written, ToolchainError
+    when nvcc or CUTLASS is missing (compile=True) or ninja itself fails.
     """
     start = time.monotonic()
     build_dir = Path(out) / arch.value
-    build_dir.mkdir(parents=True, exist_ok=True)
+    check_writable(Path(out), build_dir)
     lock = hold_lock(build_dir / ".lock", f"waiting for another gemmgen generate holding {build_dir / '.lock'}",
                      log)
     try:
@@ -268,17 +318,12 @@ def generate(arch: Arch, instances: list[Any], *, out: Path, jobs: int | None = 
         else:
             result.rendered = [inst.name for inst in instances]
             log(f"rendered {len(instances)} instances into {build_dir / 'src'} (not compiled)")
-        entries = _previous_entries(result.manifest_path, arch)
+        entries = _previous_entries(result.manifest_path, arch, tc, log)
         for inst in instances:
             if compile and inst.name not in result.failed and not (build_dir / library_rel(inst)).is_file():
                 result.failed[inst.name] = "no library after the build (interrupted?)"
             state = "failed" if inst.name in result.failed else "built" if compile else "rendered"
-            entries[inst.name] = manifest.InstanceEntry(
-                name=inst.name, family=inst.family, params=inst.params(), arch=arch.value,
-                gencode=list(arch.gencode), library=library_rel(inst), symbol=inst.symbol,
-                smem_bytes=inst.smem_bytes, threads=inst.threads,
-                content_hash=render.content_hash(inst, tc), state=state,
-                error=result.failed.get(inst.name))
+            entries[inst.name] = _entry(inst, arch, tc, state, result.failed.get(inst.name))
         manifest.write(result.manifest_path, manifest.Manifest(
             gemmgen_version=__version__, arch=arch.value, nvcc_version=nvcc_version,
             cutlass_version=cutlass_version, flags=list(flags), instances=list(entries.values())))

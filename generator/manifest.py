@@ -8,6 +8,7 @@ import dataclasses
 import datetime
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -53,12 +54,14 @@ class Manifest:
         default_factory=lambda: datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
     schema: int = SCHEMA
     abi_version: int = ABI_VERSION
+    # Entries of the file left out on load because they do not fit the schema (not written back).
+    dropped: list[str] = dataclasses.field(default_factory=list, compare=False)
 
     def to_json(self) -> dict[str, Any]:
         """The manifest as plain JSON values, top-level keys in schema order."""
         data = dataclasses.asdict(self)
         order = ["schema", "gemmgen_version", "arch", "abi_version", "nvcc_version", "cutlass_version",
-                 "flags", "created", "instances"]
+                 "flags", "created", "instances"]  # not `dropped`
         return {key: data[key] for key in order}
 
 
@@ -91,15 +94,41 @@ def from_json(data: Any, path: Path) -> Manifest:
     if data["abi_version"] != ABI_VERSION:
         raise ManifestError(f"{path}: ABI version {data['abi_version']}, this gemmgen calls ABI "
                             f"{ABI_VERSION}; regenerate it with `gemmgen generate`")
-    entries = []
+    entries, dropped = [], []
     for i, raw in enumerate(data["instances"]):
-        _check_fields(raw, _ENTRY_FIELDS, f"instance #{i}", path)
-        if raw["state"] not in STATES:
-            raise ManifestError(f"{path}: instance {raw['name']!r} has state {raw['state']!r}, "
-                                f"expected one of {STATES}")
-        entries.append(InstanceEntry(**{key: raw[key] for key in _ENTRY_FIELDS}))
+        try:
+            entries.append(_entry(raw, i, path))
+        except ManifestError as exc:
+            dropped.append(str(exc).removeprefix(f"{path}: "))
     top = {key: data[key] for key in _TOP_FIELDS if key != "instances"}
-    return Manifest(**top, instances=entries)
+    return Manifest(**top, instances=entries, dropped=dropped)
+
+
+_NAME = re.compile(r"[A-Za-z0-9_]+")
+
+
+def _entry(raw: Any, i: int, path: Path) -> InstanceEntry:
+    """One instance entry checked against the schema: field types, a known state, a name and symbol
+    of identifier characters, a library inside the build folder (lib/<name>.so), sizes in range."""
+    _check_fields(raw, _ENTRY_FIELDS, f"instance #{i}", path)
+    name = raw["name"]
+    problems = []
+    if raw["state"] not in STATES:
+        problems.append(f"state {raw['state']!r}, expected one of {STATES}")
+    if not _NAME.fullmatch(name) or not _NAME.fullmatch(raw["symbol"]):
+        problems.append("a name or symbol that is not an identifier")
+    if raw["library"] != f"lib/{name}.so":
+        problems.append(f"library {raw['library']!r}, expected 'lib/{name}.so'")
+    if raw["smem_bytes"] < 0 or raw["threads"] <= 0:
+        problems.append(f"smem_bytes {raw['smem_bytes']} / threads {raw['threads']} out of range")
+    if not all(isinstance(g, str) for g in raw["gencode"]):
+        problems.append("gencode flags that are not strings")
+    if not all(isinstance(k, str) and (v is None or isinstance(v, (str, int, float, bool, list)))
+               for k, v in raw["params"].items()):
+        problems.append("params that are not plain values")
+    if problems:
+        raise ManifestError(f"{path}: instance #{i} {name!r} has {'; '.join(problems)}")
+    return InstanceEntry(**{key: raw[key] for key in _ENTRY_FIELDS})
 
 
 def load(path: Path) -> Manifest:

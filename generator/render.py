@@ -52,18 +52,24 @@ def source_path(out: Path, arch: Arch, inst: Any) -> Path:
     return Path(out) / arch.value / "src" / f"{inst.name}.cu"
 
 
+def template_path(inst: Any) -> Path:
+    """`inst`'s family template: its TEMPLATE under the templates folder (TEMPLATE itself where it
+    is absolute, for a family kept outside gemmgen)."""
+    return templates_dir() / family_named(inst.family).TEMPLATE
+
+
 def template_text(inst: Any) -> str:
     """The text of `inst`'s family template."""
-    return (templates_dir() / family_named(inst.family).TEMPLATE).read_text()
+    return template_path(inst).read_text()
 
 
 @functools.lru_cache(maxsize=None)
 def headers_hash(family: str) -> str:
     """Hash of the headers every family includes (abi.h, report.h, smem.h) and `family`'s own:
-    include/gemmgen/<dir>/ for each dir of the family module's HEADER_DIRS (default: its name). A
-    kernel change changes the key of every instance of its family, and of no other."""
+    include/gemmgen/<dir>/ for each dir of the family's HEADER_DIRS. A kernel change changes the key
+    of every instance of its family, and of no other."""
     root = include_dir() / "gemmgen"
-    dirs = getattr(family_named(family), "HEADER_DIRS", (family,))
+    dirs = family_named(family).HEADER_DIRS
     digest = hashlib.sha256()
     shared = [root / "abi.h", root / "report.h", root / "smem.h"]
     for path in [*shared, *(p for d in dirs for p in sorted((root / d).rglob("*.h")))]:
@@ -82,7 +88,8 @@ def content_hash(inst: Any, toolchain: Toolchain) -> str:
 
 def render_text(inst: Any, toolchain: Toolchain) -> str:
     """Render `inst`'s family template with the instance's values and the toolchain's."""
-    template = environment(templates_dir()).get_template(family_named(inst.family).TEMPLATE)
+    path = template_path(inst)
+    template = environment(path.parent).get_template(path.name)
     values = {**inst.template_values(), "gemmgen_version": __version__,
               "content_hash": content_hash(inst, toolchain),
               "nvcc_version": toolchain.nvcc_version, "cutlass_version": toolchain.cutlass_version}

@@ -1,38 +1,85 @@
 """The registry of kernel families and the instance selection `gemmgen generate` builds.
 
-A family is a module (see gemmgen/families/) exposing FAMILY, KIND ("attention", "gemm" or
-"softmax"), optionally BUILT_BY_DEFAULT (False: `gemmgen generate` builds it only when named),
-TEMPLATE, ARCHS, SPACE, DEFAULT, invalid_reason(instance, arch) (what is never built) and, for
-attention families, problem_reason(params, problem) (what a built instance cannot run: the
-registry rejects it for that call with this reason). Adding a family means adding its module to
-FAMILIES.
+A family is a module that declares the members of the family contract
+(gemmgen.generator.families.base: `Family`, and `AttentionFamily` or `GemmFamily` by its KIND).
+FAMILIES holds the built-in families and those added with `register` (or `registered`, for a
+while): the one registration point, which checks the contract, so code that reads a family reads
+its members directly. Adding a family to gemmgen means adding its module to BUILTIN.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import re
-from types import ModuleType
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from gemmgen.arch import Arch
 from gemmgen.generator.families import fa2_sm80, fmha_sm90, gemm_sm80, gemm_sm90, mea_sm80, softmax_sm80
+from gemmgen.generator.families.base import Family, check_family
 
 # Attention families first, in the order build_target tries them for a missing instance.
-FAMILIES: tuple[ModuleType, ...] = (fa2_sm80, fmha_sm90, mea_sm80, gemm_sm80, gemm_sm90, softmax_sm80)
+BUILTIN: tuple[Family, ...] = (fa2_sm80, fmha_sm90, mea_sm80, gemm_sm80, gemm_sm90, softmax_sm80)
 
 
-def built_by_default(family: ModuleType) -> bool:
-    """Whether `gemmgen generate` without --family builds `family` (its BUILT_BY_DEFAULT, else True)."""
-    return getattr(family, "BUILT_BY_DEFAULT", True)
+class FamilyList(Sequence):
+    """The registered families, in registration order (read-only: `register` adds one)."""
+
+    def __init__(self) -> None:
+        self._families: list[Family] = []
+
+    def __getitem__(self, index: Any) -> Any:
+        return self._families[index]
+
+    def __len__(self) -> int:
+        return len(self._families)
+
+    def __repr__(self) -> str:
+        return f"FamilyList({', '.join(f.FAMILY for f in self._families)})"
 
 
-def families_for(arch: Arch) -> list[ModuleType]:
+FAMILIES = FamilyList()
+
+
+def register(family: Family) -> None:
+    """Add `family` (a module, or any object with the module's members) to FAMILIES, after the
+    others. Raises TypeError when it breaks the family contract, ValueError when its FAMILY name is
+    taken."""
+    check_family(family)
+    if any(f.FAMILY == family.FAMILY for f in FAMILIES):
+        raise ValueError(f"a family named {family.FAMILY!r} is registered already")
+    FAMILIES._families.append(family)
+    supported_head_dims.cache_clear()
+
+
+def unregister(family: Family) -> None:
+    """Remove `family` from FAMILIES (ValueError if it is not there)."""
+    FAMILIES._families.remove(family)
+    supported_head_dims.cache_clear()
+
+
+@contextlib.contextmanager
+def registered(family: Family) -> Iterator[Family]:
+    """Register `family` for the duration of a `with` block (a test's family, say)."""
+    register(family)
+    try:
+        yield family
+    finally:
+        unregister(family)
+
+
+def built_by_default(family: Family) -> bool:
+    """Whether `gemmgen generate` without --family builds `family`."""
+    return family.BUILT_BY_DEFAULT
+
+
+def families_for(arch: Arch) -> list[Family]:
     """Return the families that build for `arch`."""
     return [family for family in FAMILIES if arch in family.ARCHS]
 
 
-def family_named(name: str) -> ModuleType:
-    """Return the family module whose FAMILY is `name`; raise KeyError if none."""
+def family_named(name: str) -> Family:
+    """Return the family whose FAMILY is `name`; raise KeyError if none."""
     for family in FAMILIES:
         if family.FAMILY == name:
             return family
@@ -66,8 +113,19 @@ def select_instances(arch: Arch, *, all_instances: bool = False,
     return chosen
 
 
-@functools.cache  # on fused_attention's hot path
+@functools.cache  # on fused_attention's hot path; register() clears it
 def supported_head_dims() -> tuple[int, ...]:
-    """Head dims some family supports, sorted."""
-    return tuple(sorted({inst.head_dim for family in FAMILIES
-                         if getattr(family, "KIND", "attention") == "attention" for inst in family.SPACE}))
+    """The head dims some attention family serves (the union of their HEAD_DIMS), sorted."""
+    return tuple(sorted({d for family in FAMILIES if family.KIND == "attention" for d in family.HEAD_DIMS}))
+
+
+def describe_head_dims(dims: Sequence[int]) -> str:
+    """`dims` in a few words: "a multiple of 8 up to 256" where they are every multiple of their
+    smallest up to their largest, else "one of 32, 64, 128"."""
+    if len(dims) > 2 and list(dims) == list(range(dims[0], dims[-1] + 1, dims[0])):
+        return f"a multiple of {dims[0]} up to {dims[-1]}"
+    return f"one of {', '.join(map(str, dims))}"
+
+
+for _family in BUILTIN:
+    register(_family)

@@ -157,3 +157,30 @@ def test_registry_binds_built_instance(compiled):
         assert cand.kernel.info().head_dim == 32  # loaded, bound and ABI-checked without a GPU
     finally:
         registry.set_build_dirs(None)
+
+
+def test_a_truncated_manifest_keeps_every_built_instance(tmp_path):
+    """Two instances built, the manifest cut short, one of them generated again: the other, still
+    on disk and current, stays in the manifest (and so in the registry); a library whose source
+    changed since is not taken back."""
+    nvcc = tmp_path / "nvcc"
+    nvcc.write_text(fake_nvcc('echo "$target: $src" > "$dep"\n: > "$out"\n'))
+    nvcc.chmod(nvcc.stat().st_mode | stat.S_IXUSR)
+    out = tmp_path / "out"
+    env = {"GEMMGEN_NVCC": str(nvcc)}
+    first = ("generate", "--arch", "sm80", "--filter", SMALL, "--out", str(out))
+    assert run_cli(*first, env=env).returncode == 0
+    path = out / "sm80" / "manifest.json"
+    path.write_text(path.read_text()[:200])
+    proc = run_cli("generate", "--arch", "sm80", "--filter", SMALL_NAMES[1], "--out", str(out), env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert "was unreadable" in proc.stdout and "recovered 2 built instance(s)" in proc.stdout
+    entries = {e.name: e for e in manifest.load(path).instances}
+    assert sorted(entries) == SMALL_NAMES and {e.state for e in entries.values()} == {"built"}
+    # A source that no longer renders the same (edited, or from another toolchain) is not recovered.
+    src = out / "sm80" / "src" / f"{SMALL_NAMES[0]}.cu"
+    src.write_text(src.read_text() + "// changed\n")
+    path.write_text("{")
+    proc = run_cli("generate", "--arch", "sm80", "--filter", SMALL_NAMES[1], "--out", str(out), env=env)
+    assert proc.returncode == 0 and "recovered 1 built instance(s)" in proc.stdout, proc.stdout
+    assert [e.name for e in manifest.load(path).instances] == [SMALL_NAMES[1]]

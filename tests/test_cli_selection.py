@@ -69,7 +69,7 @@ def test_explain_uses_an_imported_database(build, tmp_path):
 @pytest.mark.parametrize("args, words", [
     (("--shape", "16,16,4096"), "malformed shape '16,16,4096': expected B,H,N,d or B,H,Nq,Nk,d"),
     (("--shape", "a,b,c,d"), "malformed shape"),
-    (("--shape", "0,16,64,64"), "sizes must be positive"),
+    (("--shape", "2,16,64,0"), "head dim 0 in shape '2,16,64,0': it must be positive"),
     (("--shape", "2,16,64,64", "--heads-kv", "3"), "heads_kv 3 must divide heads 16"),
     (("--shape", "2,16,64,64", "--instance", "nope"), "no instance named 'nope'"),
     (("--shape", "2,16,64,64", "--cc", "9", "--sms", "132"), "malformed --cc '9'"),

@@ -36,7 +36,7 @@ def test_space_names_unique_and_stable():
 def test_default_covers_every_dtype_head_dim_mask_once():
     keys = [(i.dtype, i.head_dim, i.mask) for i in fam.DEFAULT]
     assert sorted(keys, key=str) == sorted(set(keys), key=str)
-    assert set(keys) == {(dt, d, m) for dt in DType for d in fam.HEAD_DIMS for m in Mask}
+    assert set(keys) == {(dt, d, m) for dt in fam.DTYPES for d in fam.HEAD_DIMS for m in Mask}
 
 
 def test_every_instance_fits_and_is_built_only_for_sm90():
@@ -105,7 +105,7 @@ def problem(**kw) -> Problem:
                       "seqlen_q": 1024, "seqlen_k": 1024, **kw})
 
 
-PARAMS = {"dtype": "bf16", "head_dim": 128, "mask": "causal", "block_m": 128, "block_n": 128}
+CAUSAL_128 = FmhaSm90Instance(DType.BF16, 128, Mask.CAUSAL, Schedule.PINGPONG, 128, 128, 5, lazy_rescale=True)
 
 
 @pytest.mark.parametrize("kw, reason", [
@@ -122,7 +122,7 @@ PARAMS = {"dtype": "bf16", "head_dim": 128, "mask": "causal", "block_m": 128, "b
     (dict(max_offset=2**31), "int32"),
 ])
 def test_problem_reason(kw, reason):
-    got = fam.problem_reason(PARAMS, problem(**kw))
+    got = fam.problem_reason(CAUSAL_128, problem(**kw))
     assert got is None if reason is None else reason in got
 
 

@@ -44,9 +44,9 @@ def test_residency():
 
 def test_estimate_waves_and_padding():
     inst = Fa2Sm80Instance(DType.FP16, 64, Mask.NONE, 128, 64, 4)
-    est = heuristic.estimate(make_entry(inst), problem(bh=512, nq=1000, nk=1000))
+    est = heuristic.estimate(inst, problem(bh=512, nq=1000, nk=1000))
     assert est.ctas == 8 * 512 and est.ctas_per_sm == 2 and est.waves == 16 and est.padded_rows == 1024
-    causal = heuristic.estimate(make_entry(inst), problem(True, bh=512, nq=1024, nk=1024))
+    causal = heuristic.estimate(inst, problem(True, bh=512, nq=1024, nk=1024))
     assert causal.time < est.time  # about half the work
 
 
@@ -100,4 +100,4 @@ def test_heuristic_on_the_h200_sweep():
 def test_every_head_dim_has_an_estimate(d):
     for inst in fam.DEFAULT:
         if inst.head_dim == d:
-            assert heuristic.estimate(make_entry(inst), problem(bh=4, nq=100, nk=300, d=d)).time > 0
+            assert heuristic.estimate(inst, problem(bh=4, nq=100, nk=300, d=d)).time > 0

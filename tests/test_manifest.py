@@ -18,7 +18,8 @@ def sample() -> manifest.Manifest:
         arch="sm80", gencode=["-gencode=arch=compute_80,code=sm_80"],
         library="lib/fa2_sm80_fp16_d64_none_m128n128w4s1.so", symbol="gemmgen_fa2_sm80_fp16_d64_none_m128n128w4s1",
         smem_bytes=49152, threads=128, content_hash="0123456789abcdef", state="built")
-    failed = manifest.InstanceEntry(**{**entry.__dict__, "name": "x", "state": "failed", "error": "boom"})
+    failed = manifest.InstanceEntry(**{**entry.__dict__, "name": "x", "library": "lib/x.so", "state": "failed",
+                                       "error": "boom"})
     return manifest.Manifest(gemmgen_version="0.1.0", arch="sm80", nvcc_version="13.0.88",
                              cutlass_version="4.2.0", flags=["-O3"], instances=[entry, failed])
 
@@ -38,9 +39,6 @@ def test_roundtrip(tmp_path):
     (lambda d: d.pop("arch"), "lacks the field 'arch'"),
     (lambda d: d.update(schema=2), "schema 2"),
     (lambda d: d.update(abi_version=7), "ABI version 7"),
-    (lambda d: d["instances"][0].update(state="half"), "state 'half'"),
-    (lambda d: d["instances"][0].update(smem_bytes="big"), "'smem_bytes' has the wrong type"),
-    (lambda d: d["instances"][1].pop("symbol"), "instance #1 lacks the field 'symbol'"),
     (lambda d: d.update(instances={}), "'instances' has the wrong type"),
 ])
 def test_bad_manifest(tmp_path, mutate, words):
@@ -51,6 +49,27 @@ def test_bad_manifest(tmp_path, mutate, words):
     with pytest.raises(ManifestError, match=words.replace("(", r"\(")) as info:
         manifest.load(path)
     assert str(path) in str(info.value)
+
+
+@pytest.mark.parametrize("mutate, words", [
+    (lambda e: e.update(state="half"), "state 'half'"),
+    (lambda e: e.update(smem_bytes="big"), "'smem_bytes' has the wrong type"),
+    (lambda e: e.pop("symbol"), "lacks the field 'symbol'"),
+    (lambda e: e.update(library="../../elsewhere/evil.so"), "library '../../elsewhere/evil.so'"),
+    (lambda e: e.update(library="/tmp/x.so"), "library '/tmp/x.so'"),
+    (lambda e: e.update(name="a b"), "not an identifier"),
+    (lambda e: e.update(threads=0), "out of range"),
+    (lambda e: e.update(params={"dtype": {"nested": 1}}), "params that are not plain values"),
+])
+def test_bad_entries_are_left_out_and_reported(tmp_path, mutate, words):
+    """An entry that does not fit the schema is left out (named in `dropped`); the others load."""
+    path = tmp_path / "manifest.json"
+    data = sample().to_json()
+    mutate(data["instances"][0])
+    path.write_text(json.dumps(data))
+    loaded = manifest.load(path)
+    assert [e.name for e in loaded.instances] == ["x"]
+    assert len(loaded.dropped) == 1 and words in loaded.dropped[0] and "instance #0" in loaded.dropped[0]
 
 
 def test_unreadable_manifest(tmp_path):

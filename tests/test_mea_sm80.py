@@ -36,7 +36,8 @@ def test_space_and_predicate():
     assert {i.max_head_dim for i in fam.SPACE} == set(fam.MAX_HEAD_DIMS)
     assert all(i.smem_bytes <= Arch.SM80.max_smem_bytes for i in fam.SPACE)
     assert space.family_named("mea_sm80") is fam and fam in space.families_for(Arch.SM80)
-    assert set(space.supported_head_dims()) >= {32, 64, 96, 128, 160, 192, 256}
+    assert fam.HEAD_DIMS == tuple(range(8, 257, 8))  # every multiple of 8 up to the largest bound
+    assert set(space.supported_head_dims()) >= set(fam.HEAD_DIMS)
 
 
 @pytest.mark.parametrize("inst, words", [
@@ -82,8 +83,7 @@ def test_render(tmp_path):
     ({"zero_scale": True}, "scale 0"),
 ])
 def test_problem_reason_rejects(kw, words):
-    params = MeaSm80Instance(DType.FP16, 128, 32, 128).params()
-    reason = fam.problem_reason(params, problem(**kw))
+    reason = fam.problem_reason(MeaSm80Instance(DType.FP16, 128, 32, 128), problem(**kw))
     assert reason is not None and words in reason
 
 
@@ -92,10 +92,18 @@ def test_problem_reason_rejects(kw, words):
     {"dropout": True, "bias": True}, {"varlen": True, "causal": True}, {"negative_scale": True}, {"gqa": 4},
 ])
 def test_problem_reason_accepts(kw):
-    params = MeaSm80Instance(DType.FP16, 128, 32, 128).params()
-    assert fam.problem_reason(params, problem(**kw)) is None
+    inst = MeaSm80Instance(DType.FP16, 128, 32, 128)
+    assert fam.problem_reason(inst, problem(**kw)) is None
     # The registry's functional check leaves head dim and mask to the family.
-    assert registry.functional_reason(fam, params, problem(**kw)) is None
+    assert inst.head_dim is None and inst.mask is None
+    assert registry.functional_reason(fam, inst, problem(**kw)) is None
+
+
+def test_the_family_serves_what_its_instances_serve():
+    """HEAD_DIMS (what fused_attention accepts through this family) is exactly the head dims some
+    instance's problem_reason runs."""
+    served = {d for d in range(1, 300) if any(fam.problem_reason(i, problem(head_dim=d)) is None for i in fam.SPACE)}
+    assert served == set(fam.HEAD_DIMS)
 
 
 def test_registry_routes_features_to_this_family():

@@ -3,13 +3,15 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Callable
 
+from gemmgen import __version__
 from gemmgen.generator import manifest, space
 from gemmgen.arch import Arch, parse_arch
-from gemmgen.errors import GemmgenError, InputError, ManifestError, ToolchainError
+from gemmgen.errors import GemmgenError, InputError, ManifestError
 
 EXIT_USAGE = 2
 
@@ -17,6 +19,24 @@ EXIT_USAGE = 2
 def _fail(message: str, code: int = 1) -> int:
     print(f"gemmgen: error: {message}", file=sys.stderr)
     return code
+
+
+def os_error_message(exc: OSError) -> str:
+    """One line for an OSError: "<file>: <reason>" where the error names a file, else its text."""
+    if exc.filename is not None and exc.strerror:
+        files = f"{exc.filename} -> {exc.filename2}" if exc.filename2 is not None else f"{exc.filename}"
+        return f"{files}: {exc.strerror}"
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
+def check_regex(pattern: str | None) -> None:
+    """Raise InputError("invalid regex '<pattern>' : <reason>") when `pattern` is not a valid regex."""
+    if pattern is None:
+        return
+    try:
+        re.compile(pattern)
+    except re.error as exc:
+        raise InputError(f"invalid regex {pattern!r} : {exc}") from None
 
 
 def generate_families(names: list[str] | None) -> set[str]:
@@ -31,9 +51,14 @@ def generate_families(names: list[str] | None) -> set[str]:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    """Render and compile the default set (or --all, or --filter's) for each --arch."""
+    """Render and compile the default set (or --all, or --filter's) for each --arch into --out, then
+    record the folder in the cache directory so that the registry finds it from any directory."""
     from gemmgen.generator import build  # imports filelock/jinja only when generating
 
+    try:
+        check_regex(args.filter)
+    except InputError as exc:
+        return _fail(str(exc), EXIT_USAGE)
     try:
         archs = [parse_arch(a) for a in args.arch]
     except ValueError as exc:
@@ -53,14 +78,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
             return _fail(f"{what} no instance of {', '.join(sorted(families))} in {arch.value}'s {pool}{hint}",
                          EXIT_USAGE)
         plans.append((arch, chosen))
+    out = Path(args.out)
     built = failed = up_to_date = 0
     elapsed = 0.0
+    recorded = False
     for arch, chosen in plans:
         try:
-            result = build.generate(arch, chosen, out=Path(args.out), jobs=args.jobs,
-                                    compile=not args.no_compile)
-        except ToolchainError as exc:
+            result = build.generate(arch, chosen, out=out, jobs=args.jobs, compile=not args.no_compile)
+        except GemmgenError as exc:
             return _fail(str(exc))
+        if not recorded:
+            record_build(out)
+            recorded = True
         built, up_to_date = built + len(result.built), up_to_date + len(result.up_to_date)
         failed += len(result.failed)
         elapsed += result.elapsed
@@ -69,18 +98,74 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print(f"manifest: {result.manifest_path}")
     if args.no_compile:
         print(f"{sum(len(c) for _, c in plans)} rendered, not compiled, in {elapsed:.1f} s")
-        return 0
-    print(f"{built} built, {failed} failed, {up_to_date} up to date in {elapsed:.1f} s")
+    else:
+        print(f"{built} built, {failed} failed, {up_to_date} up to date in {elapsed:.1f} s")
+    print(f"build folder: {out.resolve()}")
+    explain_visibility(out)
     return 1 if failed else 0
 
 
-def cmd_list(args: argparse.Namespace) -> int:
-    """Print every instance of the manifests under --out."""
-    from gemmgen.select.registry import manifest_paths
+def record_build(out: Path) -> None:
+    """Record `out` in the cache directory's list of builds; a cache that cannot be written costs a
+    warning, not the build."""
+    from gemmgen import cache
 
-    paths = manifest_paths(Path(args.out))
+    try:
+        cache.record_build(out)
+    except GemmgenError as exc:
+        print(f"gemmgen: warning: {exc}", file=sys.stderr)
+
+
+def explain_visibility(out: Path) -> None:
+    """Say whether the registry will search `out`: always, unless build directories are given
+    explicitly ($GEMMGEN_BUILD_DIR) without it."""
+    from gemmgen.select import registry
+
+    explicit = registry.explicit_build_dirs()
+    if explicit is not None and out.resolve() not in {d.resolve() for d in explicit}:
+        print(f"note: GEMMGEN_BUILD_DIR is set and does not name {out.resolve()}: only its folders are "
+              f"searched, so add this one to it to use this build", file=sys.stderr)
+
+
+def manifest_summary(path: Path) -> tuple[str, str, str]:
+    """(arch, instance count, states) of the manifest at `path`; an unreadable one says why."""
+    try:
+        data = manifest.load(path)
+    except ManifestError as exc:
+        return path.parent.name, "?", f"unreadable: {' '.join(str(exc).split())}"
+    states: dict[str, int] = {}
+    for e in data.instances:
+        states[e.state] = states.get(e.state, 0) + 1
+    text = ", ".join(f"{n} {state}" for state, n in sorted(states.items()))
+    return data.arch, str(len(data.instances)), text or "empty"
+
+
+def _print_table(rows: list[tuple[str, ...]]) -> None:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    """Without --out: every build the registry searches (folder, arch, instance counts by state).
+    With --out: every instance of the manifests under that folder."""
+    from gemmgen.select import registry
+
+    if args.out is None:
+        rows = [("folder", "arch", "instances", "states")]
+        searched = registry.search_dirs()
+        for folder in searched:
+            for path in registry.manifest_paths(folder.resolve()):
+                rows.append((str(folder.resolve()), *manifest_summary(path)))
+        if len(rows) == 1:
+            where = ", ".join(str(d.resolve()) for d in searched)
+            return _fail(f"no builds found (searched {where}); run `gemmgen generate --arch sm80`")
+        _print_table(rows)
+        print("(the instances of one build: gemmgen list --out FOLDER)")
+        return 0
+    paths = registry.manifest_paths(Path(args.out))
     if not paths:
-        return _fail(f"no manifest under {args.out}; run `gemmgen generate --arch sm80`")
+        return _fail(f"no manifest under {args.out}; run `gemmgen generate --arch sm80 --out {args.out}`")
     rows = [("name", "family", "params", "arch", "state")]
     for path in paths:
         try:
@@ -90,14 +175,34 @@ def cmd_list(args: argparse.Namespace) -> int:
         for e in data.instances:
             params = " ".join(f"{k}={v}" for k, v in e.params.items())
             rows.append((e.name, e.family, params, e.arch, e.state))
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    for row in rows:
-        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+    _print_table(rows)
     return 0
 
 
+def check_run_args(args: argparse.Namespace) -> None:
+    """Raise InputError for `gemmgen run` arguments no call could run: sizes below 1, key/value
+    heads that do not divide --heads, a head dim no family supports, --iters below 1."""
+    for option, value in (("--batch", args.batch), ("--heads", args.heads), ("--seq-len", args.seq_len),
+                          ("--head-dim", args.head_dim), ("--heads-kv", args.heads_kv),
+                          ("--seq-len-k", args.seq_len_k), ("--iters", args.iters)):
+        if value is not None and value < 1:
+            raise InputError(f"{option} must be at least 1, got {value}")
+    if args.heads_kv is not None and args.heads % args.heads_kv:
+        raise InputError(f"--heads-kv {args.heads_kv} must divide --heads {args.heads}")
+    from gemmgen.generator.space import describe_head_dims
+
+    dims = space.supported_head_dims()
+    if args.head_dim not in dims:
+        raise InputError(f"--head-dim {args.head_dim} is not supported; supported: {describe_head_dims(dims)}")
+
+
 def cmd_run(args: argparse.Namespace) -> int:
-    """Run fused_attention on random inputs; optionally verify against float64 and time it."""
+    """Check the arguments, then (on a CUDA GPU) run fused_attention on random inputs; optionally
+    verify against float64 and time it."""
+    try:
+        check_run_args(args)
+    except InputError as exc:
+        return _fail(str(exc), EXIT_USAGE)
     from gemmgen.cli import run as runner  # imports torch
 
     try:
@@ -119,15 +224,32 @@ def _guarded(run: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Nam
     return handler
 
 
+def _command(sub: argparse._SubParsersAction, name: str, help: str, description: str | None = None
+             ) -> argparse.ArgumentParser:
+    """A sub-command whose --help starts with `description` (default: `help`)."""
+    return sub.add_parser(name, help=help, description=description or help[0].upper() + help[1:] + ".")
+
+
 def parser() -> argparse.ArgumentParser:
     """The argument parser of the `gemmgen` command."""
-    top = argparse.ArgumentParser(prog="gemmgen", description="CUTLASS-based fused attention kernels.")
-    sub = top.add_subparsers(dest="command", required=True)
+    top = argparse.ArgumentParser(
+        prog="gemmgen", description="Fused-attention and batched-GEMM kernels generated from CUTLASS "
+                                    "templates: build them, see which one runs a shape and why, time them.",
+        epilog="Environment: GEMMGEN_BUILD_DIR (build folders, ':'-separated; when set, the only ones "
+               "searched besides the on-demand builds), GEMMGEN_CACHE_DIR, GEMMGEN_NVCC, CUTLASS_PATH, "
+               "GEMMGEN_JIT=0, GEMMGEN_AUTOTUNE=1. Each command has --help.")
+    top.add_argument("--version", action="version", version=f"gemmgen {__version__}",
+                     help="print gemmgen's version and exit")
+    sub = top.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    gen = sub.add_parser("generate", help="render, compile and register instances")
+    gen = _command(sub, "generate", "render, compile and register instances",
+                   "Render the instances of each --arch into --out, compile them with nvcc and write the "
+                   "manifest the runtime reads; the folder is recorded in the cache directory, so the "
+                   "registry finds it from any working directory.")
     gen.add_argument("--arch", action="append", required=True, help="target, e.g. sm80 (repeatable)")
     gen.add_argument("--out", default="build", help="build directory (default: build)")
-    gen.add_argument("--filter", help="substring or regex an instance name must match")
+    gen.add_argument("--filter", metavar="REGEX",
+                     help="build only the instances whose name contains this regex (re.search)")
     gen.add_argument("--all", action="store_true", help="the whole instance space, not the default set")
     gen.add_argument("--jobs", type=int, help="parallel nvcc jobs (default: cores, <= free GB / 4)")
     gen.add_argument("--no-compile", action="store_true", help="render sources and manifest only")
@@ -137,51 +259,68 @@ def parser() -> argparse.ArgumentParser:
                           "gemm_sm80 and softmax_sm80")
     gen.set_defaults(func=cmd_generate)
 
-    lst = sub.add_parser("list", help="list the instances of a build directory")
-    lst.add_argument("--out", default="build", help="build directory (default: build)")
+    lst = _command(sub, "list", "list the builds, or the instances of one build",
+                   "Without --out: every build the registry searches (./build, the folders `gemmgen "
+                   "generate` recorded, or GEMMGEN_BUILD_DIR's; and the on-demand builds), with its "
+                   "arch and instance counts. With --out: every instance of that build.")
+    lst.add_argument("--out", metavar="FOLDER",
+                     help="list the instances of this build directory (default: a summary of every build)")
     lst.set_defaults(func=cmd_list)
 
-    run = sub.add_parser("run", help="run fused attention on random inputs")
-    run.add_argument("--batch", type=int, default=32)
-    run.add_argument("--heads", type=int, default=12)
+    run = _command(sub, "run", "run fused attention on random inputs",
+                   "Run fused_attention once on random [B, H, N, d] inputs on the GPU and print the "
+                   "instance it ran; optionally check it against float64 and time it. The arguments "
+                   "are checked before the GPU is looked for.")
+    run.add_argument("--batch", type=int, default=32, help="batch size B (default: 32)")
+    run.add_argument("--heads", type=int, default=12, help="query heads H (default: 12)")
     run.add_argument("--heads-kv", type=int, help="key/value heads (GQA/MQA; default: --heads)")
-    run.add_argument("--seq-len", type=int, default=512)
+    run.add_argument("--seq-len", type=int, default=512, help="query length Nq (default: 512)")
     run.add_argument("--seq-len-k", type=int, help="key/value length (default: --seq-len)")
-    run.add_argument("--head-dim", type=int, default=64)
-    run.add_argument("--dtype", choices=("fp16", "bf16"), default="fp16")
-    run.add_argument("--causal", action="store_true")
+    run.add_argument("--head-dim", type=int, default=64,
+                     help="head dim d, one that some family supports (default: 64)")
+    run.add_argument("--dtype", choices=("fp16", "bf16"), default="fp16", help="element type (default: fp16)")
+    run.add_argument("--causal", action="store_true", help="causal mask (top-left unless --bottom-right)")
     run.add_argument("--bottom-right", action="store_true", help="bottom-right causal alignment")
     run.add_argument("--instance", help="force an instance by name")
     run.add_argument("--verify", action="store_true", help="compare with the float64 reference")
     run.add_argument("--time", action="store_true", help="time with CUDA events")
     run.add_argument("--iters", type=int, default=100, help="timed iterations (default: 100)")
-    run.add_argument("--build-dir", action="append", help="where to find manifests (repeatable)")
+    run.add_argument("--build-dir", action="append",
+                     help="where to find manifests (repeatable; default: $GEMMGEN_BUILD_DIR, else ./build "
+                          "and the builds `gemmgen generate` recorded)")
     run.set_defaults(func=cmd_run)
 
     from gemmgen.cli import explain as cli_explain, profile as cli_profile, tune as cli_tune  # these import torch only when run
 
-    prof = sub.add_parser("profile", help="time every candidate per shape against torch SDPA")
+    prof = _command(sub, "profile", "time every candidate per shape against torch SDPA",
+                    "Time every built candidate of each shape (checked against float64 first) next to "
+                    "torch SDPA's backends, print a table per shape and store the times in this GPU's "
+                    "tuning database.")
     cli_profile.add_arguments(prof)
     prof.set_defaults(func=_guarded(cli_profile.run))
-    expl = sub.add_parser("explain", help="which instance runs a shape, and why")
+    expl = _command(sub, "explain", "which instance runs a shape, and why",
+                    "Print the candidates for a shape, the reason every other instance is rejected, the "
+                    "winner and which step chose it; for a GPU that is not here, describe it with --cc "
+                    "and --sms.")
     cli_explain.add_arguments(expl)
     expl.set_defaults(func=_guarded(cli_explain.run))
     from gemmgen.cli import gemm as cli_gemm
 
-    expl_gemm = sub.add_parser("explain-gemm", help="which batched-GEMM instance runs a shape, and why")
+    expl_gemm = _command(sub, "explain-gemm", "which batched-GEMM instance runs a shape, and why")
     cli_gemm.add_arguments(expl_gemm, profile=False)
     expl_gemm.set_defaults(func=_guarded(cli_gemm.run_explain))
-    prof_gemm = sub.add_parser("profile-gemm", help="time every batched-GEMM candidate against torch.matmul")
+    prof_gemm = _command(sub, "profile-gemm", "time every batched-GEMM candidate against torch.matmul")
     cli_gemm.add_arguments(prof_gemm, profile=True)
     prof_gemm.set_defaults(func=_guarded(cli_gemm.run_profile))
-    tune = sub.add_parser("tune", help="the tuning databases: path, show, export, import")
+    tune = _command(sub, "tune", "the tuning databases: path, show, export, import")
     cli_tune.add_arguments(tune)
     tune.set_defaults(func=_guarded(cli_tune.run))
     return top
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the `gemmgen` command; returns the exit status."""
+    """Entry point of the `gemmgen` command; returns the exit status: 0 on success, 2 for bad
+    arguments, 1 for other errors. A GemmgenError or OSError is one message on stderr, not a traceback."""
     args = parser().parse_args(argv)
     if getattr(args, "jobs", None) is not None and args.jobs < 1:
         return _fail("--jobs must be at least 1", EXIT_USAGE)
@@ -190,3 +329,9 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # output piped into a reader that quit early, e.g. `| head`
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
+    except InputError as exc:
+        return _fail(str(exc), EXIT_USAGE)
+    except GemmgenError as exc:
+        return _fail(str(exc))
+    except OSError as exc:
+        return _fail(os_error_message(exc))

@@ -3,14 +3,20 @@ where the decision came from (tuned bucket, nearest tuned bucket, heuristic).
 
 On a machine without the GPU in question, --cc/--sms (and --gpu, to use that GPU model's tuning
 database from the cache, e.g. one imported with `gemmgen tune import`) describe it instead.
+
+A shape with an empty size (B, H or Nq of 0: O has no elements; Nk of 0: no keys) has no decision:
+fused_attention checks the tensors and returns without selecting an instance or launching a
+kernel, and `gemmgen explain` says so.
 """
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 
 from gemmgen.select import device, registry, selection, tuning_db
 from gemmgen.errors import DeviceError, GemmgenError, InputError
+from gemmgen.generator.space import describe_head_dims, supported_head_dims
 from gemmgen.select.problem import ALIGN_BYTES, Problem
 from gemmgen.select.shapes import parse_shape
 
@@ -55,10 +61,60 @@ def find_database(facts: device.DeviceFacts) -> tuning_db.TuningDB | None:
     return max(found)[2] if found else tuning_db.TuningDB(device=facts.fingerprint())
 
 
+def shape_sizes(text: str) -> tuple[list[int], bool] | None:
+    """([B, H, Nq, Nk, d], causal) of a well-formed shape text "B,H,N,d" or "B,H,Nq,Nk,d"
+    (optionally ",causal"), zeros allowed; None when malformed (parse_shape says why)."""
+    parts = [p.strip() for p in text.split(",")]
+    causal = bool(parts) and parts[-1].lower() == "causal"
+    parts = parts[:-1] if causal else parts
+    if len(parts) not in (4, 5) or not all(re.fullmatch(r"\d+", p) for p in parts):
+        return None
+    sizes = [int(p) for p in parts]
+    if len(sizes) == 4:
+        sizes.insert(3, sizes[2])
+    return sizes, causal
+
+
+def empty_report(sizes: list[int], *, causal: bool, dtype: str, heads_kv: int | None,
+                 instance: str | None) -> str:
+    """What fused_attention does for sizes with a zero among B, H, Nq, Nk: the checks it still makes
+    (InputError for a head dim no family supports or key/value heads that cannot divide H), then
+    no instance and no kernel. `sizes` is [B, H, Nq, Nk, d]."""
+    b, h, nq, nk, d = sizes
+    kv = h if heads_kv is None else heads_kv
+    if kv < 1 or h % kv:
+        raise InputError(f"key/value heads {kv} (--heads-kv, default H) must be at least 1 and divide H = {h}")
+    if d not in supported_head_dims():
+        raise InputError(f"head dim {d} is not supported; supported: {describe_head_dims(supported_head_dims())}")
+    n = f"Nq=Nk={nq}" if nq == nk else f"Nq={nq} Nk={nk}"
+    lines = [f"shape: B={b} H={h}{f' Hkv={kv}' if kv != h else ''} {n} d={d} {dtype}{' causal' if causal else ''}"]
+    if b * h * nq == 0:
+        empty = ", ".join(f"{name} = 0" for name, v in (("B", b), ("H", h), ("Nq", nq)) if v == 0)
+        lines.append(f"empty problem ({empty}): O [{b}, {h}, {nq}, {d}] and the LSE [{b}, {h}, {nq}] have "
+                     f"no elements")
+    else:
+        lines.append(f"no keys (Nk = 0): every row of O [{b}, {h}, {nq}, {d}] is 0 and its LSE is -inf")
+    lines.append("decision: none needed: fused_attention checks the tensors and returns this without "
+                 "selecting an instance or launching a kernel, on any GPU")
+    if instance:
+        lines.append(f"(--instance {instance} is not looked up: no instance runs)")
+    return "\n".join(lines)
+
+
 def run(args: argparse.Namespace) -> int:
-    """Print the decision for --shape; returns the exit status."""
+    """Print the decision for --shape (or, for a shape with an empty size, what fused_attention
+    does instead); returns the exit status."""
     if args.build_dir:
         registry.set_build_dirs(args.build_dir)
+    parsed = shape_sizes(args.shape)
+    if parsed is not None:
+        sizes, causal = parsed
+        if sizes[4] == 0:
+            raise InputError(f"head dim 0 in shape {args.shape!r}: it must be positive")
+        if 0 in sizes[:4]:
+            print(empty_report(sizes, causal=causal or args.causal, dtype=args.dtype, heads_kv=args.heads_kv,
+                               instance=args.instance))
+            return 0
     shape = parse_shape(args.shape, dtype=args.dtype, causal=args.causal, heads_kv=args.heads_kv,
                         layout=args.layout)
     facts, db = device_facts(args)
@@ -74,14 +130,17 @@ def run(args: argparse.Namespace) -> int:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The arguments of `gemmgen explain`."""
-    p.add_argument("--shape", required=True, help="B,H,Nq,Nk,d (or B,H,N,d), optionally ,causal")
-    p.add_argument("--causal", action="store_true")
-    p.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
+    p.add_argument("--shape", required=True, metavar="B,H,Nq,Nk,d",
+                   help="B,H,Nq,Nk,d (or B,H,N,d), optionally ,causal; a size of 0 is an empty problem")
+    p.add_argument("--causal", action="store_true", help="causal mask (as ,causal in --shape)")
+    p.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16", help="element type (default: bf16)")
     p.add_argument("--heads-kv", type=int, help="key/value heads (GQA/MQA; default: H)")
     p.add_argument("--layout", choices=("bhnd", "bnhd", "mixed"), default="bhnd",
                    help="storage order of q and k/v (default: bhnd)")
     p.add_argument("--instance", help="explain this instance instead of the pick")
-    p.add_argument("--build-dir", action="append", help="where to find manifests (repeatable)")
+    p.add_argument("--build-dir", action="append",
+                   help="where to find manifests (repeatable; default: $GEMMGEN_BUILD_DIR, else ./build "
+                        "and the builds `gemmgen generate` recorded)")
     p.add_argument("--device", type=int, default=0, help="CUDA device index (default: 0)")
     p.add_argument("--cc", help="explain for a GPU that is not here: compute capability, e.g. 9.0")
     p.add_argument("--sms", type=int, help="with --cc: its number of SMs")

@@ -109,6 +109,12 @@ def shapes_of(args: argparse.Namespace) -> list[shapes.Shape]:
         raise InputError("give either --shapes B,H,N,d[,causal] ... or --sweep fa")
     if args.sweep:
         return shapes.sweep(args.sweep, dtypes=tuple(args.dtype or ()))
+    from gemmgen.cli.explain import shape_sizes
+
+    for text in args.shapes:
+        parsed = shape_sizes(text)
+        if parsed is not None and 0 in parsed[0]:
+            raise InputError(f"sizes must be positive in shape {text!r}: an empty problem has nothing to time")
     return [shapes.parse_shape(text, dtype=dt, heads_kv=args.heads_kv, layout=args.layout)
             for dt in (args.dtype or ["bf16"]) for text in args.shapes]
 
@@ -184,14 +190,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shapes", nargs="+", metavar="B,H,N,d[,causal]",
                    help="shapes to profile (B,H,Nq,Nk,d also accepted)")
     p.add_argument("--sweep", choices=shapes.SWEEPS, help="a named sweep: fa (FlashAttention's)")
-    p.add_argument("--dtype", nargs="+", choices=shapes.DTYPES, help="default: bf16 (--sweep: both)")
+    p.add_argument("--dtype", nargs="+", choices=shapes.DTYPES,
+                   help="element types to profile (default: bf16; --sweep: both)")
     p.add_argument("--heads-kv", type=int, help="key/value heads for --shapes (GQA/MQA)")
-    p.add_argument("--layout", choices=("bhnd", "bnhd", "mixed"), default="bhnd")
+    p.add_argument("--layout", choices=("bhnd", "bnhd", "mixed"), default="bhnd",
+                   help="storage order of q and k/v (default: bhnd)")
     p.add_argument("--instance", action="append", help="only this instance (repeatable)")
-    p.add_argument("--build-dir", action="append", help="where to find manifests (repeatable)")
+    p.add_argument("--build-dir", action="append",
+                   help="where to find manifests (repeatable; default: $GEMMGEN_BUILD_DIR, else ./build "
+                        "and the builds `gemmgen generate` recorded)")
     p.add_argument("--device", type=int, default=0, help="CUDA device index (default: 0)")
-    p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--reps", type=int, default=30, help="timed calls per candidate (median)")
+    p.add_argument("--warmup", type=int, default=5, help="untimed calls per candidate first (default: 5)")
+    p.add_argument("--reps", type=int, default=30, help="timed calls per candidate, median taken (default: 30)")
     p.add_argument("--graph", action="store_true", help="time replays of a CUDA graph")
     p.add_argument("--no-store", action="store_true", help="do not write the tuning database")
     p.add_argument("--csv", metavar="FILE", help="write every measurement as CSV")

@@ -86,15 +86,22 @@ def run(args: argparse.Namespace) -> int:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The sub-commands of `gemmgen tune`."""
-    sub = p.add_subparsers(dest="tune_command", required=True)
-    sub.add_parser("path", help="the cache directory and this GPU's database").set_defaults(tune_func=cmd_path)
-    show = sub.add_parser("show", help="what each database holds")
+    sub = p.add_subparsers(dest="tune_command", required=True, metavar="SUBCOMMAND")
+    sub.add_parser("path", help="the cache directory and this GPU's database",
+                   description="Print the cache directory and, where a GPU is visible, its tuning "
+                               "database's file.").set_defaults(tune_func=cmd_path)
+    show = sub.add_parser("show", help="what each database holds",
+                          description="Print each tuning database's GPU, versions and record counts.")
     show.add_argument("-v", "--verbose", action="store_true", help="every bucket and its best instance")
     show.set_defaults(tune_func=cmd_show)
-    exp = sub.add_parser("export", help="write the databases into one file to share")
-    exp.add_argument("file")
+    exp = sub.add_parser("export", help="write the databases into one file to share",
+                         description="Write every tuning database (or those of matching GPUs) into one "
+                                     "file that `gemmgen tune import` reads.")
+    exp.add_argument("file", help="the file to write")
     exp.add_argument("--gpu", help="only databases of GPUs whose name contains this")
     exp.set_defaults(tune_func=cmd_export)
-    imp = sub.add_parser("import", help="merge exported files into the cache")
-    imp.add_argument("files", nargs="+")
+    imp = sub.add_parser("import", help="merge exported files into the cache",
+                         description="Merge exported bundles or database files into the cache, each "
+                                     "into its GPU's database.")
+    imp.add_argument("files", nargs="+", help="exported bundles or database files")
     imp.set_defaults(tune_func=cmd_import)

@@ -2,7 +2,6 @@
 (gemmgen.ops.torch_op), which selects an instance and launches it."""
 from __future__ import annotations
 
-import math
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
@@ -10,16 +9,16 @@ from torch._subclasses.fake_tensor import FakeTensor
 from gemmgen.kernels import launch
 from gemmgen.select import selection
 from gemmgen.ops import torch_op
+from gemmgen.ops.checks import check_bool, check_dense, check_finite, check_instance, check_no_overlap
 from gemmgen.ops.grad import check_no_grad
 from gemmgen.errors import DeviceError, InputError
 from gemmgen.select.problem import ALIGN_BYTES
 from gemmgen.ops.reference import ALIGNMENTS
-from gemmgen.generator.space import supported_head_dims
+from gemmgen.generator.space import describe_head_dims, supported_head_dims
 
 DTYPES = launch.DTYPE_NAMES
 ALIGN_ELEMENTS = 8  # strides in elements: 8 x 2 bytes keeps every row start 16-byte aligned
 INT32_MAX = 2**31 - 1
-HEAD_DIMS = supported_head_dims()
 
 
 def _check_strides(name: str, t: torch.Tensor) -> None:
@@ -58,8 +57,9 @@ def _validate(q, k, v, out, *, device: bool = True) -> None:
         raise InputError(f"q, k, v must share one dtype among torch.float16, torch.bfloat16; got "
                          f"{q.dtype}, {k.dtype}, {v.dtype}")
     (b, h, _, d), (bk, hk, nk, dk), (bv, hv, nv, dv) = q.shape, k.shape, v.shape
-    if not d == dk == dv or d not in HEAD_DIMS:
-        raise InputError(f"head_dim must be equal across q, k, v and one of {HEAD_DIMS}; got {d}, {dk}, {dv}")
+    if not d == dk == dv or d not in supported_head_dims():  # what the families serve, together
+        raise InputError(f"head_dim must be equal across q, k, v and {describe_head_dims(supported_head_dims())}; "
+                         f"got {d}, {dk}, {dv}")
     if not b == bk == bv:
         raise InputError(f"batch must be equal across q, k, v; got {b}, {bk}, {bv}")
     if nk != nv:
@@ -84,6 +84,11 @@ def _validate(q, k, v, out, *, device: bool = True) -> None:
         _check_device(q, k, v, out)
 
 
+def _has_memory(t: torch.Tensor) -> bool:
+    """False while tracing (fake tensors): there are no data pointers to compare."""
+    return not torch.compiler.is_compiling() and not isinstance(t, FakeTensor)
+
+
 def _check_device(q, k, v, out) -> None:
     if not q.device == k.device == v.device or (out is not None and out.device != q.device):
         devices = {t.device for t in (q, k, v, out) if t is not None}
@@ -95,13 +100,9 @@ def _check_device(q, k, v, out) -> None:
 
 
 def _check_args(causal_alignment: str, scale: float | None) -> float | None:
-    if causal_alignment not in ALIGNMENTS:
+    if not isinstance(causal_alignment, str) or causal_alignment not in ALIGNMENTS:
         raise InputError(f"causal_alignment {causal_alignment!r}; supported: {', '.join(ALIGNMENTS)}")
-    if isinstance(scale, bool) or not (scale is None or isinstance(scale, (int, float))):
-        raise InputError(f"scale must be a float or None, got {type(scale).__name__}")
-    if scale is not None and not math.isfinite(scale):
-        raise InputError(f"scale must be finite, got {scale}")
-    return None if scale is None else float(scale)
+    return None if scale is None else check_finite("scale", scale)
 
 
 SEED_LIMIT = 2**63  # seeds and offsets travel as int64 through the torch op
@@ -122,37 +123,50 @@ def _check_dropout(dropout_p: float, seed: int | None, offset: int) -> float:
 
 def _padded_copy(mask: torch.Tensor) -> torch.Tensor:
     """mask ([B or 1, H or 1, Nq, Nk] view) copied into rows padded to a multiple of ALIGN_ELEMENTS: the
-    kernel reads the mask in 16-byte vectors, up to the padded end of a row."""
+    kernel reads the mask in 16-byte vectors, up to the padded end of a row. A row broadcast (row
+    stride 0) stays one: one row is stored and read for every query."""
     b, h, nq, nk = mask.shape
+    rows = 1 if nq > 1 and mask.stride(2) == 0 else nq
     padded = -(-nk // ALIGN_ELEMENTS) * ALIGN_ELEMENTS
-    store = mask.new_empty((b, h, nq, padded))
-    store[..., :nk].copy_(mask)
-    return store[..., :nk]
+    store = mask.new_empty((b, h, rows, padded))
+    store[..., :nk].copy_(mask[:, :, :rows])
+    return store[..., :nk].expand(b, h, nq, nk)
 
 
-def _prepare_mask(attn_mask: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
-    """attn_mask as the op's bias: q's dtype, [B, H, Nq, Nk] by its strides (0 where it broadcasts
-    over batch, heads or rows), rows contiguous, 16-byte aligned and padded to 8 elements."""
+def _check_mask(attn_mask: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor) -> None:
+    """The mask's metadata: a dense tensor on q's device, bool or q's dtype, broadcasting to
+    [B, H, Nq, Nk] (no allocation: _prepare_mask makes the kernel's copy after the device check)."""
     if attn_mask is None:
-        return None
+        return
     if not isinstance(attn_mask, torch.Tensor):
         raise InputError(f"attn_mask must be a torch.Tensor, got {type(attn_mask).__name__}")
+    check_dense("attn_mask", attn_mask)
     if attn_mask.device != q.device:
         raise InputError(f"attn_mask must be on q's device {q.device}; got {attn_mask.device}")
-    if attn_mask.dtype == torch.bool:  # True: take part (torch's convention)
-        attn_mask = torch.zeros(attn_mask.shape, dtype=q.dtype, device=q.device).masked_fill(
-            ~attn_mask, float("-inf"))
-    if attn_mask.dtype != q.dtype:
+    if attn_mask.dtype not in (torch.bool, q.dtype):
         raise InputError(f"attn_mask must be torch.bool or q's dtype {q.dtype}; got {attn_mask.dtype}")
     b, h, nq, _ = q.shape
     nk = k.shape[2]
     if attn_mask.dim() > 4:
         raise InputError(f"attn_mask must have at most 4 dims; got shape {tuple(attn_mask.shape)}")
     try:
-        full = attn_mask.expand(b, h, nq, nk)
+        attn_mask.expand(b, h, nq, nk)
     except RuntimeError:
         raise InputError(f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to "
                          f"[B, H, Nq, Nk] = {[b, h, nq, nk]}") from None
+
+
+def _prepare_mask(attn_mask: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
+    """attn_mask (checked by _check_mask) as the op's bias: q's dtype, [B, H, Nq, Nk] by its strides
+    (0 where it broadcasts over batch, heads or rows), rows contiguous, 16-byte aligned and padded
+    to 8 elements."""
+    if attn_mask is None:
+        return None
+    b, h, nq, _ = q.shape
+    nk = k.shape[2]
+    if attn_mask.dtype == torch.bool:  # True: take part (torch's convention); broadcasts kept
+        attn_mask = torch.zeros((), dtype=q.dtype, device=q.device).masked_fill(~attn_mask, float("-inf"))
+    full = attn_mask.expand(b, h, nq, nk)
     # Keep the broadcast over batch and heads (stride 0); materialize what the kernel cannot read.
     compact = full[:1 if full.stride(0) == 0 else b, :1 if full.stride(1) == 0 else h]
     s0, s1, s2, s3 = compact.stride()
@@ -190,12 +204,18 @@ def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
     mask, in q's dtype (a bool mask becomes 0 where True and -inf where False).
     """
     check_no_grad("fused_attention", q=q, k=k, v=v, attn_mask=attn_mask)
+    check_bool("causal", causal)
+    check_bool("return_lse", return_lse)
+    check_instance(instance)
     scale = _check_args(causal_alignment, scale)
     dropout_p = _check_dropout(dropout_p, seed, offset)
     _validate(q, k, v, out, device=False)
-    bias = _prepare_mask(attn_mask, q, k)
+    _check_mask(attn_mask, q, k)
+    if out is not None and _has_memory(q):
+        check_no_overlap([("out", out)], [("q", q), ("k", k), ("v", v)] +
+                         ([("attn_mask", attn_mask)] if attn_mask is not None else []))
     _check_device(q, k, v, out)
-    causal = bool(causal)
+    bias = _prepare_mask(attn_mask, q, k)
     features = (dropout_p, seed, offset, bias)
     if out is None:
         o, lse = torch_op.fused_attention_op(q, k, v, causal, causal_alignment, scale, return_lse, instance,
@@ -211,15 +231,16 @@ def _check_cu_seqlens(name: str, cu: torch.Tensor, total: int, max_seqlen: int, 
     if not isinstance(cu, torch.Tensor) or cu.dtype != torch.int32 or cu.dim() != 1 or cu.shape[0] < 2:
         raise InputError(f"{name} must be a 1-D torch.int32 tensor of batch + 1 offsets; got "
                          f"{getattr(cu, 'dtype', type(cu).__name__)} of shape {tuple(getattr(cu, 'shape', ()))}")
+    check_dense(name, cu)
     if cu.device != device:
         raise InputError(f"{name} must be on the tensors' device {device}; got {cu.device}")
     if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int) or not 0 <= max_seqlen <= INT32_MAX:
         raise InputError(f"max_seqlen for {name} must be an int in [0, 2**31), got {max_seqlen!r}")
     # Reading the values needs a sync: not while tracing (checked first: tracing cannot evaluate
     # is_current_stream_capturing) nor while capturing a CUDA graph.
-    if torch.compiler.is_compiling() or isinstance(cu, FakeTensor) or (
+    if torch.compiler.is_compiling() or isinstance(cu, FakeTensor) or cu.is_meta or (
             cu.is_cuda and torch.cuda.is_current_stream_capturing()):
-        return  # the values cannot be read while tracing or capturing
+        return  # the values cannot be read while tracing or capturing, nor from a meta tensor
     values = cu.tolist()
     lengths = [b - a for a, b in zip(values, values[1:])]
     if values[0] != 0 or min(lengths) < 0:
@@ -247,6 +268,9 @@ def fused_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
     one (the kernel reads the offsets as an array).
     """
     check_no_grad("fused_attention_varlen", q=q, k=k, v=v)
+    check_bool("causal", causal)
+    check_bool("return_lse", return_lse)
+    check_instance(instance)
     scale = _check_args("top_left", scale)
     dropout_p = _check_dropout(dropout_p, seed, offset)
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -274,8 +298,12 @@ def explain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool =
             attn_mask: torch.Tensor | None = None) -> selection.Decision:
     """The decision fused_attention makes for these tensors: candidates, rejects with their reasons,
     winner and its source (decision.report() gives the text `gemmgen explain` prints)."""
-    _validate(q, k, v, None)
+    check_bool("causal", causal)
+    check_instance(instance)
+    _validate(q, k, v, None, device=False)
     dropout_p = _check_dropout(dropout_p, None, 0)
+    _check_mask(attn_mask, q, k)
+    _check_device(q, k, v, None)
     bias = _prepare_mask(attn_mask, q, k)
     return selection.decide(launch.problem_for(q, k, causal, v=v, dropout=dropout_p > 0.0, bias=bias), instance)
 
@@ -283,5 +311,7 @@ def explain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool =
 def selected_instance(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
                       instance: str | None = None) -> str:
     """The name of the instance fused_attention would run for these tensors."""
+    check_bool("causal", causal)
+    check_instance(instance)
     _validate(q, k, v, None)
     return selection.select(launch.problem_for(q, k, causal), instance).name

@@ -95,16 +95,24 @@ def _dropout_seed(index: int, dropout_p: float, seed: int | None, offset: int, d
     return seed, offset
 
 
-def _run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor | None,
-         causal: bool, causal_alignment: str, scale: float | None, instance: str | None,
-         dropout_p: float = 0.0, seed: int | None = None, offset: int = 0, bias: torch.Tensor | None = None) -> None:
-    if o.numel() == 0 or k.shape[2] == 0:  # nothing to launch: rows that see no key give 0 and -inf
+def _nothing_to_launch(q, k, v, o, lse, empty: bool) -> bool:
+    """True (with O zeroed and LSE -inf: no row sees a key) when `empty`; else checks the data
+    pointers' alignment and returns False."""
+    if empty:
         o.zero_()
         if lse is not None:
             lse.fill_(float("-inf"))
-        return
+        return True
     if (q.data_ptr() | k.data_ptr() | v.data_ptr() | o.data_ptr()) % ALIGN_BYTES:
         raise InputError(f"q, k, v and out must be {ALIGN_BYTES}-byte aligned")
+    return False
+
+
+def _run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor | None,
+         causal: bool, causal_alignment: str, scale: float | None, instance: str | None,
+         dropout_p: float = 0.0, seed: int | None = None, offset: int = 0, bias: torch.Tensor | None = None) -> None:
+    if _nothing_to_launch(q, k, v, o, lse, o.numel() == 0 or k.shape[2] == 0):
+        return
     if bias is not None and bias.data_ptr() % ALIGN_BYTES:
         raise InputError(f"the attention mask must be {ALIGN_BYTES}-byte aligned")
     index = q.get_device()
@@ -132,13 +140,8 @@ def _sign(scale: float | None) -> int | None:
 def _run_varlen(q, k, v, o, lse, cu_q, cu_k, max_q, max_k, causal, scale, instance, dropout_p, seed,
                 offset) -> None:
     batch = cu_q.shape[0] - 1
-    if o.numel() == 0 or max_k == 0 or max_q == 0:  # nothing to launch
-        o.zero_()
-        if lse is not None:
-            lse.fill_(float("-inf"))
+    if _nothing_to_launch(q, k, v, o, lse, o.numel() == 0 or max_k == 0 or max_q == 0):
         return
-    if (q.data_ptr() | k.data_ptr() | v.data_ptr() | o.data_ptr()) % ALIGN_BYTES:
-        raise InputError(f"q, k, v and out must be {ALIGN_BYTES}-byte aligned")
     index = q.get_device()
     big = launch.max_offset(q, k, v, o) >= 2**31
     key = (index, q.dtype, q.shape, k.shape, batch, max_q, max_k, causal, _sign(scale),

@@ -155,8 +155,8 @@ def no_instance_error(kind: Kind, problem: KindProblem, rejected: list[tuple[str
     lines = [headline]
     if not rejected:
         dirs = ", ".join(str(d.resolve()) for d in registry.search_dirs())
-        lines.append(f"No built {kind.noun}s found in {dirs} (set GEMMGEN_BUILD_DIR or call "
-                     f"gemmgen.set_build_dirs).")
+        lines.append(f"No built {kind.noun}s found in {dirs} (`gemmgen list` shows the builds gemmgen "
+                     f"knows of; GEMMGEN_BUILD_DIR or gemmgen.set_build_dirs name others).")
     lines += [f"  {label}: {reason}" for label, reason in rejected]
     lines += [f"  unreadable manifest: {err}" for err in registry.load()[1]]
     command = kind.build_command(problem)

@@ -79,76 +79,73 @@ class GemmProblem:
 def is_gemm(cand: Candidate) -> bool:
     """True when the candidate's family is a GEMM family this gemmgen knows."""
     try:
-        return getattr(family_named(cand.entry.family), "KIND", "attention") == FAMILY_KIND
+        return family_named(cand.entry.family).KIND == FAMILY_KIND
     except KeyError:
         return False
 
 
 def reject_reason(cand: Candidate, problem: GemmProblem) -> str | None:
-    """Why `cand` (a GEMM-family entry) cannot run `problem`, or None if it can."""
-    entry, params = cand.entry, cand.entry.params
-    checks = (("dtype", problem.dtype), ("out_dtype", problem.out_dtype),
-              ("b_transposed", problem.b_transposed), ("strategy", problem.strategy))
-    for key, want in checks:
-        if params.get(key) != want:
-            return f"{key} {params.get(key)}, the problem's is {want}"
-    if int(params.get("align", 8)) > problem.align or int(params.get("align_c", 8)) > problem.align_c:
-        return (f"needs alignment {params.get('align')}/{params.get('align_c')} elements (A, B / C), "
+    """Why `cand` (a GEMM-family entry) cannot run `problem`, or None if it can. Reads the typed
+    instance rebuilt from the manifest (Candidate.instance)."""
+    try:
+        inst = cand.instance
+    except (KeyError, ValueError) as exc:
+        return f"its manifest params describe no instance of {cand.entry.family} ({exc})"
+    checks = (("dtype", inst.dtype.value, problem.dtype), ("out_dtype", inst.out_dtype.value, problem.out_dtype),
+              ("b_transposed", inst.b_transposed, problem.b_transposed),
+              ("strategy", inst.strategy.value, problem.strategy))
+    for key, have, want in checks:
+        if have != want:
+            return f"{key} {have}, the problem's is {want}"
+    if inst.align > problem.align or inst.align_c > problem.align_c:
+        return (f"needs alignment {inst.align}/{inst.align_c} elements (A, B / C), "
                 f"the problem's is {problem.align}/{problem.align_c}")
-    reason = family_named(entry.family).problem_reason(params, problem)
+    reason = family_named(cand.entry.family).problem_reason(inst, problem)
     if reason is not None:
         return reason
     reason = registry.build_reason(cand, problem.device.cc)
     if reason is not None:
         return reason
-    if entry.smem_bytes > problem.device.smem_per_block:
-        return f"needs {entry.smem_bytes} B of shared memory, this GPU allows {problem.device.smem_per_block} B"
+    if cand.entry.smem_bytes > problem.device.smem_per_block:
+        return f"needs {cand.entry.smem_bytes} B of shared memory, this GPU allows {problem.device.smem_per_block} B"
     return None
 
 
 def candidates(problem: GemmProblem) -> tuple[list[Candidate], list[tuple[str, str]]]:
     """The GEMM instances that can run `problem`, and (label, reason) for every GEMM one rejected."""
-    good, rejected = [], []
-    for cand in registry.load()[0]:
-        if not is_gemm(cand):
-            continue
-        reason = reject_reason(cand, problem)
-        if reason is None:
-            good.append(cand)
-        else:
-            rejected.append((cand.label, reason))
-    return good, rejected
+    return registry.partition(filter(is_gemm, registry.load()[0]), lambda cand: reject_reason(cand, problem))
 
 
 def estimate(cand: Candidate, problem: GemmProblem) -> float:
     """The heuristic's relative time of `cand` on `problem` (see the module docstring)."""
-    p = cand.entry.params
-    tm, tn, tk = p["tile_m"], p["tile_n"], p["tile_k"]
+    inst = cand.instance
+    tm, tn, tk = inst.tile_m, inst.tile_n, inst.tile_k
     smem_per_sm = problem.device.smem_per_sm or problem.device.smem_per_block
     per_sm = max(1, min(MAX_BLOCKS_PER_SM, smem_per_sm // max(cand.entry.smem_bytes, 1)))
     tiles = math.ceil(problem.m / tm) * math.ceil(problem.n / tn) * problem.batch_count
     slots = problem.device.sm_count * per_sm
     # Stream-K splits the K loops of the last wave over the idle SMs (less a fixup's cost).
-    waves = tiles / slots * STREAM_K_FIXUP if p.get("tile_scheduler") == "streamk" else math.ceil(tiles / slots)
+    waves = tiles / slots * STREAM_K_FIXUP if inst.stream_k else math.ceil(tiles / slots)
     efficiency = min(1.0, tm * tn / (tm + tn) / 64)
-    rate = 0.5 if int(p.get("align", 8)) == 1 else 2.0 if any("90a" in g for g in cand.entry.gencode) else 1.0
+    rate = 0.5 if inst.align == 1 else 2.0 if any("90a" in g for g in cand.entry.gencode) else 1.0
     return waves * per_sm * tm * tn * math.ceil(problem.k / tk) * tk / (efficiency * rate)
 
 
 def build_command(problem: GemmProblem) -> str | None:
-    """The `gemmgen generate` command that builds an instance able to run `problem`, or None."""
+    """The `gemmgen generate` command that builds a default instance able to run `problem`, or None."""
     for family in FAMILIES:
-        if getattr(family, "KIND", "attention") != FAMILY_KIND:
+        if family.KIND != FAMILY_KIND:
             continue
         for arch in family.ARCHS:
             if not registry.runs_on(arch.gencode, problem.device.cc):
                 continue
             for inst in family.DEFAULT:
-                p = inst.params()
-                if (p["dtype"], p["out_dtype"], p["b_transposed"], p["strategy"]) == (
+                if (inst.dtype.value, inst.out_dtype.value, inst.b_transposed, inst.strategy.value) == (
                         problem.dtype, problem.out_dtype, problem.b_transposed, problem.strategy) \
-                        and p["align"] <= problem.align and p["align_c"] <= problem.align_c:
-                    return f"gemmgen generate --arch {arch.value} --family {family.FAMILY}"
+                        and inst.align <= problem.align and inst.align_c <= problem.align_c:
+                    explicit = registry.explicit_build_dirs()
+                    return registry.generate_command(arch, family.FAMILY, inst.name, True,
+                                                     out=explicit[0] if explicit else None)
     return None
 
 

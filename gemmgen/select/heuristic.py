@@ -1,6 +1,8 @@
 """The heuristic that picks an instance when the tuning database has nothing for a problem.
 
-A simple cost model, from the instance's tile (params block_m, block_n), threads and shared memory:
+A simple cost model, from the instance's cost inputs (`cost_inputs`, gemmgen.generator.families.base.
+CostInputs: block_m, block_n, stages, threads and shared memory), rebuilt from the manifest
+(Candidate.instance):
 
 - Work of one CTA: its padded query rows (block_m) times the key columns it computes (the keys it
   can see rounded up to block_n; for causal, top-left alignment, row tile i sees (i+1)*block_m
@@ -9,11 +11,11 @@ A simple cost model, from the instance's tile (params block_m, block_n), threads
   SM / threads, and registers: 64K per SM at ASSUMED_REGS_PER_THREAD (ptxas gives this family's
   tiles 255) allocated per warp in units of 256.
 - Pipeline: a CTA's first K/V loads are exposed, as if it computed PROLOGUE_COLS more key columns,
-  divided by the instance's `stages` param (1 if absent): K/V buffers loading ahead hide them.
+  divided by the instance's `stages`: K/V buffers loading ahead hide them.
 - Time: waves = ceil(CTAs / (SMs * CTAs per SM)), each as long as the mean CTA work divided by
   the CTA's share of the SM (warps / 8, no more than 1: 8 resident warps keep an SM busy), and
-  by the family's RELATIVE_SPEED (its measured throughput per unit of this work against fa2_sm80's,
-  1 if the family states none): a wgmma kernel does the same tile work about twice as fast.
+  by the family's RELATIVE_SPEED (its measured throughput per unit of this work against fa2_sm80's):
+  a wgmma kernel does the same tile work about twice as fast.
 
 The model knows nothing of how efficient each tile's code is, so the family's DEFAULT tile (the
 one measured best at most shapes) keeps the pick unless another candidate's estimate is at least
@@ -27,6 +29,7 @@ import math
 from typing import Any
 
 from gemmgen.select.problem import Problem
+from gemmgen.generator.families.base import AttentionInstance
 from gemmgen.generator.space import family_named
 
 ASSUMED_REGS_PER_THREAD = 255
@@ -88,10 +91,10 @@ def ctas_per_sm(smem_bytes: int, threads: int, problem: Problem) -> int:
     return max(1, min(by_smem, by_regs, by_threads))
 
 
-def estimate(entry: Any, problem: Problem) -> Estimate:
-    """The model's estimate for a manifest entry (block_m, block_n read from its params; 1 if absent)."""
-    block_m = int(entry.params.get("block_m", 1))
-    block_n = int(entry.params.get("block_n", 1))
+def estimate(inst: AttentionInstance, problem: Problem) -> Estimate:
+    """The model's estimate for an attention instance (a candidate's `instance`)."""
+    cost = inst.cost_inputs
+    block_m, block_n = cost.block_m, cost.block_n
     row_tiles = -(-problem.seqlen_q // block_m)
     keys_full = -(-problem.seqlen_k // block_n) * block_n
     if problem.causal:
@@ -102,29 +105,16 @@ def estimate(entry: Any, problem: Problem) -> Estimate:
     else:
         cols = row_tiles * keys_full
     ctas = row_tiles * problem.batch_heads
-    per_sm = ctas_per_sm(entry.smem_bytes, entry.threads, problem)
+    per_sm = ctas_per_sm(cost.smem_bytes, cost.threads, problem)
     waves = -(-ctas // (problem.device.sm_count * per_sm)) if ctas else 0
-    share = min(1.0, (entry.threads / 32) / WARPS_TO_FILL_SM)
-    stages = max(1, int(entry.params.get("stages", 1)))
-    mean_work = block_m * (cols / row_tiles + PROLOGUE_COLS / stages) if row_tiles else 0.0
+    share = min(1.0, (cost.threads / 32) / WARPS_TO_FILL_SM)
+    mean_work = block_m * (cols / row_tiles + PROLOGUE_COLS / cost.stages) if row_tiles else 0.0
     return Estimate(ctas=ctas, ctas_per_sm=per_sm, waves=waves, padded_rows=row_tiles * block_m,
-                    time=waves * mean_work / share / relative_speed(entry.family))
+                    time=waves * mean_work / share / family_named(inst.family).RELATIVE_SPEED)
 
 
-def relative_speed(family: str) -> float:
-    """The family's RELATIVE_SPEED (1 for a family that states none or is unknown)."""
-    try:
-        return float(getattr(family_named(family), "RELATIVE_SPEED", 1.0))
-    except KeyError:
-        return 1.0
-
-
-def _default_params(cand: Any) -> dict[str, Any] | None:
-    try:
-        family = family_named(cand.entry.family)
-    except KeyError:
-        return None
-    params = cand.entry.params
+def _default_params(params: dict[str, Any], family: Any) -> dict[str, Any] | None:
+    """The params of the first of `family`'s DEFAULT instances that `params` match outside the tile sizes."""
     for inst in family.DEFAULT:
         default = inst.params()
         if all(params.get(k) == v for k, v in default.items() if not _is_size(k, v)):
@@ -140,10 +130,10 @@ def _is_size(key: str, value: Any) -> bool:
 def tile_distance(cand: Any) -> float:
     """Doublings between the candidate's integer params and its family's DEFAULT instance for the
     same dtype, head_dim and mask (0 for the default itself; large when there is no default)."""
-    default = _default_params(cand)
+    params = cand.instance.params()
+    default = _default_params(params, family_named(cand.instance.family))
     if default is None:
         return 1e9
-    params = cand.entry.params
     gap = 0.0
     for key, value in default.items():
         if _is_size(key, value):
@@ -154,7 +144,7 @@ def tile_distance(cand: Any) -> float:
 
 def choose(cands: list[Any], problem: Problem) -> tuple[Any, dict[str, Estimate]]:
     """The heuristic's pick among `cands` (not empty) and each candidate's estimate, by name."""
-    estimates = {c.name: estimate(c.entry, problem) for c in cands}
+    estimates = {c.name: estimate(c.instance, problem) for c in cands}
     best_time = min(e.time for e in estimates.values())
     defaults = [c for c in cands if tile_distance(c) == 0]
     if defaults:

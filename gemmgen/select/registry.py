@@ -1,9 +1,13 @@
 """Runtime registry: read the manifests of the build directories and find the instances that can
 run a problem, keeping a reason for each one rejected (gemmgen.select.selection picks among them).
 
-Build directories: gemmgen.set_build_dirs(...) if called, else $GEMMGEN_BUILD_DIR (os.pathsep
-separated), else ./build; then the instances compiled on demand, <cache>/jit. Each holds
-<arch>/manifest.json files (a directory holding a manifest.json itself is read too).
+Build directories, in priority order (build_dirs):
+- given explicitly, by gemmgen.set_build_dirs(...) or else by $GEMMGEN_BUILD_DIR (os.pathsep
+  separated): exactly those folders;
+- otherwise ./build of the current directory, then every folder `gemmgen generate` recorded in
+  <cache>/builds.json that still exists, most recently generated first (gemmgen.cache);
+then, in either case, the instances compiled on demand, <cache>/jit. Each holds <arch>/manifest.json
+files (a directory holding a manifest.json itself is read too).
 """
 from __future__ import annotations
 
@@ -11,6 +15,7 @@ import dataclasses
 import functools
 import os
 import re
+import shlex
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
@@ -19,7 +24,9 @@ from gemmgen.kernels import abi
 from gemmgen.generator import manifest, ondemand
 from gemmgen.errors import GemmgenLaunchError, ManifestError, NoInstanceError
 from gemmgen.select.problem import Problem
-from gemmgen.generator.space import FAMILIES, family_named
+from gemmgen.generator.families.base import AttentionInstance, Instance, Mask
+from gemmgen.generator.space import FAMILIES, family_named, select_instances
+from gemmgen.arch import Arch, parse_arch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +54,13 @@ class Candidate:
         return f"{self.name} ({self.build_dir})"
 
     @functools.cached_property
+    def instance(self) -> Instance:
+        """The typed instance, rebuilt from the entry's params by its family's INSTANCE.from_params.
+        Raises KeyError for a family this gemmgen does not know, ValueError for params that
+        describe no instance of it."""
+        return family_named(self.entry.family).INSTANCE.from_params(self.entry.params)
+
+    @functools.cached_property
     def kernel(self) -> abi.Instance:
         """The loaded and bound entry points (loaded on first use, then cached)."""
         kernel = abi.bind(self.library, self.entry.symbol)
@@ -62,19 +76,34 @@ _loaded: tuple[list[Candidate], list[str]] | None = None  # (candidates, manifes
 _refresh_hooks: list[Callable[[], None]] = []
 
 
+DEFAULT_BUILD_DIR = Path("build")
+
+
 def set_build_dirs(dirs: Iterable[str | os.PathLike] | None) -> None:
-    """Search `dirs` for manifests from now on (None: back to $GEMMGEN_BUILD_DIR or ./build)."""
+    """Search exactly `dirs` (and the on-demand builds) for manifests from now on; None goes back to
+    $GEMMGEN_BUILD_DIR, or where that is unset to ./build and the recorded builds."""
     global _build_dirs
     _build_dirs = None if dirs is None else [Path(d) for d in dirs]
     refresh()
 
 
-def build_dirs() -> list[Path]:
-    """The build directories searched, in priority order."""
+def explicit_build_dirs() -> list[Path] | None:
+    """The build directories given explicitly: set_build_dirs' list, else $GEMMGEN_BUILD_DIR's
+    folders; None when neither is given."""
     if _build_dirs is not None:
         return list(_build_dirs)
     env = os.environ.get("GEMMGEN_BUILD_DIR")
-    return [Path(d) for d in env.split(os.pathsep) if d] if env else [Path("build")]
+    return [Path(d) for d in env.split(os.pathsep) if d] if env else None
+
+
+def build_dirs() -> list[Path]:
+    """The build directories searched, in priority order (the on-demand builds aside): those given
+    explicitly, else ./build followed by the recorded builds that still exist and are not ./build."""
+    explicit = explicit_build_dirs()
+    if explicit is not None:
+        return explicit
+    here = DEFAULT_BUILD_DIR.resolve()
+    return [DEFAULT_BUILD_DIR] + [d for d in cache.recorded_builds() if d != here]
 
 
 def jit_dir() -> Path:
@@ -83,9 +112,9 @@ def jit_dir() -> Path:
 
 
 def search_dirs() -> list[Path]:
-    """The build directories, then the on-demand builds."""
+    """The build directories, then the on-demand builds (each folder once)."""
     dirs = build_dirs()
-    return dirs + ([jit_dir()] if jit_dir() not in dirs else [])
+    return dirs + ([jit_dir()] if jit_dir().resolve() not in {d.resolve() for d in dirs} else [])
 
 
 def on_refresh(hook: Callable[[], None]) -> None:
@@ -120,6 +149,7 @@ def load() -> tuple[list[Candidate], list[str]]:
                     errors.append(str(exc))
                     continue
                 found += [Candidate(e, path.parent / e.library, path.parent, order) for e in data.instances]
+                errors += [f"{path}: left out {why}" for why in data.dropped]
         _loaded = (found, errors)
     return _loaded
 
@@ -148,19 +178,18 @@ def runs_on(gencode: Iterable[str], cc: tuple[int, int]) -> bool:
     return False
 
 
-def functional_reason(family: Any, params: dict, problem: Problem) -> str | None:
-    """Why an instance of `family` with `params` cannot run `problem` whatever its build state:
-    dtype, then head_dim and mask where the params fix them (a family whose instances serve a
-    range of head dims or masks leaves them out and checks them itself), then the family's own
-    problem_reason."""
-    mask = "causal" if problem.causal else "none"
-    if params.get("dtype") != problem.dtype:
-        return f"dtype {params.get('dtype')}, the problem is {problem.dtype}"
-    if "head_dim" in params and params["head_dim"] != problem.head_dim:
-        return f"head_dim {params['head_dim']}, the problem has {problem.head_dim}"
-    if "mask" in params and params["mask"] != mask:
-        return f"mask {params['mask']}, the problem needs {mask}"
-    return family.problem_reason(params, problem)
+def functional_reason(family: Any, inst: AttentionInstance, problem: Problem) -> str | None:
+    """Why `inst`, an instance of the attention family `family`, cannot run `problem` whatever its
+    build state: dtype, then head_dim and mask where the instance fixes them (None where it serves
+    several: its family checks them), then the family's own problem_reason."""
+    mask = Mask.CAUSAL if problem.causal else Mask.NONE
+    if inst.dtype.value != problem.dtype:
+        return f"dtype {inst.dtype.value}, the problem is {problem.dtype}"
+    if inst.head_dim is not None and inst.head_dim != problem.head_dim:
+        return f"head_dim {inst.head_dim}, the problem has {problem.head_dim}"
+    if inst.mask is not None and inst.mask is not mask:
+        return f"mask {inst.mask.value}, the problem needs {mask.value}"
+    return family.problem_reason(inst, problem)
 
 
 def build_reason(cand: Candidate, cc: tuple[int, int]) -> str | None:
@@ -186,9 +215,13 @@ def reject_reason(cand: Candidate, problem: Problem) -> str | None:
         family = family_named(entry.family)
     except KeyError:
         return f"family {entry.family!r} is unknown to this gemmgen"
-    if getattr(family, "KIND", "attention") != "attention":
+    if family.KIND != "attention":
         return f"family {entry.family} is not a fused attention family"
-    reason = functional_reason(family, params, problem)
+    try:
+        inst = cand.instance
+    except ValueError as exc:
+        return f"its params describe no {entry.family} instance ({exc})"
+    reason = functional_reason(family, inst, problem)
     if reason is not None:
         return reason
     # Fields the current family does not constrain (it runs any strided layout, any GQA ratio,
@@ -208,16 +241,22 @@ def reject_reason(cand: Candidate, problem: Problem) -> str | None:
     return None
 
 
-def candidates(problem: Problem) -> tuple[list[Candidate], list[tuple[str, str]]]:
-    """The instances that can run `problem`, and (label, reason) for every one rejected."""
+def partition(cands: Iterable[Candidate], reason_of: Callable[[Candidate], str | None]
+              ) -> tuple[list[Candidate], list[tuple[str, str]]]:
+    """(the candidates whose reason_of is None, (label, reason) for every other one)."""
     good, rejected = [], []
-    for cand in load()[0]:
-        reason = reject_reason(cand, problem)
+    for cand in cands:
+        reason = reason_of(cand)
         if reason is None:
             good.append(cand)
         else:
             rejected.append((cand.label, reason))
     return good, rejected
+
+
+def candidates(problem: Problem) -> tuple[list[Candidate], list[tuple[str, str]]]:
+    """The instances that can run `problem`, and (label, reason) for every one rejected."""
+    return partition(load()[0], lambda cand: reject_reason(cand, problem))
 
 
 def build_target(problem: Problem) -> tuple[Any, Any] | None:
@@ -227,40 +266,48 @@ def build_target(problem: Problem) -> tuple[Any, Any] | None:
         for arch in family.ARCHS:
             if not runs_on(arch.gencode, problem.cc):
                 continue
-            if getattr(family, "KIND", "attention") != "attention":
+            if family.KIND != "attention":
                 continue
             for pool in (family.DEFAULT, family.SPACE):
                 for inst in pool:
-                    if (functional_reason(family, inst.params(), problem) is None
+                    if (functional_reason(family, inst, problem) is None
                             and inst.smem_bytes <= problem.smem_limit):
                         return arch, inst
     return None
 
 
+def generate_command(arch: Arch | str, family_name: str, instance_name: str, in_default: bool, *,
+                     out: str | os.PathLike | None = None) -> str:
+    """The `gemmgen generate` command that builds exactly the instance `instance_name` of the family
+    `family_name` for `arch`, pasteable into a POSIX shell: --family always, --all unless the
+    instance is in the family's DEFAULT set (`in_default`), --filter the name (anchored as
+    ^name$ when the bare name would also match another instance of that pool), and --out `out`
+    when given. Raises KeyError for an unknown family or arch."""
+    arch = arch if isinstance(arch, Arch) else parse_arch(arch)
+    family = family_named(family_name)
+    pattern = instance_name
+    if len(select_instances(arch, all_instances=not in_default, pattern=pattern,
+                            families={family.FAMILY})) != 1:
+        pattern = f"^{instance_name}$"
+    words = ["gemmgen", "generate", "--arch", arch.value]
+    if out is not None:
+        words += ["--out", str(out)]
+    words += ["--filter", pattern, "--family", family.FAMILY]
+    if not in_default:
+        words.append("--all")
+    return " ".join(shlex.quote(w) for w in words)
+
+
 def build_command(problem: Problem) -> str | None:
-    """The `gemmgen generate` command that would build an instance for `problem`, or None."""
+    """The `gemmgen generate` command that would build an instance for `problem` (build_target's),
+    or None; with build directories given explicitly it writes into the first of them (--out)."""
     target = build_target(problem)
     if target is None:
         return None
-    out = "" if build_dirs() == [Path("build")] else f" --out {build_dirs()[0]}"
-    return f"gemmgen generate --arch {target[0].value}{out} --filter {target[1].name}"
+    arch, inst = target
+    family = family_named(inst.family)
+    explicit = explicit_build_dirs()
+    return generate_command(arch, family.FAMILY, inst.name, inst in family.DEFAULT,
+                            out=explicit[0] if explicit else None)
 
-
-def no_instance_error(problem: Problem, rejected: list[tuple[str, str]], headline: str,
-                      note: str | None = None) -> NoInstanceError:
-    """The error listing each instance's reason, unreadable manifests and the command to build one."""
-    errors = load()[1]
-    lines = [headline]
-    if not rejected:
-        dirs = ", ".join(str(d.resolve()) for d in search_dirs())
-        lines.append(f"No built instances found in {dirs} (set GEMMGEN_BUILD_DIR or call "
-                     f"gemmgen.set_build_dirs).")
-    lines += [f"  {label}: {reason}" for label, reason in rejected]
-    lines += [f"  unreadable manifest: {err}" for err in errors]
-    command = build_command(problem)
-    lines.append(f"Build one with: {command}" if command else
-                 "No gemmgen family supports this combination on this GPU.")
-    if note and command:
-        lines.append(note)
-    return NoInstanceError("\n".join(lines))
 

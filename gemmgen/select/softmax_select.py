@@ -35,18 +35,12 @@ class SoftmaxProblem:
 
 def candidates(problem: SoftmaxProblem) -> tuple[list[Candidate], list[tuple[str, str]]]:
     """The softmax instances that can run `problem`, and (label, reason) for each rejected one."""
-    good, rejected = [], []
-    for cand in registry.load()[0]:
-        if cand.entry.family != FAMILY:
-            continue
+    def reason(cand: Candidate) -> str | None:
         dtype = cand.entry.params.get("dtype")
-        reason = (f"dtype {dtype}, the problem's is {problem.dtype}" if dtype != problem.dtype
-                  else registry.build_reason(cand, problem.device.cc))
-        if reason is None:
-            good.append(cand)
-        else:
-            rejected.append((cand.label, reason))
-    return good, rejected
+        return (f"dtype {dtype}, the problem's is {problem.dtype}" if dtype != problem.dtype
+                else registry.build_reason(cand, problem.device.cc))
+
+    return registry.partition((c for c in registry.load()[0] if c.entry.family == FAMILY), reason)
 
 
 @dataclasses.dataclass(frozen=True)

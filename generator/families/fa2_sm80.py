@@ -7,34 +7,21 @@ subset `gemmgen generate` builds without `--all`: one tile per (dtype, head_dim,
 from __future__ import annotations
 
 import dataclasses
-import enum
-import hashlib
 import itertools
 
 from gemmgen.arch import Arch
+from gemmgen.generator.families.base import AttentionInstance, CostInputs, DType, Mask
 
 FAMILY = "fa2_sm80"
 KIND = "attention"
+BUILT_BY_DEFAULT = True
 TEMPLATE = "fa2_sm80.cu.jinja"
+HEADER_DIRS = ("fa2_sm80",)
 ARCHS = (Arch.SM80,)
-
-
-class DType(enum.Enum):
-    FP16 = "fp16"
-    BF16 = "bf16"
-
-
-class Mask(enum.Enum):
-    NONE = "none"
-    CAUSAL = "causal"  # alignment (top-left / bottom-right) is a launch parameter
-
-
-# The one table from each enum to its C++ spelling.
-DTYPE_CPP = {DType.FP16: "cutlass::half_t", DType.BF16: "cutlass::bfloat16_t"}
-DTYPE_BYTES = {DType.FP16: 2, DType.BF16: 2}
+RELATIVE_SPEED = 1.0  # the unit of the heuristic's weights between families
 
 # Axes.
-DTYPES = tuple(DType)
+DTYPES = (DType.FP16, DType.BF16)
 HEAD_DIMS = (32, 64, 96, 128, 160, 192, 256)
 MASKS = tuple(Mask)
 BLOCK_MS = (64, 128)
@@ -48,7 +35,7 @@ MAX_ACC_REGS = 192
 
 
 @dataclasses.dataclass(frozen=True)
-class Fa2Sm80Instance:
+class Fa2Sm80Instance(AttentionInstance):
     dtype: DType
     head_dim: int
     mask: Mask
@@ -61,13 +48,8 @@ class Fa2Sm80Instance:
 
     @property
     def name(self) -> str:
-        """Readable, stable, unique: used for the file, the symbol, the manifest and logs."""
         return (f"{FAMILY}_{self.dtype.value}_d{self.head_dim}_{self.mask.value}"
                 f"_m{self.block_m}n{self.block_n}w{self.warps}s{self.stages}")
-
-    @property
-    def symbol(self) -> str:
-        return f"gemmgen_{self.name}"
 
     @property
     def threads(self) -> int:
@@ -76,26 +58,21 @@ class Fa2Sm80Instance:
     @property
     def smem_bytes(self) -> int:
         """Q tile + a K and a V tile per stage (O is staged through the Q tile's space)."""
-        e = DTYPE_BYTES[self.dtype]
-        return (self.block_m + 2 * self.stages * self.block_n) * self.head_dim * e
+        return (self.block_m + 2 * self.stages * self.block_n) * self.head_dim * self.dtype.itemsize
 
     @property
     def causal(self) -> bool:
         return self.mask is Mask.CAUSAL
 
-    def params(self) -> dict:
-        """Plain values for the manifest and the template."""
-        return {"dtype": self.dtype.value, "head_dim": self.head_dim, "mask": self.mask.value,
-                "block_m": self.block_m, "block_n": self.block_n, "warps": self.warps, "stages": self.stages}
+    @property
+    def cost_inputs(self) -> CostInputs:
+        return CostInputs(self.block_m, self.block_n, self.stages, self.threads, self.smem_bytes)
 
     def template_values(self) -> dict:
-        return {**self.params(), "name": self.name, "symbol": self.symbol,
-                "element": DTYPE_CPP[self.dtype], "causal": self.causal}
+        return {**super().template_values(), "causal": self.causal}
 
-    def content_hash(self) -> str:
-        """Hash of the family and parameters (template text and toolchain join it in the build key)."""
-        text = FAMILY + repr(sorted(self.params().items()))
-        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+INSTANCE = Fa2Sm80Instance
 
 
 def smem_k_block(head_dim: int) -> int:
@@ -125,7 +102,7 @@ def invalid_reason(inst: Fa2Sm80Instance, arch: Arch = Arch.SM80) -> str | None:
     return None
 
 
-def problem_reason(params: dict, problem) -> str | None:
+def problem_reason(inst: Fa2Sm80Instance, problem) -> str | None:
     """What a built instance cannot run (the registry's reason), None when it can: this family runs
     any strides, GQA ratio, scale, causal alignment and length, but no dropout, bias or variable
     lengths."""

@@ -12,26 +12,18 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import hashlib
 import itertools
 import math
 
 from gemmgen.arch import Arch
+from gemmgen.generator.families.base import AttentionInstance, CostInputs, DType, Mask
 
 FAMILY = "fmha_sm90"
 KIND = "attention"
+BUILT_BY_DEFAULT = True
 TEMPLATE = "fmha_sm90.cu.jinja"
+HEADER_DIRS = ("fmha_sm90",)
 ARCHS = (Arch.SM90,)
-
-
-class DType(enum.Enum):
-    FP16 = "fp16"
-    BF16 = "bf16"
-
-
-class Mask(enum.Enum):
-    NONE = "none"
-    CAUSAL = "causal"  # top-left only: CUTLASS's causal fusion has no offset
 
 
 class Schedule(enum.Enum):
@@ -42,14 +34,12 @@ class Schedule(enum.Enum):
     # per consumer warp group, so a 192-row tile has three
 
 
-DTYPE_CPP = {DType.FP16: "cutlass::half_t", DType.BF16: "cutlass::bfloat16_t"}
 SCHEDULE_CPP = {Schedule.TMA: "kTma", Schedule.COOPERATIVE: "kCooperative", Schedule.PINGPONG: "kPingpong"}
-ELEMENT_BYTES = 2
 
 # Axes.
-DTYPES = tuple(DType)
+DTYPES = (DType.FP16, DType.BF16)
 HEAD_DIMS = (32, 64, 128, 256)
-MASKS = tuple(Mask)
+MASKS = tuple(Mask)  # causal is top-left only: CUTLASS's causal fusion has no offset
 SCHEDULES = tuple(Schedule)
 TILES = ((64, 64), (64, 128), (128, 64), (128, 128), (128, 192), (192, 64), (192, 128), (256, 64))  # (block_m, block_n)
 STAGES = (2, 3, 4, 5)  # K/V pipeline stages (one stage holds a K or a V tile)
@@ -74,7 +64,7 @@ INT32_MAX = 2**31 - 1
 
 
 @dataclasses.dataclass(frozen=True)
-class FmhaSm90Instance:
+class FmhaSm90Instance(AttentionInstance):
     dtype: DType
     head_dim: int
     mask: Mask
@@ -89,14 +79,9 @@ class FmhaSm90Instance:
 
     @property
     def name(self) -> str:
-        """Readable, stable, unique: used for the file, the symbol, the manifest and logs."""
         return (f"{FAMILY}_{self.dtype.value}_d{self.head_dim}_{self.mask.value}_{self.schedule.value}"
                 f"_m{self.block_m}n{self.block_n}s{self.stages}"
                 + ("_lr" if self.lazy_rescale else "") + (f"_q{self.q_buffers}" if self.q_buffers > 1 else ""))
-
-    @property
-    def symbol(self) -> str:
-        return f"gemmgen_{self.name}"
 
     @property
     def consumer_groups(self) -> int:
@@ -130,7 +115,7 @@ class FmhaSm90Instance:
         a test checks one): the Q stages, the K/V stages (K and V share them), pipeline barriers, and
         for the persistent schedule a whole-tile output buffer per consumer group beside them (the
         others reuse the mainloop's space)."""
-        e = ELEMENT_BYTES
+        e = self.dtype.itemsize
         rows_q = self.block_m // self.consumer_groups
         q = self.q_buffers * self.consumer_groups * rows_q * self.head_dim * e
         kv = self.stages * self.block_n * self.head_dim * e
@@ -146,8 +131,12 @@ class FmhaSm90Instance:
     def causal(self) -> bool:
         return self.mask is Mask.CAUSAL
 
+    @property
+    def cost_inputs(self) -> CostInputs:
+        return CostInputs(self.block_m, self.block_n, self.stages, self.threads, self.smem_bytes)
+
     def params(self) -> dict:
-        """Plain values for the manifest and the template."""
+        """The fields, lazy_rescale and q_buffers only where not their defaults, and `speculate`."""
         return {"dtype": self.dtype.value, "head_dim": self.head_dim, "mask": self.mask.value,
                 "schedule": self.schedule.value, "block_m": self.block_m, "block_n": self.block_n,
                 "stages": self.stages, **({"lazy_rescale": True} if self.lazy_rescale else {}),
@@ -156,13 +145,11 @@ class FmhaSm90Instance:
                 **({"speculate": True} if self.speculates else {})}
 
     def template_values(self) -> dict:
-        return {**self.params(), "name": self.name, "symbol": self.symbol, "element": DTYPE_CPP[self.dtype],
-                "schedule_cpp": SCHEDULE_CPP[self.schedule], "causal": self.causal, "lazy_rescale": self.lazy_rescale,
-                "q_buffers": self.q_buffers, "speculate": self.speculates}
+        return {**super().template_values(), "schedule_cpp": SCHEDULE_CPP[self.schedule], "causal": self.causal,
+                "lazy_rescale": self.lazy_rescale, "q_buffers": self.q_buffers, "speculate": self.speculates}
 
-    def content_hash(self) -> str:
-        text = FAMILY + repr(sorted(self.params().items()))
-        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+INSTANCE = FmhaSm90Instance
 
 
 def causal_tiles_masked(block_m: int, block_n: int) -> bool:
@@ -211,7 +198,7 @@ def invalid_reason(inst: FmhaSm90Instance, arch: Arch = Arch.SM90) -> str | None
     return None
 
 
-def problem_reason(params: dict, problem) -> str | None:
+def problem_reason(inst: FmhaSm90Instance, problem) -> str | None:
     """What a built instance cannot run (the registry's reason), None when it can."""
     for feature in ("dropout", "bias", "varlen"):
         if getattr(problem, feature):
@@ -224,9 +211,8 @@ def problem_reason(params: dict, problem) -> str | None:
             return f"{FAMILY} causal is top-left only (bottom-right differs when Nq != Nk)"
         # Keys past seqlen_k are zero-filled and only the causal mask hides them: rows past
         # seqlen_k would see them, unless the key tiles end exactly at seqlen_k.
-        if problem.seqlen_q > problem.seqlen_k and problem.seqlen_k % params["block_n"]:
-            return (f"{FAMILY} causal needs seqlen_q <= seqlen_k or seqlen_k a multiple of "
-                    f"{params['block_n']}")
+        if problem.seqlen_q > problem.seqlen_k and problem.seqlen_k % inst.block_n:
+            return f"{FAMILY} causal needs seqlen_q <= seqlen_k or seqlen_k a multiple of {inst.block_n}"
     if problem.max_offset > INT32_MAX:
         return f"{FAMILY} indexes with int32; this call reaches element {problem.max_offset}"
     return None

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import hashlib
 import itertools
 
 from gemmgen.arch import Arch
+from gemmgen.generator.families.base import DType, GemmInstance
 
 FAMILY = "gemm_sm80"
 KIND = "gemm"
@@ -22,25 +22,17 @@ TEMPLATE = "gemm_sm80.cu.jinja"
 ARCHS = (Arch.SM80,)
 
 
-class DType(enum.Enum):
-    FP16 = "fp16"
-    BF16 = "bf16"
-    FP32 = "fp32"  # output only
-
-
 class Strategy(enum.Enum):
     STRIDED = "strided"
     PTR_ARRAY = "ptr"
 
 
-# The one table from each enum to its C++ spelling.
-DTYPE_CPP = {DType.FP16: "cutlass::half_t", DType.BF16: "cutlass::bfloat16_t", DType.FP32: "float"}
-DTYPE_BYTES = {DType.FP16: 2, DType.BF16: 2, DType.FP32: 4}
+# The one table from Strategy to its C++ spellings: the run function, the ABI's args struct, its tag.
 STRATEGY_CPP = {Strategy.STRIDED: ("strided", "GemmgenBatchedGemmStridedArgs", "GEMMGEN_GEMM_STRIDED"),
                 Strategy.PTR_ARRAY: ("ptrs", "GemmgenBatchedGemmPtrArgs", "GEMMGEN_GEMM_PTR_ARRAY")}
 
 # Axes.
-DTYPES = (DType.FP16, DType.BF16)
+DTYPES = (DType.FP16, DType.BF16)  # inputs; FP32 is an output dtype only
 OUT_FP32 = (False, True)  # C in the input dtype, or fp32 (the unfused path's scores)
 B_TRANSPOSED = (False, True)  # B stored [K, N] (scores x V) or [N, K] (Q x K^T): a layout axis
 STRATEGIES = tuple(Strategy)
@@ -55,7 +47,7 @@ WARP_TILES = (32, 64)  # per-warp M and N extents CUTLASS's sm80 warp-level MMA 
 
 
 @dataclasses.dataclass(frozen=True)
-class GemmSm80Instance:
+class GemmSm80Instance(GemmInstance):
     dtype: DType
     out_fp32: bool
     b_transposed: bool
@@ -71,15 +63,10 @@ class GemmSm80Instance:
 
     @property
     def name(self) -> str:
-        """Readable, stable, unique: used for the file, the symbol, the manifest and logs."""
         out = "f32" if self.out_fp32 else self.dtype.value
         layout = "nt" if self.b_transposed else "nn"
         return (f"{FAMILY}_{self.strategy.value}_{self.dtype.value}_{out}_{layout}"
                 f"_m{self.tile_m}n{self.tile_n}k{self.tile_k}w{self.warps}s{self.stages}a{self.align}")
-
-    @property
-    def symbol(self) -> str:
-        return f"gemmgen_{self.name}"
 
     @property
     def threads(self) -> int:
@@ -93,21 +80,17 @@ class GemmSm80Instance:
         return (4, 2) if self.tile_m > self.tile_n else (2, 4)
 
     @property
-    def out_dtype(self) -> DType:
-        return DType.FP32 if self.out_fp32 else self.dtype
-
-    @property
     def smem_bytes(self) -> int:
         """The mainloop's A and B tiles per stage (the epilogue reuses that space)."""
-        return self.stages * (self.tile_m + self.tile_n) * self.tile_k * DTYPE_BYTES[self.dtype]
+        return self.stages * (self.tile_m + self.tile_n) * self.tile_k * self.dtype.itemsize
 
     @property
     def align_c(self) -> int:
         """C's alignment in output elements: 16-byte vectors where the inputs have them."""
-        return 1 if self.align == 1 else 16 // DTYPE_BYTES[self.out_dtype]
+        return 1 if self.align == 1 else 16 // self.out_dtype.itemsize
 
     def params(self) -> dict:
-        """Plain values for the manifest and the template."""
+        """The fields, out_fp32 as `out_dtype`, and the derived `align_c`."""
         return {"dtype": self.dtype.value, "out_dtype": self.out_dtype.value, "b_transposed": self.b_transposed,
                 "strategy": self.strategy.value, "tile_m": self.tile_m, "tile_n": self.tile_n,
                 "tile_k": self.tile_k, "warps": self.warps, "stages": self.stages, "align": self.align,
@@ -116,14 +99,11 @@ class GemmSm80Instance:
     def template_values(self) -> dict:
         run, args, strategy = STRATEGY_CPP[self.strategy]
         wm, wn = self.warps_mn
-        return {**self.params(), "name": self.name, "symbol": self.symbol, "element": DTYPE_CPP[self.dtype],
-                "element_out": DTYPE_CPP[self.out_dtype], "warps_m": wm, "warps_n": wn,
+        return {**super().template_values(), "element_out": self.out_dtype.cpp, "warps_m": wm, "warps_n": wn,
                 "run": run, "args_type": args, "strategy_cpp": strategy}
 
-    def content_hash(self) -> str:
-        """Hash of the family and parameters (template text and toolchain join it in the build key)."""
-        text = FAMILY + repr(sorted(self.params().items()))
-        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+INSTANCE = GemmSm80Instance
 
 
 def invalid_reason(inst: GemmSm80Instance, arch: Arch = Arch.SM80) -> str | None:
@@ -147,7 +127,7 @@ def invalid_reason(inst: GemmSm80Instance, arch: Arch = Arch.SM80) -> str | None
     return None
 
 
-def problem_reason(params: dict, problem) -> str | None:
+def problem_reason(inst: GemmSm80Instance, problem) -> str | None:
     """What a built instance cannot run beyond the functional key (gemmgen.select.gemm_select checks
     dtype, layout, strategy and alignment): nothing, CUTLASS's batched GEMM loops over any K."""
     return None

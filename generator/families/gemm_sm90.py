@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import hashlib
 import itertools
 
 from gemmgen.arch import Arch
-from gemmgen.generator.families.gemm_sm80 import (B_TRANSPOSED, DTYPE_BYTES, DTYPE_CPP, DTYPES, OUT_FP32, STRATEGIES,
-                                        STRATEGY_CPP, DType, Strategy)
+from gemmgen.generator.families.base import DType, GemmInstance
+from gemmgen.generator.families.gemm_sm80 import B_TRANSPOSED, DTYPES, OUT_FP32, STRATEGIES, STRATEGY_CPP, Strategy
 
 FAMILY = "gemm_sm90"
 KIND = "gemm"
@@ -75,7 +74,7 @@ MIN_STAGES = 2
 
 
 @dataclasses.dataclass(frozen=True)
-class GemmSm90Instance:
+class GemmSm90Instance(GemmInstance):
     dtype: DType
     out_fp32: bool
     b_transposed: bool
@@ -95,7 +94,6 @@ class GemmSm90Instance:
 
     @property
     def name(self) -> str:
-        """Readable, stable, unique: used for the file, the symbol, the manifest and logs."""
         out = "f32" if self.out_fp32 else self.dtype.value
         layout = "nt" if self.b_transposed else "nn"
         return (f"{FAMILY}_{self.strategy.value}_{self.dtype.value}_{out}_{layout}"
@@ -106,21 +104,13 @@ class GemmSm90Instance:
                 + ("_el" if self.evict_last else ""))
 
     @property
-    def symbol(self) -> str:
-        return f"gemmgen_{self.name}"
-
-    @property
     def threads(self) -> int:
         """A producer warpgroup and two consumer warpgroups."""
         return 384
 
     @property
-    def out_dtype(self) -> DType:
-        return DType.FP32 if self.out_fp32 else self.dtype
-
-    @property
     def align_c(self) -> int:
-        return 16 // DTYPE_BYTES[self.out_dtype]
+        return 16 // self.out_dtype.itemsize
 
     @property
     def epi_tile(self) -> tuple[int, int]:
@@ -134,11 +124,15 @@ class GemmSm90Instance:
         """The smallest footprint the builder accepts: MIN_STAGES stages and the epilogue's
         staged sub-tiles (the builder then fills the rest of shared memory with stages)."""
         rows, cols = self.epi_tile
-        epilogue = EPI_STAGES * rows * cols * DTYPE_BYTES[self.out_dtype]
-        return MIN_STAGES * (self.tile_m + self.tile_n) * self.tile_k * DTYPE_BYTES[self.dtype] + epilogue
+        epilogue = EPI_STAGES * rows * cols * self.out_dtype.itemsize
+        return MIN_STAGES * (self.tile_m + self.tile_n) * self.tile_k * self.dtype.itemsize + epilogue
+
+    @property
+    def stream_k(self) -> bool:
+        return self.tile_scheduler is TileScheduler.STREAM_K
 
     def params(self) -> dict:
-        """Plain values for the manifest and the template."""
+        """The fields (out_fp32 as `out_dtype`, evict_last only where True), `align` and `align_c`."""
         return {"dtype": self.dtype.value, "out_dtype": self.out_dtype.value, "b_transposed": self.b_transposed,
                 "strategy": self.strategy.value, "tile_m": self.tile_m, "tile_n": self.tile_n,
                 "tile_k": self.tile_k, "schedule": self.schedule.value, "cluster_m": self.cluster_m,
@@ -148,14 +142,13 @@ class GemmSm90Instance:
 
     def template_values(self) -> dict:
         run, args, strategy = STRATEGY_CPP[self.strategy]
-        return {**self.params(), "name": self.name, "symbol": self.symbol, "element": DTYPE_CPP[self.dtype],
-                "element_out": DTYPE_CPP[self.out_dtype], "schedule_cpp": SCHEDULE_CPP[self.schedule],
+        return {**super().template_values(), "element_out": self.out_dtype.cpp,
+                "schedule_cpp": SCHEDULE_CPP[self.schedule],
                 "tile_scheduler_cpp": TILE_SCHEDULER_CPP[self.tile_scheduler],
                 "run": run, "args_type": args, "strategy_cpp": strategy, "evict_last": self.evict_last}
 
-    def content_hash(self) -> str:
-        """Hash of the family and parameters (template text and toolchain join it in the build key)."""
-        return hashlib.sha256((FAMILY + repr(sorted(self.params().items()))).encode()).hexdigest()[:16]
+
+INSTANCE = GemmSm90Instance
 
 
 def invalid_reason(inst: GemmSm90Instance, arch: Arch = Arch.SM90) -> str | None:
@@ -194,7 +187,7 @@ def invalid_reason(inst: GemmSm90Instance, arch: Arch = Arch.SM90) -> str | None
     return None
 
 
-def problem_reason(params: dict, problem) -> str | None:
+def problem_reason(inst: GemmSm90Instance, problem) -> str | None:
     """Nothing beyond gemmgen.select.gemm_select's functional checks: any K, any batch count."""
     return None
 

@@ -4,7 +4,8 @@ Ampere-class GPUs: the family that runs dropout, an additive bias and variable l
 One instance = one `AttentionKernel` instantiation (included from the CUTLASS package, never
 copied) behind our own block set-up and launch (templates/include/gemmgen/mea_sm80/). An instance
 serves every head dim up to its bound `max_head_dim` (a multiple of 8) and both masks (causal is a
-launch parameter), so its params carry neither `head_dim` nor `mask`: `problem_reason` checks them.
+launch parameter), so it fixes neither `head_dim` nor `mask` (both None) and its params carry neither:
+`problem_reason` checks them. The family serves every multiple of 8 up to the largest bound (HEAD_DIMS).
 
 `gemmgen generate` builds this family only when named (`--family mea_sm80`, BUILT_BY_DEFAULT is
 False): the default sm80 set (the fa2_sm80 family) already takes most of the 15 minutes a 2-core
@@ -13,30 +14,22 @@ machine may spend. The registry compiles a missing instance on demand, the first
 from __future__ import annotations
 
 import dataclasses
-import enum
-import hashlib
 import itertools
 
 from gemmgen.arch import Arch
+from gemmgen.generator.families.base import AttentionInstance, CostInputs, DType
 
 FAMILY = "mea_sm80"
 KIND = "attention"
+BUILT_BY_DEFAULT = False  # see the module doc
 TEMPLATE = "mea_sm80.cu.jinja"
+HEADER_DIRS = ("mea_sm80",)
 ARCHS = (Arch.SM80,)
-
-
-class DType(enum.Enum):
-    FP16 = "fp16"
-    BF16 = "bf16"
-
-
-# The one table from each enum to its C++ spelling.
-DTYPE_CPP = {DType.FP16: "cutlass::half_t", DType.BF16: "cutlass::bfloat16_t"}
 
 # Axes. Tiles: kQueriesPerBlock x kKeysPerBlock, one 32x32 warp tile per warp. kKeysPerBlock 256
 # does not instantiate (a CUTLASS thread map gets zero iterations). A bound above block_n keeps the
 # output in a float32 workspace between key blocks instead of in registers.
-DTYPES = tuple(DType)
+DTYPES = (DType.FP16, DType.BF16)
 # Ascending bounds and the 32x128 tile first: on-demand compilation builds the first instance of
 # SPACE that runs a problem, so it gets the smallest bound and xFormers' sm80 tile.
 MAX_HEAD_DIMS = (64, 128, 256)
@@ -49,11 +42,12 @@ ALIGNED = (True,)
 HEAD_DIM_MULTIPLE = 8  # 16-byte vector loads of 2-byte elements along the head dim
 MAX_WARPS = 16  # the kernel's launch bounds ask for 16 warps per SM on sm80
 GRID_YZ_MAX = 65535  # heads run on grid.y (batches are chunked over grid.z by the launcher)
-
+# What the family serves: every multiple of HEAD_DIM_MULTIPLE up to the largest bound.
+HEAD_DIMS = tuple(range(HEAD_DIM_MULTIPLE, max(MAX_HEAD_DIMS) + 1, HEAD_DIM_MULTIPLE))
 
 
 @dataclasses.dataclass(frozen=True)
-class MeaSm80Instance:
+class MeaSm80Instance(AttentionInstance):
     dtype: DType
     max_head_dim: int  # kMaxK
     block_m: int  # queries per block
@@ -64,18 +58,18 @@ class MeaSm80Instance:
 
     @property
     def name(self) -> str:
-        """Readable, stable, unique: used for the file, the symbol, the manifest and logs."""
         return (f"{FAMILY}_{self.dtype.value}_k{self.max_head_dim}_q{self.block_m}k{self.block_n}"
                 f"_{'aligned' if self.aligned else 'unaligned'}")
 
     @property
-    def symbol(self) -> str:
-        return f"gemmgen_{self.name}"
+    def head_dim(self) -> None:
+        """None: one instance serves every multiple of 8 up to max_head_dim (problem_reason checks)."""
+        return None
 
     @property
-    def head_dim(self) -> int:
-        """The largest head dim served (the space's head dims are read through this)."""
-        return self.max_head_dim
+    def mask(self) -> None:
+        """None: causal is a launch parameter."""
+        return None
 
     @property
     def warps(self) -> int:
@@ -94,19 +88,16 @@ class MeaSm80Instance:
     def smem_bytes(self) -> int:
         return SMEM_BYTES.get((self.block_m, self.block_n, self.max_head_dim), 0)
 
-    def params(self) -> dict:
-        """Plain values for the manifest and the template (no head_dim or mask: see the module doc)."""
-        return {"dtype": self.dtype.value, "max_head_dim": self.max_head_dim, "block_m": self.block_m,
-                "block_n": self.block_n, "aligned": self.aligned}
+    @property
+    def cost_inputs(self) -> CostInputs:
+        # stages 1: the cost model counts this kernel's first K/V loads of a CTA as fully exposed.
+        return CostInputs(self.block_m, self.block_n, 1, self.threads, self.smem_bytes)
 
     def template_values(self) -> dict:
-        return {**self.params(), "name": self.name, "symbol": self.symbol, "element": DTYPE_CPP[self.dtype],
-                "aligned_cpp": "true" if self.aligned else "false"}
+        return {**super().template_values(), "aligned_cpp": "true" if self.aligned else "false"}
 
-    def content_hash(self) -> str:
-        """Hash of the family and parameters (template text and toolchain join it in the build key)."""
-        text = FAMILY + repr(sorted(self.params().items()))
-        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+INSTANCE = MeaSm80Instance
 
 
 # sizeof(AttentionKernel<..., block_m, block_n, max_head_dim, dropout, bias>::SharedStorage) for
@@ -153,14 +144,14 @@ def invalid_reason(inst: MeaSm80Instance, arch: Arch = Arch.SM80) -> str | None:
     return None
 
 
-def problem_reason(params: dict, problem) -> str | None:
+def problem_reason(inst: MeaSm80Instance, problem) -> str | None:
     """What a built instance cannot run (the registry's reason), None when it can."""
-    bound = int(params["max_head_dim"])
+    bound = inst.max_head_dim
     if problem.head_dim > bound:
         return f"head_dim {problem.head_dim} above this instance's bound {bound}"
     if problem.head_dim % HEAD_DIM_MULTIPLE:
         return f"head_dim {problem.head_dim} is not a multiple of {HEAD_DIM_MULTIPLE}"
-    if params.get("aligned", True) and problem.align < 16:
+    if inst.aligned and problem.align < 16:
         return f"aligned variant needs 16-byte aligned data, the problem's is {problem.align}-byte aligned"
     if problem.zero_scale:
         return "scale 0 gave a wrong LSE on the H200 (rows reported as seeing no key)"
@@ -187,7 +178,6 @@ DEFAULT_TILE = {64: (64, 64), 128: (32, 128), 256: (32, 128)}
 DEFAULT: tuple[MeaSm80Instance, ...] = tuple(
     inst for inst in SPACE if (inst.block_m, inst.block_n) == DEFAULT_TILE[inst.max_head_dim]
 )
-BUILT_BY_DEFAULT = False
 
 # Throughput per unit of tile work against fa2_sm80's on the H200 sweep (the heuristic's weight
 # between families): 140-190 against 260-350 TFLOP/s.

@@ -7,11 +7,10 @@ Built for the sm80 arch (sm_80 + sm_90 code): a memory-bound kernel gains nothin
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import itertools
 
 from gemmgen.arch import Arch
-from gemmgen.generator.families.gemm_sm80 import DTYPE_CPP, DTYPES, DType
+from gemmgen.generator.families.base import DType, Instance
 
 FAMILY = "softmax_sm80"
 KIND = "softmax"
@@ -20,11 +19,12 @@ BUILT_BY_DEFAULT = False  # built when named: gemmgen generate --family softmax_
 TEMPLATE = "softmax_sm80.cu.jinja"
 ARCHS = (Arch.SM80,)
 
+DTYPES = (DType.FP16, DType.BF16)  # of P; S is always fp32
 THREADS = (128, 256)
 
 
 @dataclasses.dataclass(frozen=True)
-class SoftmaxSm80Instance:
+class SoftmaxSm80Instance(Instance):
     dtype: DType
     threads: int
 
@@ -32,28 +32,15 @@ class SoftmaxSm80Instance:
 
     @property
     def name(self) -> str:
-        """Readable, stable, unique: used for the file, the symbol, the manifest and logs."""
         return f"{FAMILY}_{self.dtype.value}_t{self.threads}"
-
-    @property
-    def symbol(self) -> str:
-        return f"gemmgen_{self.name}"
 
     @property
     def smem_bytes(self) -> int:
         """One (max, sum) pair per warp."""
         return self.threads // 32 * 8
 
-    def params(self) -> dict:
-        """Plain values for the manifest and the template."""
-        return {"dtype": self.dtype.value, "threads": self.threads}
 
-    def template_values(self) -> dict:
-        return {**self.params(), "name": self.name, "symbol": self.symbol, "element": DTYPE_CPP[self.dtype]}
-
-    def content_hash(self) -> str:
-        """Hash of the family and parameters (template text and toolchain join it in the build key)."""
-        return hashlib.sha256((FAMILY + repr(sorted(self.params().items()))).encode()).hexdigest()[:16]
+INSTANCE = SoftmaxSm80Instance
 
 
 def invalid_reason(inst: SoftmaxSm80Instance, arch: Arch = Arch.SM80) -> str | None:
@@ -63,11 +50,6 @@ def invalid_reason(inst: SoftmaxSm80Instance, arch: Arch = Arch.SM80) -> str | N
     if inst.threads not in THREADS:
         return f"threads {inst.threads} not in {THREADS}"
     return None
-
-
-def problem_reason(params: dict, problem) -> str | None:
-    """Never an attention kernel by itself (the registry skips non-attention kinds anyway)."""
-    return f"{FAMILY} is the unfused path's softmax, not a fused attention kernel"
 
 
 SPACE: tuple[SoftmaxSm80Instance, ...] = tuple(

@@ -1,0 +1,272 @@
+"""The family contract: the one dtype table, the instance base classes, and what a family module declares.
+
+A family is one module (generator/families/<name>.py) that declares at module level every member of
+`Family`, and for its kind those of `AttentionFamily` or `GemmFamily`. gemmgen.generator.space
+registers it only after `check_family` has found them all, so code that reads a family reads its
+members directly. Its instance type is a frozen dataclass of enums, ints and bools deriving from
+`Instance` (`AttentionInstance`, `GemmInstance` by kind), which derives the symbol, the params, the
+content hash and the way back from a manifest's params (`from_params`) from the fields.
+"""
+from __future__ import annotations
+
+import abc
+import dataclasses
+import enum
+import functools
+import hashlib
+import inspect
+import typing
+from typing import Any, ClassVar, Mapping, NamedTuple, Protocol, TypeVar
+
+from gemmgen.arch import Arch
+
+
+class DType(enum.Enum):
+    """An element type, by the name the manifest and the instance names use."""
+
+    FP16 = "fp16"
+    BF16 = "bf16"
+    FP32 = "fp32"
+
+    @property
+    def cpp(self) -> str:
+        """The C++ type the templates instantiate."""
+        return DTYPE_TABLE[self].cpp
+
+    @property
+    def itemsize(self) -> int:
+        """Bytes per element."""
+        return DTYPE_TABLE[self].itemsize
+
+
+class DTypeInfo(NamedTuple):
+    cpp: str
+    itemsize: int
+
+
+# The one table from DType to C++ (cutlass_library's DataTypeTag and DataTypeSize in one).
+DTYPE_TABLE: dict[DType, DTypeInfo] = {
+    DType.FP16: DTypeInfo("cutlass::half_t", 2),
+    DType.BF16: DTypeInfo("cutlass::bfloat16_t", 2),
+    DType.FP32: DTypeInfo("float", 4),
+}
+
+
+class Mask(enum.Enum):
+    NONE = "none"
+    CAUSAL = "causal"  # the alignment (top-left / bottom-right) is a launch parameter
+
+
+@dataclasses.dataclass(frozen=True)
+class CostInputs:
+    """What gemmgen.select.heuristic's cost model reads of an attention instance."""
+
+    block_m: int  # query rows per CTA
+    block_n: int  # key columns per step of the key loop
+    stages: int  # K/V tiles in flight: the model divides the exposed first loads by it
+    threads: int  # per CTA
+    smem_bytes: int  # per CTA
+
+    def __post_init__(self) -> None:
+        if min(self.block_m, self.block_n, self.stages, self.threads) < 1 or self.smem_bytes < 0:
+            raise ValueError(f"cost inputs must be positive: {self}")
+
+
+InstanceT = TypeVar("InstanceT", bound="Instance")
+
+
+class Instance(abc.ABC):
+    """A family's instance: the base of its frozen dataclass, whose fields are the family's axes.
+
+    The subclass gives the class attribute `family` (its module's FAMILY), `name` (readable, stable
+    and unique: the source file, the library, the symbol, the manifest entry and every message),
+    `threads` and `smem_bytes` (properties or fields), and extends `template_values` with what its
+    template needs beyond the params. It overrides `params` (and then `from_params`) only where its
+    params are not exactly its fields."""
+
+    family: ClassVar[str]
+    dtype: DType
+    threads: int
+    smem_bytes: int
+
+    @property
+    @abc.abstractmethod
+    def name(self) -> str:
+        """Readable, stable, unique; starts with the family's name."""
+
+    @property
+    def symbol(self) -> str:
+        """The exported entry point of the instance's library."""
+        return f"gemmgen_{self.name}"
+
+    def params(self) -> dict[str, Any]:
+        """Plain values for the manifest and the template: every field in order, enums by value."""
+        return {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+    @classmethod
+    def from_params(cls: type[InstanceT], params: Mapping[str, Any]) -> InstanceT:
+        """The instance whose params() are `params` (a manifest entry's): each field from the param
+        of its name, enums by value; a field with a default may be absent, other params are derived
+        and ignored. Raises ValueError when `params` describe no instance of this class."""
+        types = _field_types(cls)
+        values = {}
+        for f in dataclasses.fields(cls):
+            if f.name in params:
+                values[f.name] = _typed(types[f.name], params[f.name], f.name)
+            elif f.default is dataclasses.MISSING:
+                raise ValueError(f"{cls.family} params lack {f.name!r}")
+        return cls(**values)
+
+    def template_values(self) -> dict[str, Any]:
+        """Plain values for the template: the params, name, symbol and `element` (the C++ dtype)."""
+        return {**self.params(), "name": self.name, "symbol": self.symbol, "element": self.dtype.cpp}
+
+    def content_hash(self) -> str:
+        """Hash of the family and the params (template, headers and toolchain join it in the build key)."""
+        return hashlib.sha256((self.family + repr(sorted(self.params().items()))).encode()).hexdigest()[:16]
+
+
+class AttentionInstance(Instance):
+    """An attention family's instance. Besides Instance's members it has `head_dim` (int) and
+    `mask` (Mask), fields or properties that are None where one instance serves several (its
+    family's problem_reason then checks the problem's), and the cost model's inputs."""
+
+    head_dim: int | None
+    mask: Mask | None
+
+    @property
+    @abc.abstractmethod
+    def cost_inputs(self) -> CostInputs:
+        """What the heuristic's cost model reads."""
+
+
+class GemmInstance(Instance):
+    """A GEMM family's instance: its field `out_fp32` (C in fp32, else in the input dtype) appears in
+    its params as the output dtype, `out_dtype`."""
+
+    out_fp32: bool
+
+    @property
+    def out_dtype(self) -> DType:
+        return DType.FP32 if self.out_fp32 else self.dtype
+
+    @property
+    def stream_k(self) -> bool:
+        """Whether the K loops of the last wave are split over idle SMs (the cost model's input)."""
+        return False
+
+    @classmethod
+    def from_params(cls: type[InstanceT], params: Mapping[str, Any]) -> InstanceT:
+        if "out_dtype" not in params:
+            raise ValueError(f"{cls.family} params lack 'out_dtype'")
+        return super().from_params({**params, "out_fp32": params["out_dtype"] == DType.FP32.value})
+
+
+class Family(Protocol):
+    """What every family module declares at module level (check_family checks it)."""
+
+    FAMILY: str  # prefix of every instance name, e.g. "fa2_sm80"
+    KIND: str  # "attention", "gemm" or "softmax": which selection engine serves it
+    BUILT_BY_DEFAULT: bool  # whether `gemmgen generate` without --family builds it
+    TEMPLATE: str  # its Jinja file under templates/ (an absolute path for a family kept elsewhere)
+    HEADER_DIRS: tuple[str, ...]  # folders under templates/include/gemmgen/ its build key covers
+    ARCHS: tuple[Arch, ...]  # the build targets it compiles for
+    INSTANCE: type[Instance]  # its instance dataclass
+    SPACE: tuple[Instance, ...]  # every valid instance: axes crossed, filtered by invalid_reason
+    DEFAULT: tuple[Instance, ...]  # the subset `gemmgen generate` builds without --all
+
+    def invalid_reason(self, inst: Any, arch: Arch) -> str | None:
+        """The one validity rule: None, or why this instance is never built for `arch`."""
+
+
+class GemmFamily(Family, Protocol):
+    """A GEMM family: gemmgen.select.gemm_select checks dtypes, layout, strategy and alignment."""
+
+    def problem_reason(self, inst: Any, problem: Any) -> str | None:
+        """What a built instance cannot run beyond those checks (None when it can)."""
+
+
+class AttentionFamily(Family, Protocol):
+    """An attention family: the registry checks dtype, and head_dim and mask where the instance
+    fixes them; problem_reason covers the rest."""
+
+    HEAD_DIMS: tuple[int, ...]  # every head dim some instance serves: what fused_attention accepts
+    RELATIVE_SPEED: float  # throughput per unit of the cost model's tile work against fa2_sm80's
+
+    def problem_reason(self, inst: Any, problem: Any) -> str | None:
+        """What a built instance cannot run (None when it can): the registry's reject reason."""
+
+
+# Per kind: the members its module declares and the base of its instance type.
+KINDS: dict[str, tuple[type, type[Instance]]] = {
+    "attention": (AttentionFamily, AttentionInstance),
+    "gemm": (GemmFamily, GemmInstance),
+    "softmax": (Family, Instance),
+}
+
+
+def contract(protocol: type) -> dict[str, Any]:
+    """A family protocol's members: name -> the type its value must have (`callable` for functions)."""
+    members: dict[str, Any] = {}
+    for klass in reversed(protocol.__mro__):
+        if klass is Protocol or not getattr(klass, "_is_protocol", False):
+            continue
+        members.update({n: callable for n, v in vars(klass).items() if inspect.isfunction(v) and n[0] != "_"})
+    members.update({n: typing.get_origin(t) or t for n, t in typing.get_type_hints(protocol).items()})
+    return members
+
+
+def check_family(family: Any) -> None:
+    """Raise TypeError naming every member `family` lacks or declares wrongly for its KIND, and
+    every instance of SPACE or DEFAULT that is not its INSTANCE type."""
+    kind = getattr(family, "KIND", None)
+    protocol, base = KINDS.get(kind, (Family, Instance))
+    problems = [] if kind in KINDS else [f"KIND {kind!r} is not one of {', '.join(KINDS)}"]
+    for name, expected in contract(protocol).items():
+        if not hasattr(family, name):
+            problems.append(f"lacks {name}")
+            continue
+        value = getattr(family, name)
+        if not (callable(value) if expected is callable else isinstance(value, expected)):
+            problems.append(f"{name} is a {type(value).__name__}, not a {expected.__name__}")
+    inst_type = getattr(family, "INSTANCE", None)
+    if isinstance(inst_type, type):
+        if not (issubclass(inst_type, base) and dataclasses.is_dataclass(inst_type)
+                and inst_type.__dataclass_params__.frozen):
+            problems.append(f"INSTANCE {inst_type.__name__} is not a frozen dataclass deriving from {base.__name__}")
+        elif getattr(inst_type, "family", None) != getattr(family, "FAMILY", None):
+            problems.append(f"INSTANCE.family is not FAMILY {getattr(family, 'FAMILY', None)!r}")
+        else:
+            try:
+                _field_types(inst_type)  # what from_params converts params to
+            except NameError as exc:
+                problems.append(f"INSTANCE's field types do not resolve in its module ({exc})")
+        for pool in ("SPACE", "DEFAULT"):
+            if any(not isinstance(inst, inst_type) for inst in getattr(family, pool, ())):
+                problems.append(f"{pool} holds something other than {inst_type.__name__} instances")
+    if kind == "attention" and any(not isinstance(d, int) or d < 1 for d in getattr(family, "HEAD_DIMS", ())):
+        problems.append("HEAD_DIMS are not positive ints")
+    if problems:
+        raise TypeError(f"family module {getattr(family, '__name__', family)!r} breaks the family contract "
+                        f"(gemmgen.generator.families.base): {'; '.join(problems)}")
+
+
+def _plain(value: Any) -> Any:
+    return value.value if isinstance(value, enum.Enum) else value
+
+
+@functools.cache
+def _field_types(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _typed(kind: Any, value: Any, name: str) -> Any:
+    """`value` (a param) as a field of type `kind`; ValueError when it is not one."""
+    if isinstance(kind, type) and issubclass(kind, enum.Enum):
+        try:
+            return kind(value)
+        except ValueError:
+            raise ValueError(f"{name} {value!r} is not one of {[m.value for m in kind]}") from None
+    if isinstance(value, bool) if kind is bool else kind is int and type(value) is int:
+        return value
+    raise ValueError(f"{name} {value!r} is not a {getattr(kind, '__name__', kind)}")
