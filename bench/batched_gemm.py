@@ -40,9 +40,8 @@ import time
 import torch
 
 import gemmgen
-from gemmgen.cli import gemm as cli_gemm
 from gemmgen.ops import gemm
-from gemmgen.select import gemm_select, selection, timing
+from gemmgen.select import gemm_select, measure, selection, timing
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 # Seconds of load before each shape's sustained timings: the shapes run back to back, so the GPU
@@ -171,10 +170,10 @@ def main() -> int:
                     if args.tune:
                         problem = gemm.strided_problem(a, b, c, b_transposed=bt)
                         cands = gemm_select.candidates(problem)[0]
-                        _, records, _ = cli_gemm.measure(
+                        _, records, _ = measure.measure_states(
                             cands, lambda name: gemmgen.batched_gemm(a, b, b_transposed=bt, out=c, instance=name),
                             reps=args.tune_reps, shape=f"{bh}x1x{mn}x{n}x{a.shape[3]}", settle_s=SETTLE_S)
-                        cli_gemm.record(problem, records)
+                        measure.record(problem, records)
                     arrays = gemm.PointerArrays(list(a.flatten(0, 1)), list(b.flatten(0, 1)), list(c.flatten(0, 1)),
                                                 b_transposed=bt)
                     sides = {"strided": lambda: gemmgen.batched_gemm(a, b, b_transposed=bt, out=c),
@@ -191,14 +190,14 @@ def main() -> int:
                     device_ratio = None
                     if args.device:
                         d = timing.sustained_ms(pair, rounds=5, settle_s=SETTLE_S,
-                                                min_burst_ms=cli_gemm.TUNE_MIN_BURST_MS)
+                                                min_burst_ms=measure.TUNE_MIN_BURST_MS)
                         d_s, d_c = d["strided"], d["cuBLAS"]
                         device_ratio = d_c / d_s
                         row += f" {tf(d_s):.1f} | {tf(d_c):.1f} | {device_ratio:.2f} |"
                         if mn >= 512:
                             short_device.append(device_ratio)
                             st = timing.steady_ms(pair, seconds=args.steady_s, window_s=args.steady_s / 2,
-                                                  min_burst_ms=cli_gemm.TUNE_MIN_BURST_MS)
+                                                  min_burst_ms=measure.TUNE_MIN_BURST_MS)
                             steady_ratio = st["cuBLAS"] / st["strided"]
                             short_steady.append((op, bh, mn, k, steady_ratio))
                             row += f" {tf(st['strided']):.1f} | {tf(st['cuBLAS']):.1f} | {steady_ratio:.2f} |"

@@ -229,7 +229,7 @@ def _previous_entries(path: Path, arch: Arch, tc: render.Toolchain, log: Log) ->
         old = manifest.load(path)
     except ManifestError as exc:
         found = recovered_entries(path.parent, arch, tc)
-        if path.exists() or found:
+        if path.exists():  # a missing manifest is a first build: nothing to report
             log(f"manifest {path} was unreadable ({exc}); recovered {len(found)} built instance(s) "
                 f"from their libraries")
         return found

@@ -85,13 +85,13 @@ def test_steady_times_each_run_alone_over_the_last_window(monkeypatch):
 
 
 def test_gemm_tuning_times_both_states_and_picks_the_best_in_both(monkeypatch):
-    """cli_gemm.measure: sustained times for all, short-run times (two passes, alternating order)
+    """measure.measure_states: sustained times for all, short-run times (two passes, alternating order)
     for the candidates within TUNE_PRUNE of the fastest; gemm_select.tuned_costs then prefers the
     candidate near the best in both states over the best in one. Calls this short (10 us) never
     hold the GPU at its power cap, so no candidate is timed alone."""
     from types import SimpleNamespace
 
-    from gemmgen.cli import gemm as cli_gemm
+    from gemmgen.select import measure
     from gemmgen.select import gemm_select
 
     sustained = {"fast_hot": 0.0100, "even": 0.0103, "fast_cool": 0.0125, "slow": 0.0200}
@@ -113,7 +113,7 @@ def test_gemm_tuning_times_both_states_and_picks_the_best_in_both(monkeypatch):
             raise RuntimeError("cannot run this shape\nmore")
         return name
 
-    rows, records, _ = cli_gemm.measure(cands, call, reps=20, shape="s")
+    rows, records, _ = measure.measure_states(cands, call, reps=20, shape="s")
     assert order == ["fast_hot", "even", "fast_cool", "fast_cool", "even", "fast_hot"]  # not "slow"
     got = {name: (ms, ms_short, ms_alone) for name, ms, ms_short, ms_alone, _ in rows}
     assert got == {"fast_hot": (0.01, 0.0095, None), "even": (0.0103, 0.0082, None),
@@ -132,7 +132,7 @@ def test_gemm_tuning_times_the_finalists_of_long_calls_alone(monkeypatch):
     loses to the second."""
     from types import SimpleNamespace
 
-    from gemmgen.cli import gemm as cli_gemm
+    from gemmgen.select import measure
     from gemmgen.select import gemm_select, tuning_db
 
     sustained = {"a": 1.00, "b": 1.02, "c": 1.05, "d": 1.10, "slow": 2.0}
@@ -147,8 +147,8 @@ def test_gemm_tuning_times_the_finalists_of_long_calls_alone(monkeypatch):
 
     monkeypatch.setattr(timing, "steady_ms", fake_steady)
     cands = [SimpleNamespace(name=n, content_hash=f"h_{n}") for n in sustained]
-    rows, records, _ = cli_gemm.measure(cands, lambda name: name, reps=20, shape="s")
-    assert asked == [(["a", "b", "c"], cli_gemm.TUNE_ALONE_S)]
+    rows, records, _ = measure.measure_states(cands, lambda name: name, reps=20, shape="s")
+    assert asked == [(["a", "b", "c"], measure.TUNE_ALONE_S)]
     assert {name: ms_alone for name, _, _, ms_alone, _ in rows} == {**alone, "d": None, "slow": None}
     assert tuning_db.Record.from_json(records["h_b"].to_json()).ms_alone == 1.0  # stored and read back
     costs = gemm_select.tuned_costs({r.name: r for r in records.values()})

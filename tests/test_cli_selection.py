@@ -163,3 +163,19 @@ def test_plot_draws_a_png(tmp_path):
     plot.draw([(shape, result, {"flash": (0.45, None), "efficient": (0.9, None), "cudnn": (math.inf, "no")})],
               str(tmp_path / "p.png"))
     assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_explain_and_profile_take_op_gemm():
+    """`explain --op gemm` is `explain-gemm` (the old name stays); `profile --op gemm` is
+    `profile-gemm`; without --op (or with --op attention) the attention forms run."""
+    from gemmgen.cli.app import route_op
+
+    assert route_op(["explain", "--op", "gemm", "--m", "64"]) == ["explain-gemm", "--m", "64"]
+    assert route_op(["profile", "--m", "64", "--op=gemm"]) == ["profile-gemm", "--m", "64"]
+    assert route_op(["explain", "--shape", "1,2,64,64", "--op", "attention"]) == \
+        ["explain", "--shape", "1,2,64,64", "--op", "attention"]
+    assert route_op(["tune", "--op", "gemm"]) == ["tune", "--op", "gemm"]
+    shape = ("--cc", "9.0", "--sms", "132", "--m", "256", "--n", "128", "--k", "64", "--b-transposed")
+    new, old = run_cli("explain", "--op", "gemm", *shape), run_cli("explain-gemm", *shape)
+    assert (new.returncode, new.stdout, new.stderr) == (old.returncode, old.stdout, old.stderr)
+    assert "batched GEMM A*B^T" in new.stdout + new.stderr

@@ -109,3 +109,17 @@ def test_varlen_and_gemm_refuse_inputs_that_require_grad():
         gemmgen.batched_gemm_ptrs([a[0, 0]], [b[0, 0]])
     with torch.no_grad(), pytest.raises(gemmgen.DeviceError):
         gemmgen.batched_gemm(a, b)
+
+
+def test_the_op_implementations_refuse_inputs_that_require_grad():
+    """Reached without an autograd formula (grad mode on), each implementation raises before any
+    allocation or launch."""
+    q = torch.randn(1, 2, 8, 64, dtype=FP16, requires_grad=True)
+    cu = torch.tensor([0, 8], dtype=torch.int32)
+    calls = (lambda: torch_op._fused_attention(q, q, q),
+             lambda: torch_op._fused_attention_out(q, q, q, torch.empty(1, 2, 8, 64, dtype=FP16)),
+             lambda: torch_op._fused_attention_varlen(q[0].transpose(0, 1), q[0].transpose(0, 1),
+                                                      q[0].transpose(0, 1), cu, cu, 8, 8))
+    for call in calls:
+        with pytest.raises(gemmgen.InputError, match="has no backward pass"):
+            call()

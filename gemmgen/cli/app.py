@@ -297,19 +297,23 @@ def parser() -> argparse.ArgumentParser:
                     "torch SDPA's backends, print a table per shape and store the times in this GPU's "
                     "tuning database.")
     cli_profile.add_arguments(prof)
+    _add_op(prof, "profile")
     prof.set_defaults(func=_guarded(cli_profile.run))
     expl = _command(sub, "explain", "which instance runs a shape, and why",
                     "Print the candidates for a shape, the reason every other instance is rejected, the "
                     "winner and which step chose it; for a GPU that is not here, describe it with --cc "
                     "and --sms.")
     cli_explain.add_arguments(expl)
+    _add_op(expl, "explain")
     expl.set_defaults(func=_guarded(cli_explain.run))
     from gemmgen.cli import gemm as cli_gemm
 
-    expl_gemm = _command(sub, "explain-gemm", "which batched-GEMM instance runs a shape, and why")
+    expl_gemm = _command(sub, "explain-gemm", "which batched-GEMM instance runs a shape, and why "
+                         "(also: explain --op gemm)")
     cli_gemm.add_arguments(expl_gemm, profile=False)
     expl_gemm.set_defaults(func=_guarded(cli_gemm.run_explain))
-    prof_gemm = _command(sub, "profile-gemm", "time every batched-GEMM candidate against torch.matmul")
+    prof_gemm = _command(sub, "profile-gemm", "time every batched-GEMM candidate against torch.matmul "
+                         "(also: profile --op gemm)")
     cli_gemm.add_arguments(prof_gemm, profile=True)
     prof_gemm.set_defaults(func=_guarded(cli_gemm.run_profile))
     tune = _command(sub, "tune", "the tuning databases: path, show, export, import")
@@ -318,10 +322,38 @@ def parser() -> argparse.ArgumentParser:
     return top
 
 
+OPS = ("attention", "gemm")
+
+
+def _add_op(p: argparse.ArgumentParser, command: str) -> None:
+    p.add_argument("--op", choices=OPS, default="attention",
+                   help=f"the kind of operation (default: attention); `{command} --op gemm` takes a "
+                        f"batched GEMM shape instead: see `gemmgen {command} --op gemm --help`")
+
+
+def route_op(argv: list[str]) -> list[str]:
+    """`explain --op gemm ...` and `profile --op gemm ...` as the GEMM forms of those commands
+    (`explain-gemm`, `profile-gemm`): one command per question, a shape per kind of operation."""
+    if not argv or argv[0] not in ("explain", "profile"):
+        return argv
+    rest, op, i = [], "attention", 1
+    while i < len(argv):
+        if argv[i] == "--op" and i + 1 < len(argv):
+            op, i = argv[i + 1], i + 2
+        elif argv[i].startswith("--op="):
+            op, i = argv[i].split("=", 1)[1], i + 1
+        else:
+            rest.append(argv[i])
+            i += 1
+    if op == "gemm":
+        return [f"{argv[0]}-gemm", *rest]
+    return argv
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `gemmgen` command; returns the exit status: 0 on success, 2 for bad
     arguments, 1 for other errors. A GemmgenError or OSError is one message on stderr, not a traceback."""
-    args = parser().parse_args(argv)
+    args = parser().parse_args(route_op(list(sys.argv[1:] if argv is None else argv)))
     if getattr(args, "jobs", None) is not None and args.jobs < 1:
         return _fail("--jobs must be at least 1", EXIT_USAGE)
     try:

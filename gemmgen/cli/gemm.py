@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import time
 
 from gemmgen.select import device, gemm_select, registry, selection, tuning_db
 from gemmgen.errors import InputError
@@ -85,7 +84,7 @@ def run_profile(args: argparse.Namespace) -> int:
     import torch
 
     from gemmgen.ops import gemm
-    from gemmgen.select import timing
+    from gemmgen.select import measure, timing
 
     if args.build_dir:
         registry.set_build_dirs(args.build_dir)
@@ -118,7 +117,7 @@ def run_profile(args: argparse.Namespace) -> int:
 
     bt = bm.transpose(-2, -1) if args.b_transposed else bm
     torch_call = (lambda: torch.matmul(a, bt, out=c)) if out_dtype == dtype else (lambda: torch.matmul(a, bt).float())
-    rows, records, peer_ms = measure(decision.candidates, call, reps=args.reps, shape=f"{b}x{h}x{m}x{n}x{k}",
+    rows, records, peer_ms = measure.measure_states(decision.candidates, call, reps=args.reps, shape=f"{b}x{h}x{m}x{n}x{k}",
                                      peers={"torch": torch_call})
     ms_torch = peer_ms.get("torch", math.nan)
     print(f"{problem.describe()} on {facts.describe()}; device time per call (host path hidden) under "
@@ -134,83 +133,6 @@ def run_profile(args: argparse.Namespace) -> int:
     print(f" {'torch.matmul (cuBLAS)':59} {ms_torch:9.4f} {flops / ms_torch / 1e9:8.1f}")
     print(f"(* = the pick before profiling: {decision.source})")
     if args.record:
-        db = record(problem, records)
+        db = measure.record(problem, records)
         print(f"recorded {len(records)} times in {db.path}")
     return 0
-
-
-TUNE_BURST = 10  # back-to-back calls per timed burst when tuning, at least
-TUNE_MIN_BURST_MS = 40.0  # and bursts of calls >= 50 us last this long (timing.burst_calls)
-TUNE_PRUNE = 1.3  # candidates this much slower than the fastest after settling skip the rounds
-TUNE_SHORT_REPS = 10  # calls per pass when timing calls one by one (two passes, alternating order)
-TUNE_FINALISTS = 3  # the candidates of lowest cost in both states, each then timed alone under load
-TUNE_ALONE_S = 1.0  # seconds of each finalist's turns alone (timing.steady_ms: two turns each)
-
-
-def measure(cands: list, call, *, reps: int, shape: str, peers: dict | None = None,
-            settle_s: float = 1.0) -> tuple[list[tuple[str, float, float | None, float | None, str | None]], dict, dict]:
-    """Time `call(name)` for every candidate in the two states a GEMM runs in.
-
-    Sustained load (the record's ms; timing.sustained_ms): `settle_s` seconds of load, then rounds
-    of back-to-back bursts in alternating order, each queued behind a spin kernel so that the events
-    time the kernels alone and lasting TUNE_MIN_BURST_MS where the calls are long enough; one round
-    per TUNE_BURST of `reps`, at least two; candidates more than TUNE_PRUNE times slower than the
-    fastest after settling keep their settling time. Short runs (ms_short): the candidates within
-    TUNE_PRUNE of the fastest sustained time, each call timed on its own (timing.median_ms, host
-    path hidden), TUNE_SHORT_REPS calls per candidate and pass, two passes in alternating order,
-    the mean of the two passes' medians (timing.rounds_ms): the clock a cooler GPU gives a few
-    calls. Alone under load (ms_alone): where calls are long enough for bursts of them to hold the
-    GPU at its power cap (timing.HOST_BOUND_MS and longer), the TUNE_FINALISTS candidates of lowest
-    cost in both states, each with the GPU to itself for turns of TUNE_ALONE_S seconds
-    (timing.steady_ms), since in the rotation a burst starts at the clock the candidate before it
-    left (bench/NOTES.md, experiment 48). gemm_select picks the candidate closest to the best in
-    both states (tuned_costs), its load ratio taken alone where the finalists were.
-
-    Returns (name, ms, ms_short, ms_alone, reason) rows, tuning-database records by build hash, and
-    the sustained ms of each of `peers` (name -> callable, e.g. torch.matmul), timed in the same rounds.
-
-    A kernel of a few microseconds timed with its host path would measure that path, the same for
-    every candidate; a ranking taken in one state can invert in the other on output-bound shapes
-    (bench/NOTES.md, experiments 17, 19, 21 and 22). A failing candidate is infinitely slow."""
-    from gemmgen.select import timing
-
-    rows, records, runs = [], {}, {}
-    for cand in cands:  # one call each first: a candidate that fails is not timed
-        try:
-            call(cand.name)
-            runs[cand.name] = lambda name=cand.name: call(name)
-        except Exception as exc:  # a failing candidate is infinitely slow, not a crash
-            rows.append((cand.name, math.inf, None, None, str(exc).splitlines()[0]))
-    peer_ms = {}
-    if runs:
-        rounds = max(2, -(-reps // TUNE_BURST))
-        peer_runs = {f"peer:{k}": v for k, v in (peers or {}).items()}
-        timed = timing.sustained_ms({**runs, **peer_runs}, rounds=rounds, burst=TUNE_BURST, settle_s=settle_s,
-                                    min_burst_ms=TUNE_MIN_BURST_MS, prune=TUNE_PRUNE, fixed=tuple(peer_runs))
-        peer_ms = {name.removeprefix("peer:"): ms for name, ms in timed.items() if name.startswith("peer:")}
-        fastest = min(timed[name] for name in runs)
-        contenders = [name for name in runs if timed[name] <= TUNE_PRUNE * fastest]
-        short = timing.rounds_ms({name: runs[name] for name in contenders}, rounds=2, reps=TUNE_SHORT_REPS,
-                                 warmup=2, hide_host=True)
-        alone = {}
-        if fastest >= timing.HOST_BOUND_MS and len(contenders) > 1:
-            costs = gemm_select.tuned_costs({name: tuning_db.Record(name=name, ms=timed[name], ms_short=short.get(name))
-                                             for name in contenders})
-            finalists = sorted(contenders, key=lambda name: costs[name])[:TUNE_FINALISTS]
-            alone = timing.steady_ms({name: runs[name] for name in finalists}, seconds=TUNE_ALONE_S,
-                                     window_s=TUNE_ALONE_S / 2, burst=TUNE_BURST, min_burst_ms=TUNE_MIN_BURST_MS)
-        rows += [(name, timed[name], short.get(name), alone.get(name), None) for name in runs]
-    by_name = {cand.name: cand for cand in cands}
-    for name, ms, ms_short, ms_alone, reason in rows:
-        records[by_name[name].content_hash] = tuning_db.Record(name=name, ms=ms, reason=reason, shape=shape,
-                                                               at=time.time(), ms_short=ms_short, ms_alone=ms_alone)
-    return rows, records, peer_ms
-
-
-def record(problem: gemm_select.GemmProblem, records: dict) -> tuning_db.TuningDB:
-    """Store `records` under the problem's functional key and bucket in its GPU's tuning database,
-    and forget cached selections so the next call reads them."""
-    entries = {problem.functional_key: {problem.bucket: {h_: r.to_json() for h_, r in records.items()}}}
-    db = tuning_db.update(problem.device.fingerprint(), entries)
-    registry.refresh()
-    return db

@@ -172,6 +172,7 @@ def _no_lse_on(device: torch.device) -> torch.Tensor:
 
 def _fused_attention(q, k, v, causal=False, causal_alignment="top_left", scale=None, return_lse=False,
                      instance=None, dropout_p=0.0, seed=None, offset=0, bias=None):
+    check_no_grad("torch.ops.gemmgen.fused_attention", q=q, k=k, v=v, bias=bias)
     o = launch.empty_like_layout(q)
     features = (dropout_p, seed, offset, bias)
     if not return_lse:
@@ -184,6 +185,7 @@ def _fused_attention(q, k, v, causal=False, causal_alignment="top_left", scale=N
 
 def _fused_attention_out(q, k, v, out, causal=False, causal_alignment="top_left", scale=None,
                          return_lse=False, instance=None, dropout_p=0.0, seed=None, offset=0, bias=None):
+    check_no_grad("torch.ops.gemmgen.fused_attention_out", q=q, k=k, v=v, bias=bias)
     lse = _lse_like(q, return_lse)
     _run(q, k, v, out, lse if return_lse else None, causal, causal_alignment, scale, instance, dropout_p, seed,
          offset, bias)
@@ -198,6 +200,7 @@ def _varlen_outputs(q, cu_seqlens_q, max_seqlen_q, return_lse):
 
 def _fused_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=False,
                             scale=None, return_lse=False, instance=None, dropout_p=0.0, seed=None, offset=0):
+    check_no_grad("torch.ops.gemmgen.fused_attention_varlen", q=q, k=k, v=v)
     o, lse = _varlen_outputs(q, cu_seqlens_q, max_seqlen_q, return_lse)
     # The kernel reads the offsets from data_ptr() as an int32 array: a strided view is copied.
     cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
@@ -244,8 +247,10 @@ def _refuse_grad(op: str) -> Callable:
 
 
 # Without an autograd formula torch would run the op on inputs that require grad and leave their
-# gradients None, with only a warning. (fused_attention_out mutates `out`: torch allows no formula
-# for it, and gemmgen.fused_attention checks before calling it.)
+# gradients None, with only a warning. Two guards: the implementations refuse such inputs while grad
+# mode is on (a call that reaches them without passing an autograd formula), and the formula's
+# setup_context refuses them (the formula runs the implementation with grad mode off).
+# fused_attention_out mutates `out`: torch allows no formula for it; its implementation checks.
 for _op in ("fused_attention", "fused_attention_varlen"):
     torch.library.register_autograd(f"gemmgen::{_op}", _backward, setup_context=_refuse_grad(_op), lib=_LIB)
 

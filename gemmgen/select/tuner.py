@@ -28,6 +28,7 @@ import torch
 from gemmgen.select import device as device_mod
 from gemmgen.kernels import launch
 from gemmgen.select import registry, timing, tuning_db
+from gemmgen.select.measure import record
 from gemmgen.errors import CacheError, GemmgenError, GemmgenWarning
 from gemmgen.select.problem import ALIGN_BYTES, Problem
 from gemmgen.ops.reference import attention_reference
@@ -233,29 +234,29 @@ def problem_of(shape: Shape, index: int) -> Problem:
                    gqa=shape.heads // shape.kv_heads, layout=shape.layout, align=ALIGN_BYTES)
 
 
-def entries_of(result: TuneResult) -> tuning_db.Entries:
-    """The tuning-database entries of one result."""
+def records_of(result: TuneResult) -> dict[str, tuning_db.Record]:
+    """The tuning-database records of one result, by content hash."""
     now = time.time()
-    recs = {m.content_hash: tuning_db.Record(m.name, m.ms, m.reason, m.error, result.shape.spec(), now).to_json()
+    return {m.content_hash: tuning_db.Record(m.name, m.ms, m.reason, m.error, result.shape.spec(), now)
             for m in result.measurements}
-    return {result.problem.functional_key: {result.problem.bucket.key: recs}}
 
 
 def store(result: TuneResult, *, strict: bool = True) -> Path | None:
     """Write a result into the tuning database. With strict=False an unwritable cache is a warning
     and the times are kept in memory for this process."""
-    fingerprint = result.problem.device.fingerprint()
+    records = records_of(result)
     try:
-        path = tuning_db.update(fingerprint, entries_of(result)).path
+        return record(result.problem, records).path
     except (CacheError, OSError) as exc:
         if strict:
             raise
         warnings.warn(f"gemmgen: tuning results not stored ({exc}); kept for this process only",
                       GemmgenWarning, stacklevel=2)
-        tuning_db.remember(fingerprint, entries_of(result))
-        path = None
-    registry.refresh()  # cached decisions predate these times
-    return path
+        problem = result.problem
+        tuning_db.remember(problem.device.fingerprint(),
+                           {problem.functional_key: {problem.bucket_key: {h: r.to_json() for h, r in records.items()}}})
+        registry.refresh()  # cached decisions predate these times
+        return None
 
 
 def tune_shape(shape: Shape, *, index: int | None = None, candidates: list[Candidate] | None = None,

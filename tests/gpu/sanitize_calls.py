@@ -2,8 +2,8 @@
 
     compute-sanitizer --tool memcheck --error-exitcode 1 python tests/gpu/sanitize_calls.py
 
-Attention instances run forced by name on odd lengths (Nq = 129, Nk = 127, one causal and one
-plain call where the instance serves both); GEMM instances on a 65 x 63 x 72 product (or the
+Attention instances run forced by name on odd lengths (Nq = 129 and Nk = 127, or Nk = 129 for
+causal calls; one causal and one plain call where the instance serves both); GEMM instances on a 65 x 63 x 72 product (or the
 smallest sizes their alignment allows); the row-softmax instances through unfused_attention. Each
 output is compared with the float64 reference, so a call that reads or writes out of bounds
 without a sanitizer report still fails. Prints one line per instance and a summary.
@@ -34,8 +34,9 @@ def attention(cand) -> str:
     masks = [inst.mask.value == "causal"] if inst.mask is not None else [False, True]
     worst = 0.0
     for causal in masks:
+        nk = 129 if causal else 127  # some causal tiles run Nq = Nk only
         q = torch.randn(2, 2, 129, d, device="cuda", dtype=dtype)
-        k, v = (torch.randn(2, 2, 127, d, device="cuda", dtype=dtype) for _ in range(2))
+        k, v = (torch.randn(2, 2, nk, d, device="cuda", dtype=dtype) for _ in range(2))
         out = torch.full_like(q, float("nan"))
         gemmgen.fused_attention(q, k, v, causal=causal, instance=cand.name, out=out)
         err = rel(out, attention_reference(q, k, v, causal)[0])
@@ -55,9 +56,11 @@ def gemm(cand) -> str:
     out_dtype = torch.float32 if inst.out_fp32 else dtype
     c = torch.full((2, 3, m, n), float("nan"), device="cuda", dtype=out_dtype)
     bt = b.transpose(-2, -1) if inst.b_transposed else b
-    if inst.strategy.value == "ptr":
-        gemmgen.batched_gemm_ptrs(list(a.flatten(0, 1)), list(b.flatten(0, 1)), out_list=list(c.flatten(0, 1)),
-                                  b_transposed=inst.b_transposed, instance=cand.name)
+    if inst.strategy.value == "ptr":  # separate allocations: each matrix 16-byte aligned
+        outs = [m.clone() for m in c.flatten(0, 1)]
+        gemmgen.batched_gemm_ptrs([m.clone() for m in a.flatten(0, 1)], [m.clone() for m in b.flatten(0, 1)],
+                                  out_list=outs, b_transposed=inst.b_transposed, instance=cand.name)
+        c = torch.stack(outs).view(c.shape)
     else:
         gemmgen.batched_gemm(a, b, b_transposed=inst.b_transposed, out=c, instance=cand.name)
     err = rel(c, a.double() @ bt.double())
