@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import time
 import sys
 from pathlib import Path
 
@@ -42,6 +43,22 @@ def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 1800
     full_env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
     return subprocess.run([sys.executable, "-m", "gemmgen", *args], cwd=ROOT, env=full_env,
                           capture_output=True, text=True, timeout=timeout)
+
+
+def real_generate(out: Path, *args: str) -> subprocess.CompletedProcess:
+    """`gemmgen generate --arch sm80 ARGS --jobs 2 --out OUT` with the real nvcc (skips the test
+    when there is none); reports the compile time on stderr."""
+    from gemmgen.errors import ToolchainError
+    from gemmgen.generator import toolchain
+
+    try:
+        toolchain.find_nvcc()
+    except ToolchainError as exc:
+        pytest.skip(f"nvcc is missing: {exc}")
+    start = time.monotonic()
+    proc = run_cli("generate", "--arch", "sm80", *args, "--jobs", "2", "--out", str(out))
+    print(f"\ncompiled {' '.join(args)} in {time.monotonic() - start:.0f} s", file=sys.stderr)
+    return proc
 
 
 @pytest.fixture(autouse=True)

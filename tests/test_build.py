@@ -12,11 +12,11 @@ import filelock
 import pytest
 import torch
 
-from conftest import ROOT, fake_nvcc, run_cli
+from conftest import ROOT, fake_nvcc, real_generate, run_cli
 from gemmgen.kernels import abi
-from gemmgen.generator import build, manifest, toolchain
+from gemmgen.generator import build, manifest
 from gemmgen.select import device, registry, selection
-from gemmgen.errors import GemmgenLaunchError, ToolchainError
+from gemmgen.errors import GemmgenLaunchError
 
 SMALL = "d32_none"  # the two smallest default instances: fp16 and bf16, head_dim 32, no mask
 SMALL_NAMES = ["fa2_sm80_bf16_d32_none_m128n128w4s1", "fa2_sm80_fp16_d32_none_m128n128w4s1"]
@@ -87,15 +87,8 @@ def test_jobs_and_ninja_text():
 @pytest.fixture(scope="module")
 def compiled(tmp_path_factory):
     """One real generate of the two small instances (1-3 minutes of nvcc on 2 cores)."""
-    try:
-        toolchain.find_nvcc()
-    except ToolchainError as exc:
-        pytest.skip(f"nvcc is missing: {exc}")
     out = tmp_path_factory.mktemp("build")
-    start = time.monotonic()
-    proc = run_cli("generate", "--arch", "sm80", "--filter", SMALL, "--jobs", "2", "--out", str(out))
-    print(f"\ncompiled {SMALL_NAMES} in {time.monotonic() - start:.0f} s", file=sys.stderr)
-    return out, proc
+    return out, real_generate(out, "--filter", SMALL)
 
 
 def test_real_compile(compiled):

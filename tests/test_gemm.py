@@ -4,18 +4,16 @@ compile of one strided and one pointer-array instance that is then loaded with c
 from __future__ import annotations
 
 import dataclasses
-import sys
-import time
 
 import pytest
 import torch
 
-from conftest import make_entry, run_cli, write_build_dir
+from conftest import make_entry, real_generate, run_cli, write_build_dir
 from gemmgen.kernels import abi
 from gemmgen.select import device, gemm_select, registry, selection
-from gemmgen.generator import manifest, render, toolchain
+from gemmgen.generator import manifest, render
 from gemmgen.arch import Arch
-from gemmgen.errors import DeviceError, GemmgenLaunchError, InputError, NoInstanceError, ToolchainError
+from gemmgen.errors import DeviceError, GemmgenLaunchError, InputError, NoInstanceError
 from gemmgen.generator.families import gemm_sm80, gemm_sm90, softmax_sm80
 from gemmgen.ops.gemm import batched_gemm, batched_gemm_ptrs
 from gemmgen.ops.unfused import unfused_attention
@@ -237,16 +235,8 @@ COMPILED = ["gemm_sm80_ptr_bf16_f32_nn_m64n64k32w4s2a1", "gemm_sm80_strided_fp16
 
 @pytest.fixture(scope="module")
 def compiled(tmp_path_factory):
-    try:
-        toolchain.find_nvcc()
-    except ToolchainError as exc:
-        pytest.skip(f"nvcc is missing: {exc}")
     out = tmp_path_factory.mktemp("gemm_build")
-    start = time.monotonic()
-    proc = run_cli("generate", "--arch", "sm80", "--family", "gemm_sm80", "--filter", "|".join(COMPILED),
-                   "--jobs", "2", "--out", str(out))
-    print(f"\ncompiled {COMPILED} in {time.monotonic() - start:.0f} s", file=sys.stderr)
-    return out, proc
+    return out, real_generate(out, "--family", "gemm_sm80", "--filter", "|".join(COMPILED))
 
 
 def test_real_compile_and_load(compiled):

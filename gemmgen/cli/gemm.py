@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import math
 
-from gemmgen.select import device, gemm_select, registry, selection, tuning_db
+from gemmgen.select import device, gemm_select, registry, selection
 from gemmgen.errors import InputError
 
 DTYPE_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4}

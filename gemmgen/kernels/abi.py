@@ -94,11 +94,17 @@ class Instance:
 
         Raises GemmgenLaunchError with the library's message on a non-zero status.
         """
-        err = _err_buffer()
-        status = self._run(ctypes.byref(params), ctypes.c_void_p(stream or None), err, ERR_LEN)
-        if status != 0:
-            message = err.value.decode(errors="replace") or "no message"
-            raise GemmgenLaunchError(f"{self.symbol}: {message} ({STATUS_NAMES.get(status, status)})")
+        _call(self._run, self.symbol, params, stream)
+
+
+def _call(entry, symbol: str, args: ctypes.Structure, stream: int | None) -> None:
+    """Call a run entry point with `args` on `stream`; raise GemmgenLaunchError with the library's
+    message on a non-zero status."""
+    err = _err_buffer()
+    status = entry(ctypes.byref(args), ctypes.c_void_p(stream or None), err, ERR_LEN)
+    if status != 0:
+        message = err.value.decode(errors="replace") or "no message"
+        raise GemmgenLaunchError(f"{symbol}: {message} ({STATUS_NAMES.get(status, status)})")
 
 
 @functools.lru_cache(maxsize=None)
@@ -205,11 +211,7 @@ class Kernel:
         """Launch on `stream`; raise GemmgenLaunchError with the library's message on failure."""
         if not isinstance(args, self.args_type):
             raise TypeError(f"{self.symbol} takes {self.args_type.__name__}, got {type(args).__name__}")
-        err = _err_buffer()
-        status = self._run(ctypes.byref(args), ctypes.c_void_p(stream or None), err, ERR_LEN)
-        if status != 0:
-            message = err.value.decode(errors="replace") or "no message"
-            raise GemmgenLaunchError(f"{self.symbol}: {message} ({STATUS_NAMES.get(status, status)})")
+        _call(self._run, self.symbol, args, stream)
 
 
 @functools.lru_cache(maxsize=None)

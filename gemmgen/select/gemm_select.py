@@ -22,7 +22,7 @@ from typing import ClassVar
 from gemmgen.kernels import abi
 from gemmgen.select import engine, registry, tuning_db
 from gemmgen.select.device import DeviceFacts
-from gemmgen.errors import NoInstanceError
+
 from gemmgen.select.registry import Candidate
 from gemmgen.generator.space import FAMILIES, family_named
 

@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterable
 from gemmgen import cache
 from gemmgen.kernels import abi
 from gemmgen.generator import manifest, ondemand
-from gemmgen.errors import GemmgenLaunchError, ManifestError, NoInstanceError
+from gemmgen.errors import GemmgenLaunchError, ManifestError
 from gemmgen.select.problem import Problem
 from gemmgen.generator.families.base import AttentionInstance, Instance, Mask
 from gemmgen.generator.space import FAMILIES, family_named, select_instances

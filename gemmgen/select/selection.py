@@ -4,7 +4,7 @@ caches the winner per problem and instance name. refresh() of the registry forge
 from __future__ import annotations
 
 from gemmgen.select import attention_select, engine, gemm_select, registry, softmax_select
-from gemmgen.select.engine import NEAREST_MAX_DISTANCE, SOURCES, WRONG_RESULT, Decision  # noqa: F401
+from gemmgen.select.engine import NEAREST_MAX_DISTANCE, SOURCES, WRONG_RESULT, Decision  # noqa: F401 (the engine's names, for callers of this module)
 from gemmgen.select.registry import Candidate
 
 KINDS: dict[str, engine.Kind] = {k.name: k for k in (attention_select.KIND, gemm_select.KIND, softmax_select.KIND)}

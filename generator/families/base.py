@@ -6,6 +6,10 @@ registers it only after `check_family` has found them all, so code that reads a 
 members directly. Its instance type is a frozen dataclass of enums, ints and bools deriving from
 `Instance` (`AttentionInstance`, `GemmInstance` by kind), which derives the symbol, the params, the
 content hash and the way back from a manifest's params (`from_params`) from the fields.
+
+Besides the contract, the rules every family states the same way: an instance's threads from its
+warps (`Warps`), an axis value outside its axis (`axis_reason`), shared memory beyond the arch's
+(`smem_reason`), and an attention problem's features a family lacks (`feature_reason`).
 """
 from __future__ import annotations
 
@@ -126,25 +130,83 @@ class Instance(abc.ABC):
         return hashlib.sha256((self.family + repr(sorted(self.params().items()))).encode()).hexdigest()[:16]
 
 
+class Warps:
+    """Mixed into an instance whose CTA is `warps` whole warps (a field or a property): its
+    `threads` follow from them."""
+
+    warps: int
+
+    @property
+    def threads(self) -> int:
+        """Threads per CTA: 32 per warp."""
+        return 32 * self.warps
+
+
 class AttentionInstance(Instance):
     """An attention family's instance. Besides Instance's members it has `head_dim` (int) and
     `mask` (Mask), fields or properties that are None where one instance serves several (its
-    family's problem_reason then checks the problem's), and the cost model's inputs."""
+    family's problem_reason then checks the problem's), and the cost model's inputs, `cost_inputs`:
+    by default its tile (`block_m` query rows by `block_n` keys), the K/V tiles it keeps in flight
+    (`stages`), its threads and its shared memory; an instance without those overrides it."""
 
     head_dim: int | None
     mask: Mask | None
+    block_m: int
+    block_n: int
+    stages: int
 
     @property
-    @abc.abstractmethod
+    def name_stem(self) -> str:
+        """The start of the name: family and dtype, then the head dim (d<head_dim>) and the mask
+        where the instance fixes them."""
+        parts = [self.family, self.dtype.value]
+        if self.head_dim is not None:
+            parts.append(f"d{self.head_dim}")
+        if self.mask is not None:
+            parts.append(self.mask.value)
+        return "_".join(parts)
+
+    @property
+    def causal(self) -> bool:
+        """Whether the instance is built for the causal mask (False where `mask` is None)."""
+        return self.mask is Mask.CAUSAL
+
+    @property
     def cost_inputs(self) -> CostInputs:
         """What the heuristic's cost model reads."""
+        return CostInputs(self.block_m, self.block_n, self.stages, self.threads, self.smem_bytes)
 
 
+class Strategy(enum.Enum):
+    """How a batched GEMM finds a batch's matrices: one pointer and strides per operand, or an array
+    of pointers per operand."""
+
+    STRIDED = "strided"
+    PTR_ARRAY = "ptr"
+
+
+# The one table from Strategy to its C++ spellings: the run function, the ABI's args struct, its tag.
+STRATEGY_CPP = {Strategy.STRIDED: ("strided", "GemmgenBatchedGemmStridedArgs", "GEMMGEN_GEMM_STRIDED"),
+                Strategy.PTR_ARRAY: ("ptrs", "GemmgenBatchedGemmPtrArgs", "GEMMGEN_GEMM_PTR_ARRAY")}
+
+
+@dataclasses.dataclass(frozen=True)
 class GemmInstance(Instance):
-    """A GEMM family's instance: its field `out_fp32` (C in fp32, else in the input dtype) appears in
-    its params as the output dtype, `out_dtype`."""
+    """A GEMM family's instance: a batched C = alpha * A * op(B) on tiles of tile_m x tile_n x
+    tile_k. Its first fields are what gemmgen.select.gemm_select matches and estimates: the input
+    dtype, `out_fp32` (C in fp32, else in the input dtype; in the params the output dtype
+    `out_dtype`), `b_transposed` (B stored [N, K], else [K, N]), the strategy and the tile; the
+    family's dataclass adds its own axes after them. Besides Instance's members it has `align` (the
+    elements A's and B's pointers, strides and extents must be multiples of) and `params` starting
+    with `gemm_params()`."""
 
+    dtype: DType
     out_fp32: bool
+    b_transposed: bool
+    strategy: Strategy
+    tile_m: int
+    tile_n: int
+    tile_k: int
 
     @property
     def out_dtype(self) -> DType:
@@ -154,6 +216,38 @@ class GemmInstance(Instance):
     def stream_k(self) -> bool:
         """Whether the K loops of the last wave are split over idle SMs (the cost model's input)."""
         return False
+
+    @property
+    def align_c(self) -> int:
+        """C's alignment in output elements: 16-byte vectors where the inputs have vectors."""
+        return 1 if self.align == 1 else 16 // self.out_dtype.itemsize
+
+    @property
+    def name_stem(self) -> str:
+        """The start of the name: family, strategy, input and output dtypes, layout (nn: B is
+        [K, N]; nt: B is [N, K]) and tile."""
+        out = "f32" if self.out_fp32 else self.dtype.value
+        layout = "nt" if self.b_transposed else "nn"
+        return (f"{self.family}_{self.strategy.value}_{self.dtype.value}_{out}_{layout}"
+                f"_m{self.tile_m}n{self.tile_n}k{self.tile_k}")
+
+    @property
+    def stage_bytes(self) -> int:
+        """Shared memory of one mainloop stage: an A and a B tile, tile_k deep."""
+        return (self.tile_m + self.tile_n) * self.tile_k * self.dtype.itemsize
+
+    def gemm_params(self) -> dict[str, Any]:
+        """The params of the fields above, in order, out_fp32 as `out_dtype`."""
+        return {"dtype": self.dtype.value, "out_dtype": self.out_dtype.value, "b_transposed": self.b_transposed,
+                "strategy": self.strategy.value, "tile_m": self.tile_m, "tile_n": self.tile_n,
+                "tile_k": self.tile_k}
+
+    def template_values(self) -> dict[str, Any]:
+        """Instance's, C's C++ type `element_out`, and the strategy's C++ spellings (STRATEGY_CPP):
+        `run`, `args_type` and `strategy_cpp`."""
+        run, args, strategy = STRATEGY_CPP[self.strategy]
+        return {**super().template_values(), "element_out": self.out_dtype.cpp, "run": run, "args_type": args,
+                "strategy_cpp": strategy}
 
     @classmethod
     def from_params(cls: type[InstanceT], params: Mapping[str, Any]) -> InstanceT:
@@ -195,6 +289,32 @@ class AttentionFamily(Family, Protocol):
 
     def problem_reason(self, inst: Any, problem: Any) -> str | None:
         """What a built instance cannot run (None when it can): the registry's reject reason."""
+
+
+def axis_reason(label: str, value: Any, axis: tuple[Any, ...]) -> str | None:
+    """None when `value` is one of `axis`, else "<label> <value> not in <axis>" (enums by value)."""
+    if value in axis:
+        return None
+    if isinstance(value, enum.Enum):
+        return f"{label} {value.value} not in {[v.value for v in axis]}"
+    return f"{label} {value} not in {axis}"
+
+
+def smem_reason(inst: Instance, arch: Arch) -> str | None:
+    """None when `inst`'s shared memory fits `arch`'s per-block maximum, else how far it is over."""
+    if inst.smem_bytes > arch.max_smem_bytes:
+        return f"shared memory {inst.smem_bytes} B exceeds {arch.value}'s {arch.max_smem_bytes} B"
+    return None
+
+
+def feature_reason(family: str, problem: Any,
+                   features: tuple[str, ...] = ("dropout", "bias", "varlen")) -> str | None:
+    """None when `problem` asks for none of `features` (attention problem flags), else "<family>
+    has no <feature>" for the first it asks for."""
+    for feature in features:
+        if getattr(problem, feature):
+            return f"{family} has no {feature}"
+    return None
 
 
 # Per kind: the members its module declares and the base of its instance type.

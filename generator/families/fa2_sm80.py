@@ -10,7 +10,8 @@ import dataclasses
 import itertools
 
 from gemmgen.arch import Arch
-from gemmgen.generator.families.base import AttentionInstance, CostInputs, DType, Mask
+from gemmgen.generator.families.base import (AttentionInstance, DType, Mask, Warps, axis_reason, feature_reason,
+                                             smem_reason)
 
 FAMILY = "fa2_sm80"
 KIND = "attention"
@@ -35,7 +36,12 @@ MAX_ACC_REGS = 192
 
 
 @dataclasses.dataclass(frozen=True)
-class Fa2Sm80Instance(AttentionInstance):
+class Fa2Sm80Instance(Warps, AttentionInstance):
+    """One CTA of `warps` warps computes `block_m` query rows of one (batch, head) for one head dim
+    and mask, over key tiles of `block_n` keys with `stages` K/V buffers (STAGES)."""
+
+    family = FAMILY
+
     dtype: DType
     head_dim: int
     mask: Mask
@@ -44,29 +50,14 @@ class Fa2Sm80Instance(AttentionInstance):
     warps: int
     stages: int = 1
 
-    family = FAMILY
-
     @property
     def name(self) -> str:
-        return (f"{FAMILY}_{self.dtype.value}_d{self.head_dim}_{self.mask.value}"
-                f"_m{self.block_m}n{self.block_n}w{self.warps}s{self.stages}")
-
-    @property
-    def threads(self) -> int:
-        return 32 * self.warps
+        return f"{self.name_stem}_m{self.block_m}n{self.block_n}w{self.warps}s{self.stages}"
 
     @property
     def smem_bytes(self) -> int:
         """Q tile + a K and a V tile per stage (O is staged through the Q tile's space)."""
         return (self.block_m + 2 * self.stages * self.block_n) * self.head_dim * self.dtype.itemsize
-
-    @property
-    def causal(self) -> bool:
-        return self.mask is Mask.CAUSAL
-
-    @property
-    def cost_inputs(self) -> CostInputs:
-        return CostInputs(self.block_m, self.block_n, self.stages, self.threads, self.smem_bytes)
 
     def template_values(self) -> dict:
         return {**super().template_values(), "causal": self.causal}
@@ -82,10 +73,8 @@ def smem_k_block(head_dim: int) -> int:
 
 def invalid_reason(inst: Fa2Sm80Instance, arch: Arch = Arch.SM80) -> str | None:
     """The one validity rule of this family: None when valid, else why not."""
-    if inst.head_dim not in HEAD_DIMS:
-        return f"head_dim {inst.head_dim} not in {HEAD_DIMS}"
-    if inst.stages not in STAGES:
-        return f"stages {inst.stages} not in {STAGES}"
+    if reason := axis_reason("head_dim", inst.head_dim, HEAD_DIMS) or axis_reason("stages", inst.stages, STAGES):
+        return reason
     if inst.block_m % (16 * inst.warps):
         return f"block_m {inst.block_m} is not a multiple of 16 rows x {inst.warps} warps"
     # The global->shared copy moves 16 bytes per thread; a pass covers `rows_per_pass` rows.
@@ -97,19 +86,14 @@ def invalid_reason(inst: Fa2Sm80Instance, arch: Arch = Arch.SM80) -> str | None:
     acc = (inst.block_m * inst.head_dim + inst.block_m * inst.block_n) // inst.threads
     if acc > MAX_ACC_REGS:
         return f"{acc} fp32 accumulators per thread exceed {MAX_ACC_REGS} (register spills)"
-    if inst.smem_bytes > arch.max_smem_bytes:
-        return f"shared memory {inst.smem_bytes} B exceeds {arch.value}'s {arch.max_smem_bytes} B"
-    return None
+    return smem_reason(inst, arch)
 
 
 def problem_reason(inst: Fa2Sm80Instance, problem) -> str | None:
     """What a built instance cannot run (the registry's reason), None when it can: this family runs
     any strides, GQA ratio, scale, causal alignment and length, but no dropout, bias or variable
     lengths."""
-    for feature in ("dropout", "bias", "varlen"):
-        if getattr(problem, feature):
-            return f"{FAMILY} has no {feature}"
-    return None
+    return feature_reason(FAMILY, problem)
 
 
 SPACE: tuple[Fa2Sm80Instance, ...] = tuple(

@@ -16,7 +16,7 @@ import itertools
 import math
 
 from gemmgen.arch import Arch
-from gemmgen.generator.families.base import AttentionInstance, CostInputs, DType, Mask
+from gemmgen.generator.families.base import AttentionInstance, DType, Mask, axis_reason, feature_reason, smem_reason
 
 FAMILY = "fmha_sm90"
 KIND = "attention"
@@ -65,6 +65,12 @@ INT32_MAX = 2**31 - 1
 
 @dataclasses.dataclass(frozen=True)
 class FmhaSm90Instance(AttentionInstance):
+    """One head dim and mask under one of CUTLASS's schedules (or our persistent one), a tile of
+    `block_m` query rows by `block_n` keys, `stages` K/V pipeline stages, the softmax and the Q
+    buffers per consumer warp group."""
+
+    family = FAMILY
+
     dtype: DType
     head_dim: int
     mask: Mask
@@ -75,12 +81,9 @@ class FmhaSm90Instance(AttentionInstance):
     lazy_rescale: bool = False  # our softmax (True) or CUTLASS's
     q_buffers: int = 1  # Q buffers per consumer warp group (2: the persistent schedule only)
 
-    family = FAMILY
-
     @property
     def name(self) -> str:
-        return (f"{FAMILY}_{self.dtype.value}_d{self.head_dim}_{self.mask.value}_{self.schedule.value}"
-                f"_m{self.block_m}n{self.block_n}s{self.stages}"
+        return (f"{self.name_stem}_{self.schedule.value}_m{self.block_m}n{self.block_n}s{self.stages}"
                 + ("_lr" if self.lazy_rescale else "") + (f"_q{self.q_buffers}" if self.q_buffers > 1 else ""))
 
     @property
@@ -127,14 +130,6 @@ class FmhaSm90Instance(AttentionInstance):
     def persistent(self) -> bool:
         return self.schedule is Schedule.PINGPONG
 
-    @property
-    def causal(self) -> bool:
-        return self.mask is Mask.CAUSAL
-
-    @property
-    def cost_inputs(self) -> CostInputs:
-        return CostInputs(self.block_m, self.block_n, self.stages, self.threads, self.smem_bytes)
-
     def params(self) -> dict:
         """The fields, lazy_rescale and q_buffers only where not their defaults, and `speculate`."""
         return {"dtype": self.dtype.value, "head_dim": self.head_dim, "mask": self.mask.value,
@@ -164,8 +159,8 @@ def causal_tiles_masked(block_m: int, block_n: int) -> bool:
 
 def invalid_reason(inst: FmhaSm90Instance, arch: Arch = Arch.SM90) -> str | None:
     """The one validity rule of this family: None when valid, else why not."""
-    if inst.head_dim not in HEAD_DIMS:
-        return f"head_dim {inst.head_dim} not in {HEAD_DIMS}"
+    if reason := axis_reason("head_dim", inst.head_dim, HEAD_DIMS):
+        return reason
     if (inst.block_m, inst.block_n) not in TILES:
         return f"tile {inst.block_m}x{inst.block_n} not in {TILES}"
     rows = inst.block_m // inst.consumer_groups
@@ -182,8 +177,8 @@ def invalid_reason(inst: FmhaSm90Instance, arch: Arch = Arch.SM90) -> str | None
     most = CONSUMER_REGS[inst.consumer_groups] - SOFTMAX_REGS
     if acc > most:
         return f"{acc} fp32 accumulators per consumer thread exceed {most} ({inst.consumer_groups} consumer groups)"
-    if inst.smem_bytes > arch.max_smem_bytes:
-        return f"shared memory {inst.smem_bytes} B exceeds {arch.value}'s {arch.max_smem_bytes} B"
+    if reason := smem_reason(inst, arch):
+        return reason
     # CUTLASS's TMA mainloop (no producer warp) issues its loads itself: the prologue fills every
     # stage alternating K and V, and each key tile then loads one K and one V, so the stage count
     # must be even and hold the next K and V: 2 stages deadlock, 3 put a K where a V is read
@@ -200,9 +195,8 @@ def invalid_reason(inst: FmhaSm90Instance, arch: Arch = Arch.SM90) -> str | None
 
 def problem_reason(inst: FmhaSm90Instance, problem) -> str | None:
     """What a built instance cannot run (the registry's reason), None when it can."""
-    for feature in ("dropout", "bias", "varlen"):
-        if getattr(problem, feature):
-            return f"{FAMILY} has no {feature}"
+    if reason := feature_reason(FAMILY, problem):
+        return reason
     if problem.negative_scale:
         return f"{FAMILY} runs scales >= 0 (its softmax takes the row maximum of the raw scores)"
     if problem.causal:

@@ -8,11 +8,10 @@ One instance = one .cu = one library. `SPACE` is the axis lists crossed, filtere
 from __future__ import annotations
 
 import dataclasses
-import enum
 import itertools
 
 from gemmgen.arch import Arch
-from gemmgen.generator.families.base import DType, GemmInstance
+from gemmgen.generator.families.base import DType, GemmInstance, Strategy, Warps, axis_reason, smem_reason
 
 FAMILY = "gemm_sm80"
 KIND = "gemm"
@@ -21,17 +20,7 @@ BUILT_BY_DEFAULT = False  # built when named: gemmgen generate --family gemm_sm8
 TEMPLATE = "gemm_sm80.cu.jinja"
 ARCHS = (Arch.SM80,)
 
-
-class Strategy(enum.Enum):
-    STRIDED = "strided"
-    PTR_ARRAY = "ptr"
-
-
-# The one table from Strategy to its C++ spellings: the run function, the ABI's args struct, its tag.
-STRATEGY_CPP = {Strategy.STRIDED: ("strided", "GemmgenBatchedGemmStridedArgs", "GEMMGEN_GEMM_STRIDED"),
-                Strategy.PTR_ARRAY: ("ptrs", "GemmgenBatchedGemmPtrArgs", "GEMMGEN_GEMM_PTR_ARRAY")}
-
-# Axes.
+# Axes (gemm_sm90 shares the first four).
 DTYPES = (DType.FP16, DType.BF16)  # inputs; FP32 is an output dtype only
 OUT_FP32 = (False, True)  # C in the input dtype, or fp32 (the unfused path's scores)
 B_TRANSPOSED = (False, True)  # B stored [K, N] (scores x V) or [N, K] (Q x K^T): a layout axis
@@ -47,30 +36,18 @@ WARP_TILES = (32, 64)  # per-warp M and N extents CUTLASS's sm80 warp-level MMA 
 
 
 @dataclasses.dataclass(frozen=True)
-class GemmSm80Instance(GemmInstance):
-    dtype: DType
-    out_fp32: bool
-    b_transposed: bool
-    strategy: Strategy
-    tile_m: int
-    tile_n: int
-    tile_k: int
+class GemmSm80Instance(Warps, GemmInstance):
+    """GemmInstance's fields, then the CTA's warps, the mainloop's stages and the alignment."""
+
+    family = FAMILY
+
     warps: int
     stages: int
     align: int
 
-    family = FAMILY
-
     @property
     def name(self) -> str:
-        out = "f32" if self.out_fp32 else self.dtype.value
-        layout = "nt" if self.b_transposed else "nn"
-        return (f"{FAMILY}_{self.strategy.value}_{self.dtype.value}_{out}_{layout}"
-                f"_m{self.tile_m}n{self.tile_n}k{self.tile_k}w{self.warps}s{self.stages}a{self.align}")
-
-    @property
-    def threads(self) -> int:
-        return 32 * self.warps
+        return f"{self.name_stem}w{self.warps}s{self.stages}a{self.align}"
 
     @property
     def warps_mn(self) -> tuple[int, int]:
@@ -82,25 +59,16 @@ class GemmSm80Instance(GemmInstance):
     @property
     def smem_bytes(self) -> int:
         """The mainloop's A and B tiles per stage (the epilogue reuses that space)."""
-        return self.stages * (self.tile_m + self.tile_n) * self.tile_k * self.dtype.itemsize
-
-    @property
-    def align_c(self) -> int:
-        """C's alignment in output elements: 16-byte vectors where the inputs have them."""
-        return 1 if self.align == 1 else 16 // self.out_dtype.itemsize
+        return self.stages * self.stage_bytes
 
     def params(self) -> dict:
-        """The fields, out_fp32 as `out_dtype`, and the derived `align_c`."""
-        return {"dtype": self.dtype.value, "out_dtype": self.out_dtype.value, "b_transposed": self.b_transposed,
-                "strategy": self.strategy.value, "tile_m": self.tile_m, "tile_n": self.tile_n,
-                "tile_k": self.tile_k, "warps": self.warps, "stages": self.stages, "align": self.align,
+        """GemmInstance's, this family's fields, and the derived `align_c`."""
+        return {**self.gemm_params(), "warps": self.warps, "stages": self.stages, "align": self.align,
                 "align_c": self.align_c}
 
     def template_values(self) -> dict:
-        run, args, strategy = STRATEGY_CPP[self.strategy]
         wm, wn = self.warps_mn
-        return {**super().template_values(), "element_out": self.out_dtype.cpp, "warps_m": wm, "warps_n": wn,
-                "run": run, "args_type": args, "strategy_cpp": strategy}
+        return {**super().template_values(), "warps_m": wm, "warps_n": wn}
 
 
 INSTANCE = GemmSm80Instance
@@ -108,10 +76,8 @@ INSTANCE = GemmSm80Instance
 
 def invalid_reason(inst: GemmSm80Instance, arch: Arch = Arch.SM80) -> str | None:
     """The one validity rule of this family: None when valid, else why not."""
-    if inst.dtype not in DTYPES:
-        return f"input dtype {inst.dtype.value} not in {[d.value for d in DTYPES]}"
-    if inst.align not in ALIGNS:
-        return f"alignment {inst.align} not in {ALIGNS}"
+    if reason := axis_reason("input dtype", inst.dtype, DTYPES) or axis_reason("alignment", inst.align, ALIGNS):
+        return reason
     if (inst.align == 1) != (inst.stages == 2):
         return "alignment 1 runs the 2-stage mainloop only, alignment 8 the cp.async one (3+ stages)"
     wm, wn = inst.warps_mn
@@ -122,9 +88,7 @@ def invalid_reason(inst: GemmSm80Instance, arch: Arch = Arch.SM80) -> str | None
     vectors = min(inst.tile_m, inst.tile_n) * inst.tile_k // max(inst.align, 8)
     if vectors % inst.threads:
         return f"{inst.threads} threads do not divide the {vectors} vectors of a {inst.tile_k}-deep slab"
-    if inst.smem_bytes > arch.max_smem_bytes:
-        return f"shared memory {inst.smem_bytes} B exceeds {arch.value}'s {arch.max_smem_bytes} B"
-    return None
+    return smem_reason(inst, arch)
 
 
 def problem_reason(inst: GemmSm80Instance, problem) -> str | None:

@@ -11,8 +11,8 @@ import enum
 import itertools
 
 from gemmgen.arch import Arch
-from gemmgen.generator.families.base import DType, GemmInstance
-from gemmgen.generator.families.gemm_sm80 import B_TRANSPOSED, DTYPES, OUT_FP32, STRATEGIES, STRATEGY_CPP, Strategy
+from gemmgen.generator.families.base import GemmInstance, Strategy, axis_reason, smem_reason
+from gemmgen.generator.families.gemm_sm80 import B_TRANSPOSED, DTYPES, OUT_FP32, STRATEGIES
 
 FAMILY = "gemm_sm90"
 KIND = "gemm"
@@ -75,13 +75,12 @@ MIN_STAGES = 2
 
 @dataclasses.dataclass(frozen=True)
 class GemmSm90Instance(GemmInstance):
-    dtype: DType
-    out_fp32: bool
-    b_transposed: bool
-    strategy: Strategy
-    tile_m: int
-    tile_n: int
-    tile_k: int
+    """GemmInstance's fields, then the kernel schedule, the CTA cluster, the tile scheduler and the
+    epilogue and L2 variants."""
+
+    family = FAMILY
+    align = 8  # TMA: 16-byte vectors of fp16/bf16
+
     schedule: Schedule
     cluster_m: int
     tile_scheduler: TileScheduler = TileScheduler.PERSISTENT
@@ -89,15 +88,9 @@ class GemmSm90Instance(GemmInstance):
     epi_tile_n: int = 0  # 0: CUTLASS's automatic epilogue tile
     evict_last: bool = False  # A and B loads marked evict-last in L2
 
-    family = FAMILY
-    align = 8  # TMA: 16-byte vectors of fp16/bf16
-
     @property
     def name(self) -> str:
-        out = "f32" if self.out_fp32 else self.dtype.value
-        layout = "nt" if self.b_transposed else "nn"
-        return (f"{FAMILY}_{self.strategy.value}_{self.dtype.value}_{out}_{layout}"
-                f"_m{self.tile_m}n{self.tile_n}k{self.tile_k}_{self.schedule.value}_c{self.cluster_m}"
+        return (f"{self.name_stem}_{self.schedule.value}_c{self.cluster_m}"
                 + (f"x{self.cluster_n}" if self.cluster_n > 1 else "")
                 + (f"_e{self.epi_tile_n}" if self.epi_tile_n else "")
                 + TILE_SCHEDULER_SUFFIX[self.tile_scheduler]
@@ -107,10 +100,6 @@ class GemmSm90Instance(GemmInstance):
     def threads(self) -> int:
         """A producer warpgroup and two consumer warpgroups."""
         return 384
-
-    @property
-    def align_c(self) -> int:
-        return 16 // self.out_dtype.itemsize
 
     @property
     def epi_tile(self) -> tuple[int, int]:
@@ -125,27 +114,22 @@ class GemmSm90Instance(GemmInstance):
         staged sub-tiles (the builder then fills the rest of shared memory with stages)."""
         rows, cols = self.epi_tile
         epilogue = EPI_STAGES * rows * cols * self.out_dtype.itemsize
-        return MIN_STAGES * (self.tile_m + self.tile_n) * self.tile_k * self.dtype.itemsize + epilogue
+        return MIN_STAGES * self.stage_bytes + epilogue
 
     @property
     def stream_k(self) -> bool:
         return self.tile_scheduler is TileScheduler.STREAM_K
 
     def params(self) -> dict:
-        """The fields (out_fp32 as `out_dtype`, evict_last only where True), `align` and `align_c`."""
-        return {"dtype": self.dtype.value, "out_dtype": self.out_dtype.value, "b_transposed": self.b_transposed,
-                "strategy": self.strategy.value, "tile_m": self.tile_m, "tile_n": self.tile_n,
-                "tile_k": self.tile_k, "schedule": self.schedule.value, "cluster_m": self.cluster_m,
+        """GemmInstance's, this family's fields (evict_last only where True), `align` and `align_c`."""
+        return {**self.gemm_params(), "schedule": self.schedule.value, "cluster_m": self.cluster_m,
                 "cluster_n": self.cluster_n, "epi_tile_n": self.epi_tile_n,
                 "tile_scheduler": self.tile_scheduler.value, "align": self.align, "align_c": self.align_c,
                 **({"evict_last": True} if self.evict_last else {})}
 
     def template_values(self) -> dict:
-        run, args, strategy = STRATEGY_CPP[self.strategy]
-        return {**super().template_values(), "element_out": self.out_dtype.cpp,
-                "schedule_cpp": SCHEDULE_CPP[self.schedule],
-                "tile_scheduler_cpp": TILE_SCHEDULER_CPP[self.tile_scheduler],
-                "run": run, "args_type": args, "strategy_cpp": strategy, "evict_last": self.evict_last}
+        return {**super().template_values(), "schedule_cpp": SCHEDULE_CPP[self.schedule],
+                "tile_scheduler_cpp": TILE_SCHEDULER_CPP[self.tile_scheduler], "evict_last": self.evict_last}
 
 
 INSTANCE = GemmSm90Instance
@@ -155,8 +139,8 @@ def invalid_reason(inst: GemmSm90Instance, arch: Arch = Arch.SM90) -> str | None
     """The one validity rule of this family: None when valid, else why not."""
     if arch is not Arch.SM90:
         return "wgmma and TMA exist only in sm_90a"
-    if inst.dtype not in DTYPES:
-        return f"input dtype {inst.dtype.value} not in {[d.value for d in DTYPES]}"
+    if reason := axis_reason("input dtype", inst.dtype, DTYPES):
+        return reason
     if inst.schedule is Schedule.COOPERATIVE and inst.tile_m < 128:
         return "the cooperative schedule splits tile_m over two 64-row consumer warpgroups: tile_m >= 128"
     if inst.schedule is Schedule.PINGPONG and inst.tile_m > 128:
@@ -182,9 +166,7 @@ def invalid_reason(inst: GemmSm90Instance, arch: Arch = Arch.SM90) -> str | None
             return COOPERATIVE_ONLY[inst.tile_scheduler]
         if inst.strategy is Strategy.PTR_ARRAY:
             return f"the pointer-array kernels take the grouped scheduler, not {SCHEDULER_NAME[inst.tile_scheduler]}"
-    if inst.smem_bytes > arch.max_smem_bytes:
-        return f"shared memory {inst.smem_bytes} B exceeds {arch.value}'s {arch.max_smem_bytes} B"
-    return None
+    return smem_reason(inst, arch)
 
 
 def problem_reason(inst: GemmSm90Instance, problem) -> str | None:

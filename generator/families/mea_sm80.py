@@ -17,7 +17,7 @@ import dataclasses
 import itertools
 
 from gemmgen.arch import Arch
-from gemmgen.generator.families.base import AttentionInstance, CostInputs, DType
+from gemmgen.generator.families.base import AttentionInstance, CostInputs, DType, Warps, axis_reason, smem_reason
 
 FAMILY = "mea_sm80"
 KIND = "attention"
@@ -47,18 +47,21 @@ HEAD_DIMS = tuple(range(HEAD_DIM_MULTIPLE, max(MAX_HEAD_DIMS) + 1, HEAD_DIM_MULT
 
 
 @dataclasses.dataclass(frozen=True)
-class MeaSm80Instance(AttentionInstance):
+class MeaSm80Instance(Warps, AttentionInstance):
+    """One AttentionKernel: every head dim up to `max_head_dim` and both masks (it fixes neither),
+    `block_m` queries by `block_n` keys per block, one 32x32 warp tile per warp."""
+
+    family = FAMILY
+
     dtype: DType
     max_head_dim: int  # kMaxK
     block_m: int  # queries per block
     block_n: int  # keys per block
     aligned: bool = True
 
-    family = FAMILY
-
     @property
     def name(self) -> str:
-        return (f"{FAMILY}_{self.dtype.value}_k{self.max_head_dim}_q{self.block_m}k{self.block_n}"
+        return (f"{self.name_stem}_k{self.max_head_dim}_q{self.block_m}k{self.block_n}"
                 f"_{'aligned' if self.aligned else 'unaligned'}")
 
     @property
@@ -74,10 +77,6 @@ class MeaSm80Instance(AttentionInstance):
     @property
     def warps(self) -> int:
         return self.block_m * self.block_n // (32 * 32)
-
-    @property
-    def threads(self) -> int:
-        return 32 * self.warps
 
     @property
     def keeps_output_in_registers(self) -> bool:
@@ -127,8 +126,8 @@ SMEM_BYTES: dict[tuple[int, int, int], int] = {
 
 def invalid_reason(inst: MeaSm80Instance, arch: Arch = Arch.SM80) -> str | None:
     """The one validity rule of this family: None when valid, else why not."""
-    if inst.max_head_dim not in MAX_HEAD_DIMS:
-        return f"max_head_dim {inst.max_head_dim} not in {MAX_HEAD_DIMS}"
+    if reason := axis_reason("max_head_dim", inst.max_head_dim, MAX_HEAD_DIMS):
+        return reason
     if inst.block_m not in BLOCK_MS or inst.block_n not in BLOCK_NS:
         return f"tile {inst.block_m}x{inst.block_n} not in {BLOCK_MS} x {BLOCK_NS}"
     if inst.aligned not in ALIGNED:
@@ -139,9 +138,7 @@ def invalid_reason(inst: MeaSm80Instance, arch: Arch = Arch.SM80) -> str | None:
         return f"block_m {inst.block_m} is not a multiple of its {inst.warps} warps (softmax rows per warp)"
     if inst.smem_bytes == 0:
         return f"tile {inst.block_m}x{inst.block_n}, bound {inst.max_head_dim}: shared memory size unknown"
-    if inst.smem_bytes > arch.max_smem_bytes:
-        return f"shared memory {inst.smem_bytes} B exceeds {arch.value}'s {arch.max_smem_bytes} B"
-    return None
+    return smem_reason(inst, arch)
 
 
 def problem_reason(inst: MeaSm80Instance, problem) -> str | None:

@@ -10,7 +10,7 @@ import dataclasses
 import itertools
 
 from gemmgen.arch import Arch
-from gemmgen.generator.families.base import DType, Instance
+from gemmgen.generator.families.base import DType, Instance, axis_reason
 
 FAMILY = "softmax_sm80"
 KIND = "softmax"
@@ -25,10 +25,12 @@ THREADS = (128, 256)
 
 @dataclasses.dataclass(frozen=True)
 class SoftmaxSm80Instance(Instance):
-    dtype: DType
-    threads: int
+    """P's dtype and the threads of a block, which walks one row at a time."""
 
     family = FAMILY
+
+    dtype: DType
+    threads: int
 
     @property
     def name(self) -> str:
@@ -45,11 +47,7 @@ INSTANCE = SoftmaxSm80Instance
 
 def invalid_reason(inst: SoftmaxSm80Instance, arch: Arch = Arch.SM80) -> str | None:
     """The one validity rule of this family: None when valid, else why not."""
-    if inst.dtype not in DTYPES:
-        return f"dtype {inst.dtype.value} not in {[d.value for d in DTYPES]}"
-    if inst.threads not in THREADS:
-        return f"threads {inst.threads} not in {THREADS}"
-    return None
+    return axis_reason("dtype", inst.dtype, DTYPES) or axis_reason("threads", inst.threads, THREADS)
 
 
 SPACE: tuple[SoftmaxSm80Instance, ...] = tuple(
