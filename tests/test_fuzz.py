@@ -276,3 +276,89 @@ def test_batched_gemm_ptrs(case):
     with pytest.raises(gemmgen.GemmgenError) as info:
         gemmgen.batched_gemm_ptrs(a_arg, b_list, out_list=outs)
     assert isinstance(info.value, want), (type(info.value).__name__, str(info.value), want.__name__)
+
+
+# Random corruptions of the files gemmgen reads: a tuning database and a manifest, each either cut
+# short or with one value anywhere in it replaced by another JSON value. Loading never raises
+# anything but the documented errors, and what loads is usable.
+json_values = st.recursive(st.none() | st.booleans() | st.integers(-3, 3) | st.floats(allow_nan=True) |
+                           st.text(max_size=4), lambda inner: st.lists(inner, max_size=2) |
+                           st.dictionaries(st.text(max_size=3), inner, max_size=2), max_leaves=4)
+
+
+def _paths(data, prefix=()):
+    yield prefix
+    if isinstance(data, dict):
+        for key, value in data.items():
+            yield from _paths(value, (*prefix, key))
+    elif isinstance(data, list):
+        for i, value in enumerate(data):
+            yield from _paths(value, (*prefix, i))
+
+
+def _corrupt(draw, data) -> str:
+    import json
+
+    text = json.dumps(data)
+    if draw(st.booleans()):
+        return text[:draw(st.integers(0, len(text)))]
+    paths = [p for p in _paths(data) if p]
+    where = draw(st.sampled_from(paths))
+    node = data
+    for key in where[:-1]:
+        node = node[key]
+    if draw(st.booleans()) and isinstance(node, dict):
+        del node[where[-1]]
+    else:
+        node[where[-1]] = draw(json_values)
+    return json.dumps(data)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+@given(data=st.data())
+def test_corrupt_tuning_databases(data, tmp_path_factory):
+    import warnings
+
+    from gemmgen.select import tuning_db
+
+    fp = {"gpu": "NVIDIA H100", "cc": "9.0", "sm_count": 132}
+    good = tuning_db.TuningDB(device=dict(fp))
+    for i in range(2):
+        good.add("k", f"b{i}", f"h{i}", tuning_db.Record(name=f"n{i}", ms=1.0 + i, reason=None, shape="s", at=1.0))
+    path = tmp_path_factory.mktemp("db") / "db.json"
+    path.write_text(_corrupt(data.draw, good.to_json()))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        db = tuning_db.load(path, fp)
+        for bucket in db.buckets("k").values():  # every record that loads is a valid Record
+            assert all(isinstance(r.name, str) and r.ms >= 0 for r in bucket.values())
+        assert tuning_db.read_any(path) is None or path.exists()
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+@given(data=st.data())
+def test_corrupt_manifests(data, tmp_path_factory):
+    from conftest import make_entry, write_build_dir
+    from gemmgen.errors import ManifestError
+    from gemmgen.generator import manifest
+    from gemmgen.generator.families import fa2_sm80
+    from gemmgen.select import registry
+
+    root = write_build_dir(tmp_path_factory.mktemp("build"), [make_entry(i) for i in fa2_sm80.DEFAULT[:2]])
+    path = root / "sm80" / "manifest.json"
+    import json
+    path.write_text(_corrupt(data.draw, json.loads(path.read_text())))
+    try:
+        loaded = manifest.load(path)
+        assert all(isinstance(e.smem_bytes, int) and e.library == f"lib/{e.name}.so" for e in loaded.instances)
+    except ManifestError:
+        pass
+    registry.set_build_dirs([root])
+    try:
+        cands, errors = registry.load()
+        assert len(cands) <= 2 and all(isinstance(e, str) for e in errors)
+        for cand in cands:  # what loads can be judged for a problem without crashing
+            registry.reject_reason(cand, registry.Problem("fp16", 64, False, __import__(
+                "gemmgen.select.device", fromlist=["synthetic"]).synthetic((9, 0), 132)))
+    finally:
+        registry.set_build_dirs(None)

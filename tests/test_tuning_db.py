@@ -176,3 +176,32 @@ def test_import_rejects_garbage(tmp_path):
         tuning_db.import_file(bad)
     with pytest.raises(TuningDatabaseError, match="cannot read"):
         tuning_db.import_file(tmp_path / "missing.json")
+
+
+def _corrupt_next_to_a_good_one():
+    tuning_db.update(FP, entries("b", "h1", 1.0))
+    good = tuning_db.path_for(FP)
+    bad = good.with_name("NVIDIA_H100-sm90-000000000000.json")
+    bad.write_text('{"schema": 1, "kind": "gemmgen-tuning", "dev')
+    return good, bad
+
+
+@pytest.mark.parametrize("args", [("tune", "show"), ("tune", "export", "{out}"),
+                                  ("explain", "--shape", "1,2,64,64", "--cc", "9.0", "--sms", "132")])
+def test_every_command_sets_a_corrupt_database_aside(args, tmp_path):
+    """tune show, tune export and explain --cc read the databases as the library does: a file that
+    is not one is reported and renamed aside, the others are used (export writes the good one)."""
+    from conftest import run_cli
+
+    good, bad = _corrupt_next_to_a_good_one()
+    out = tmp_path / "bundle.json"
+    proc = run_cli(*(a.format(out=out) for a in args), env={"GEMMGEN_CACHE_DIR": os.environ["GEMMGEN_CACHE_DIR"]})
+    if args[0] == "explain":  # no instances are built here: the decision ends in the build command
+        assert proc.returncode == 1 and "Build one with: gemmgen generate" in proc.stderr, proc.stderr
+    else:
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"ignoring tuning database {bad}: not valid JSON" in proc.stderr and "moved to" in proc.stderr
+    assert "Traceback" not in proc.stderr and not bad.exists() and good.exists()
+    assert len(list(bad.parent.glob(f"{bad.name}.corrupt-*"))) == 1
+    if args[1] == "export":
+        assert [db["device"]["gpu"] for db in json.loads(out.read_text())["databases"]] == ["NVIDIA H200"]

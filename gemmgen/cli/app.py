@@ -5,13 +5,14 @@ import argparse
 import os
 import re
 import sys
+import warnings
 from pathlib import Path
 from typing import Callable
 
 from gemmgen import __version__
 from gemmgen.generator import manifest, space
 from gemmgen.arch import Arch, parse_arch
-from gemmgen.errors import GemmgenError, InputError, ManifestError
+from gemmgen.errors import GemmgenError, GemmgenWarning, InputError, ManifestError
 
 EXIT_USAGE = 2
 
@@ -322,7 +323,15 @@ def parser() -> argparse.ArgumentParser:
     return top
 
 
+_python_warning = warnings.formatwarning
 OPS = ("attention", "gemm")
+
+
+def _one_line_warning(message, category, filename, lineno, line=None) -> str:
+    """gemmgen's own warnings as the one line they are written as; others as Python shows them."""
+    if issubclass(category, GemmgenWarning):
+        return f"{message}\n"
+    return _python_warning(message, category, filename, lineno, line)
 
 
 def _add_op(p: argparse.ArgumentParser, command: str) -> None:
@@ -354,6 +363,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the `gemmgen` command; returns the exit status: 0 on success, 2 for bad
     arguments, 1 for other errors. A GemmgenError or OSError is one message on stderr, not a traceback."""
     args = parser().parse_args(route_op(list(sys.argv[1:] if argv is None else argv)))
+    warnings.formatwarning = _one_line_warning
     if getattr(args, "jobs", None) is not None and args.jobs < 1:
         return _fail("--jobs must be at least 1", EXIT_USAGE)
     try:

@@ -15,7 +15,7 @@ import re
 import sys
 
 from gemmgen.select import device, registry, selection, tuning_db
-from gemmgen.errors import DeviceError, GemmgenError, InputError
+from gemmgen.errors import DeviceError, InputError
 from gemmgen.generator.space import describe_head_dims, supported_head_dims
 from gemmgen.select.problem import ALIGN_BYTES, Problem
 from gemmgen.select.shapes import parse_shape
@@ -52,9 +52,8 @@ def find_database(facts: device.DeviceFacts) -> tuning_db.TuningDB | None:
     cc = f"{facts.cc[0]}.{facts.cc[1]}"
     found = []
     for path in tuning_db.database_files():
-        try:
-            db = tuning_db.read(path)
-        except GemmgenError:
+        db = tuning_db.read_any(path)
+        if db is None:  # reported and set aside
             continue
         if db.device.get("gpu") == facts.name and str(db.device.get("cc")) == cc:
             found.append((path.stat().st_mtime, str(path), db))

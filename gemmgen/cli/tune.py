@@ -38,10 +38,8 @@ def cmd_show(args: argparse.Namespace) -> int:
         print(f"no tuning databases in {cache.cache_dir() / 'tuning'}")
         return 0
     for path in files:
-        try:
-            db = tuning_db.read(path)
-        except tuning_db.TuningDatabaseError as exc:
-            print(f"{path}: unreadable ({exc})")
+        db = tuning_db.read_any(path)
+        if db is None:  # reported and set aside
             continue
         dev = db.device
         print(f"{path}\n  {dev.get('gpu')} sm {dev.get('cc')}, driver {dev.get('driver')}, CUDA {dev.get('cuda')}, "
@@ -62,7 +60,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     """Write the databases (matching --gpu) into one bundle file."""
     files = tuning_db.database_files()
     if args.gpu:
-        files = [p for p in files if args.gpu.lower() in tuning_db.read(p).device.get("gpu", "").lower()]
+        dbs = {p: tuning_db.read_any(p) for p in files}
+        files = [p for p, db in dbs.items() if db is not None and args.gpu.lower() in str(db.device.get("gpu")).lower()]
     if not files:
         raise InputError(f"no tuning databases{f' for GPUs matching {args.gpu!r}' if args.gpu else ''} in "
                          f"{cache.cache_dir() / 'tuning'}")

@@ -17,12 +17,14 @@ def causal_offset(seqlen_q: int, seqlen_k: int, causal_alignment: str) -> int:
 
 def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
                         causal_alignment: str = "top_left",
-                        scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """softmax(scale * Q K^T + mask) V in float64, and the natural-log LSE of each row.
+                        scale: float | None = None, *,
+                        bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """softmax(scale * Q K^T + bias + mask) V in float64, and the natural-log LSE of each row.
 
     q: [B, H, Nq, d]; k, v: [B, Hkv, Nk, d] with Hkv dividing H (query head h reads kv head
-    h // (H // Hkv)). Returns (O [B, H, Nq, d] float64, LSE [B, H, Nq] float64). A row that sees no
-    key gives O = 0 and LSE = -inf, never NaN.
+    h // (H // Hkv)); bias: an additive mask broadcastable to [B, H, Nq, Nk] (any float dtype).
+    Returns (O [B, H, Nq, d] float64, LSE [B, H, Nq] float64). A row that sees no key gives O = 0
+    and LSE = -inf, never NaN.
     """
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     group = q.shape[1] // k.shape[1]
@@ -30,6 +32,8 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causa
     k64 = k.to(torch.float64).repeat_interleave(group, dim=1)
     v64 = v.to(torch.float64).repeat_interleave(group, dim=1)
     scores = scale * (q64 @ k64.transpose(-2, -1))  # [B, H, Nq, Nk]
+    if bias is not None:  # broadcastable to [B, H, Nq, Nk]; -inf entries remove a key
+        scores = scores + bias.to(torch.float64)
     if causal:
         nq, nk = q.shape[2], k.shape[2]
         offset = causal_offset(nq, nk, causal_alignment)

@@ -74,6 +74,8 @@ class Record:
         raise TuningDatabaseError naming the first field that does not fit."""
         if not isinstance(data, dict):
             raise TuningDatabaseError(f"malformed record {data!r}: not an object")
+        if "ms" not in data:  # required, null for a failed candidate
+            raise TuningDatabaseError(f"malformed record {data!r}: ms is missing")
         for key, (types, required, check) in RECORD_FIELDS.items():
             value = data.get(key)
             if value is None:
@@ -238,6 +240,31 @@ def _set_aside(path: Path, fingerprint: dict[str, Any], tag: str, why: str) -> N
     warnings.warn(f"gemmgen: ignoring tuning database {path}: {why}; {where}", GemmgenWarning, stacklevel=3)
 
 
+def read_any(path: Path) -> TuningDB | None:
+    """The database at `path`, whatever GPU it was made on, read as load() reads this GPU's: its
+    malformed records left out with a warning; a file that is not a database reported, renamed aside
+    (<file>.corrupt-<time>) and None returned. For the commands that look at every database (tune
+    show and export, explain for another GPU)."""
+    path = Path(path)
+    try:
+        return read(path)
+    except TuningDatabaseError as exc:
+        aside: Path | None = path.with_name(f"{path.name}.corrupt-{time.strftime('%Y%m%dT%H%M%S')}")
+        try:
+            with filelock.FileLock(str(path) + ".lock", timeout=5):
+                try:  # another process may have replaced it meanwhile
+                    _validate(_read_json(path), path, [])
+                    return read(path)
+                except TuningDatabaseError:
+                    path.rename(aside)
+        except (OSError, filelock.Timeout):
+            aside = None
+        where = f"moved to {aside}" if aside else "left in place (could not move it)"
+        warnings.warn(f"gemmgen: ignoring tuning database {path}: {str(exc).removeprefix(f'{path}: ')}; {where}",
+                      GemmgenWarning, stacklevel=2)
+        return None
+
+
 def load(path: Path, fingerprint: dict[str, Any]) -> TuningDB:
     """The database at `path` for this GPU; an empty one if missing. A corrupt file or one for
     another fingerprint is reported, set aside and read as empty (never raises)."""
@@ -303,13 +330,8 @@ def database_files(folder: Path | None = None) -> list[Path]:
 
 def export_bundle(paths: Iterable[Path], out: Path) -> int:
     """Write the databases at `paths` into one bundle file; returns the number of databases. A file
-    that is not a database is left out with a GemmgenWarning (the rest are exported)."""
-    dbs = []
-    for p in paths:
-        try:
-            dbs.append(read(p).to_json())
-        except TuningDatabaseError as exc:
-            warnings.warn(f"gemmgen: not exported: {exc}", GemmgenWarning, stacklevel=2)
+    that is not a database is set aside with a GemmgenWarning (read_any); the rest are exported."""
+    dbs = [db.to_json() for db in map(read_any, paths) if db is not None]
     text = json.dumps({"schema": SCHEMA, "kind": BUNDLE_KIND, "databases": dbs}, indent=1, sort_keys=True)
     cache.atomic_write_text(Path(out), text + "\n")
     return len(dbs)
