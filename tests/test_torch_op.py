@@ -111,15 +111,18 @@ def test_varlen_and_gemm_refuse_inputs_that_require_grad():
         gemmgen.batched_gemm(a, b)
 
 
-def test_the_op_implementations_refuse_inputs_that_require_grad():
-    """Reached without an autograd formula (grad mode on), each implementation raises before any
-    allocation or launch."""
+def test_the_ops_refuse_inputs_that_require_grad():
+    """Called directly (not through gemmgen.fused_attention), each op's Autograd kernel raises before
+    dispatching to any implementation; under no_grad the call reaches the implementations (which
+    this CPU build of torch has none of)."""
     q = torch.randn(1, 2, 8, 64, dtype=FP16, requires_grad=True)
+    packed = q[0].transpose(0, 1)
     cu = torch.tensor([0, 8], dtype=torch.int32)
-    calls = (lambda: torch_op._fused_attention(q, q, q),
-             lambda: torch_op._fused_attention_out(q, q, q, torch.empty(1, 2, 8, 64, dtype=FP16)),
-             lambda: torch_op._fused_attention_varlen(q[0].transpose(0, 1), q[0].transpose(0, 1),
-                                                      q[0].transpose(0, 1), cu, cu, 8, 8))
+    calls = (lambda: torch.ops.gemmgen.fused_attention(q, q, q),
+             lambda: torch.ops.gemmgen.fused_attention_out(q, q, q, torch.empty(1, 2, 8, 64, dtype=FP16)),
+             lambda: torch.ops.gemmgen.fused_attention_varlen(packed, packed, packed, cu, cu, 8, 8))
     for call in calls:
-        with pytest.raises(gemmgen.InputError, match="has no backward pass"):
+        with pytest.raises(gemmgen.InputError, match="has no backward pass: q, k, v require grad"):
+            call()
+        with torch.no_grad(), pytest.raises(NotImplementedError):
             call()

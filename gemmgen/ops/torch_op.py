@@ -172,7 +172,6 @@ def _no_lse_on(device: torch.device) -> torch.Tensor:
 
 def _fused_attention(q, k, v, causal=False, causal_alignment="top_left", scale=None, return_lse=False,
                      instance=None, dropout_p=0.0, seed=None, offset=0, bias=None):
-    check_no_grad("torch.ops.gemmgen.fused_attention", q=q, k=k, v=v, bias=bias)
     o = launch.empty_like_layout(q)
     features = (dropout_p, seed, offset, bias)
     if not return_lse:
@@ -185,7 +184,6 @@ def _fused_attention(q, k, v, causal=False, causal_alignment="top_left", scale=N
 
 def _fused_attention_out(q, k, v, out, causal=False, causal_alignment="top_left", scale=None,
                          return_lse=False, instance=None, dropout_p=0.0, seed=None, offset=0, bias=None):
-    check_no_grad("torch.ops.gemmgen.fused_attention_out", q=q, k=k, v=v, bias=bias)
     lse = _lse_like(q, return_lse)
     _run(q, k, v, out, lse if return_lse else None, causal, causal_alignment, scale, instance, dropout_p, seed,
          offset, bias)
@@ -200,7 +198,6 @@ def _varlen_outputs(q, cu_seqlens_q, max_seqlen_q, return_lse):
 
 def _fused_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=False,
                             scale=None, return_lse=False, instance=None, dropout_p=0.0, seed=None, offset=0):
-    check_no_grad("torch.ops.gemmgen.fused_attention_varlen", q=q, k=k, v=v)
     o, lse = _varlen_outputs(q, cu_seqlens_q, max_seqlen_q, return_lse)
     # The kernel reads the offsets from data_ptr() as an int32 array: a strided view is copied.
     cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
@@ -233,26 +230,24 @@ torch.library.register_fake("gemmgen::fused_attention_varlen", _fake_varlen, lib
 
 
 
-def _backward(ctx, *grads):
-    raise InputError("gemmgen's attention ops have no backward pass")  # setup_context raised first
+
+def _refusing_grad(op: str) -> Callable:
+    """The op's Autograd kernel: gemmgen has no backward pass, so with grad mode on, inputs that
+    require grad raise InputError (check_no_grad) at the forward; the rest run below autograd."""
+    overload = getattr(torch.ops.gemmgen, op).default
+    names = [a.name for a in overload._schema.arguments]
+
+    def kernel(*args, **kwargs):
+        check_no_grad(f"torch.ops.gemmgen.{op}", **dict(zip(names, args)), **kwargs)
+        with torch._C._AutoDispatchBelowAutograd():
+            return overload(*args, **kwargs)
+    return kernel
 
 
-def _refuse_grad(op: str) -> Callable:
-    """A setup_context that raises at the forward (check_no_grad) when the op's inputs require grad."""
-    names = [a.name for a in getattr(torch.ops.gemmgen, op).default._schema.arguments]
-
-    def setup_context(ctx, inputs, output) -> None:
-        check_no_grad(f"torch.ops.gemmgen.{op}", **dict(zip(names, inputs)))
-    return setup_context
-
-
-# Without an autograd formula torch would run the op on inputs that require grad and leave their
-# gradients None, with only a warning. Two guards: the implementations refuse such inputs while grad
-# mode is on (a call that reaches them without passing an autograd formula), and the formula's
-# setup_context refuses them (the formula runs the implementation with grad mode off).
-# fused_attention_out mutates `out`: torch allows no formula for it; its implementation checks.
-for _op in ("fused_attention", "fused_attention_varlen"):
-    torch.library.register_autograd(f"gemmgen::{_op}", _backward, setup_context=_refuse_grad(_op), lib=_LIB)
+# Without an Autograd kernel torch would run the ops on inputs that require grad and leave their
+# gradients None, with only a warning.
+for _op in ("fused_attention", "fused_attention_out", "fused_attention_varlen"):
+    _LIB.impl(_op, _refusing_grad(_op), "Autograd")
 
 fused_attention_op = torch.ops.gemmgen.fused_attention.default
 fused_attention_out_op = torch.ops.gemmgen.fused_attention_out.default
