@@ -16,7 +16,7 @@ import gemmgen
 from gemmgen.generator.space import supported_head_dims
 
 pytestmark = pytest.mark.filterwarnings("ignore")
-SETTINGS = settings(max_examples=1000, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+SETTINGS = settings(max_examples=3000, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 ALIGN = 8  # elements of 2 bytes: 16-byte aligned strides and data
 BAD_NUMBERS = [float("nan"), float("inf"), -float("inf"), 10**400, True, "1", [1.0]]
