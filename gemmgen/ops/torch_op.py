@@ -44,6 +44,10 @@ _LIB.define("fused_attention_varlen(Tensor q, Tensor k, Tensor v, Tensor cu_seql
             "int max_seqlen_q, int max_seqlen_k, bool causal=False, float? scale=None, bool return_lse=False, "
             f"str? instance=None, {_FEATURES}) -> (Tensor, Tensor)")
 
+# No autograd kernel is registered: gemmgen has no backward pass, and each implementation refuses
+# inputs that require grad while grad mode is on (check_no_grad), which torch leaves on when it
+# passes an op without one through to the implementation. (An autograd kernel would put a Python
+# layer in front of every call.)
 _kernels: dict[tuple, Any] = {}
 _MAX_CACHED = 4096
 
@@ -172,6 +176,7 @@ def _no_lse_on(device: torch.device) -> torch.Tensor:
 
 def _fused_attention(q, k, v, causal=False, causal_alignment="top_left", scale=None, return_lse=False,
                      instance=None, dropout_p=0.0, seed=None, offset=0, bias=None):
+    check_no_grad("torch.ops.gemmgen.fused_attention", q=q, k=k, v=v, bias=bias)
     o = launch.empty_like_layout(q)
     features = (dropout_p, seed, offset, bias)
     if not return_lse:
@@ -184,6 +189,7 @@ def _fused_attention(q, k, v, causal=False, causal_alignment="top_left", scale=N
 
 def _fused_attention_out(q, k, v, out, causal=False, causal_alignment="top_left", scale=None,
                          return_lse=False, instance=None, dropout_p=0.0, seed=None, offset=0, bias=None):
+    check_no_grad("torch.ops.gemmgen.fused_attention_out", q=q, k=k, v=v, bias=bias)
     lse = _lse_like(q, return_lse)
     _run(q, k, v, out, lse if return_lse else None, causal, causal_alignment, scale, instance, dropout_p, seed,
          offset, bias)
@@ -198,6 +204,7 @@ def _varlen_outputs(q, cu_seqlens_q, max_seqlen_q, return_lse):
 
 def _fused_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=False,
                             scale=None, return_lse=False, instance=None, dropout_p=0.0, seed=None, offset=0):
+    check_no_grad("torch.ops.gemmgen.fused_attention_varlen", q=q, k=k, v=v)
     o, lse = _varlen_outputs(q, cu_seqlens_q, max_seqlen_q, return_lse)
     # The kernel reads the offsets from data_ptr() as an int32 array: a strided view is copied.
     cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
@@ -230,24 +237,6 @@ torch.library.register_fake("gemmgen::fused_attention_varlen", _fake_varlen, lib
 
 
 
-
-def _refusing_grad(op: str) -> Callable:
-    """The op's Autograd kernel: gemmgen has no backward pass, so with grad mode on, inputs that
-    require grad raise InputError (check_no_grad) at the forward; the rest run below autograd."""
-    overload = getattr(torch.ops.gemmgen, op).default
-    names = [a.name for a in overload._schema.arguments]
-
-    def kernel(*args, **kwargs):
-        check_no_grad(f"torch.ops.gemmgen.{op}", **dict(zip(names, args)), **kwargs)
-        with torch._C._AutoDispatchBelowAutograd():
-            return overload(*args, **kwargs)
-    return kernel
-
-
-# Without an Autograd kernel torch would run the ops on inputs that require grad and leave their
-# gradients None, with only a warning.
-for _op in ("fused_attention", "fused_attention_out", "fused_attention_varlen"):
-    _LIB.impl(_op, _refusing_grad(_op), "Autograd")
 
 fused_attention_op = torch.ops.gemmgen.fused_attention.default
 fused_attention_out_op = torch.ops.gemmgen.fused_attention_out.default
