@@ -170,9 +170,11 @@ def main() -> int:
                     if args.tune:
                         problem = gemm.strided_problem(a, b, c, b_transposed=bt)
                         cands = gemm_select.candidates(problem)[0]
-                        _, records, _ = measure.measure_states(
-                            cands, lambda name: gemmgen.batched_gemm(a, b, b_transposed=bt, out=c, instance=name),
-                            reps=args.tune_reps, shape=f"{bh}x1x{mn}x{n}x{a.shape[3]}", settle_s=SETTLE_S)
+                        workload = measure.CallWorkload(
+                            f"{bh}x1x{mn}x{n}x{a.shape[3]}", flops,
+                            lambda name: gemmgen.batched_gemm(a, b, b_transposed=bt, out=c, instance=name))
+                        records = measure.measure(cands, workload, measure.sustained_policy(
+                            args.tune_reps, settle_s=SETTLE_S)).records
                         measure.record(problem, records)
                     arrays = gemm.PointerArrays(list(a.flatten(0, 1)), list(b.flatten(0, 1)), list(c.flatten(0, 1)),
                                                 b_transposed=bt)

@@ -1,4 +1,5 @@
-"""Autotune's parts that need no GPU: proxy problems, rotation plans, results and their storage."""
+"""Autotune's parts that need no GPU: proxy problems, rotation plans, timing states, results and their
+storage (the measuring itself: tests/test_measure.py)."""
 from __future__ import annotations
 
 import math
@@ -6,7 +7,6 @@ import math
 import pytest
 
 from gemmgen.select import tuner, device, registry, selection, timing, tuning_db
-from gemmgen.errors import GemmgenWarning
 from gemmgen.select.problem import Problem
 from gemmgen.select.shapes import Shape
 
@@ -84,78 +84,6 @@ def test_steady_times_each_run_alone_over_the_last_window(monkeypatch):
     assert {name: calls for name, calls in bursts if calls != 10} == {"a": 40, "b": 20}  # >= 40 ms bursts
 
 
-def test_gemm_tuning_times_both_states_and_picks_the_best_in_both(monkeypatch):
-    """measure.measure_states: sustained times for all, short-run times (two passes, alternating order)
-    for the candidates within TUNE_PRUNE of the fastest; gemm_select.tuned_costs then prefers the
-    candidate near the best in both states over the best in one. Calls this short (10 us) never
-    hold the GPU at its power cap, so no candidate is timed alone."""
-    from types import SimpleNamespace
-
-    from gemmgen.select import measure
-    from gemmgen.select import gemm_select
-
-    sustained = {"fast_hot": 0.0100, "even": 0.0103, "fast_cool": 0.0125, "slow": 0.0200}
-    short = {"fast_hot": 0.0095, "even": 0.0082, "fast_cool": 0.0080}
-    monkeypatch.setattr(timing, "sustained_ms", lambda runs, **kw: {name: sustained[name] for name in runs})
-    monkeypatch.setattr(timing, "steady_ms", lambda runs, **kw: pytest.fail("short calls timed alone"))
-    order = []
-
-    def fake_median(run, copies, **kw):
-        name = run(0)
-        order.append(name)
-        return short[name]
-
-    monkeypatch.setattr(timing, "median_ms", fake_median)
-    cands = [SimpleNamespace(name=n, content_hash=f"h_{n}") for n in [*sustained, "broken"]]
-
-    def call(name):
-        if name == "broken":
-            raise RuntimeError("cannot run this shape\nmore")
-        return name
-
-    rows, records, _ = measure.measure_states(cands, call, reps=20, shape="s")
-    assert order == ["fast_hot", "even", "fast_cool", "fast_cool", "even", "fast_hot"]  # not "slow"
-    got = {name: (ms, ms_short, ms_alone) for name, ms, ms_short, ms_alone, _ in rows}
-    assert got == {"fast_hot": (0.01, 0.0095, None), "even": (0.0103, 0.0082, None),
-                   "fast_cool": (0.0125, 0.008, None), "slow": (0.02, None, None), "broken": (math.inf, None, None)}
-    assert records["h_broken"].reason == "cannot run this shape" and records["h_even"].ms_short == 0.0082
-    costs = gemm_select.tuned_costs({r.name: r for r in records.values()})
-    assert "broken" not in costs and math.isclose(costs["slow"], 2.0)
-    assert math.isclose(costs["fast_hot"], 0.95 / 0.8) and math.isclose(costs["even"], 1.03)
-    assert min(costs, key=costs.get) == "even"  # 1.03 and 1.025 of the best, not 1.0 and 1.19
-
-
-def test_gemm_tuning_times_the_finalists_of_long_calls_alone(monkeypatch):
-    """On calls long enough to hold the GPU at its power cap, the TUNE_FINALISTS candidates of
-    lowest cost in both states are each timed alone under load (timing.steady_ms), and their load
-    ratio is then taken among those times: here the rotation's fastest is the slowest alone and
-    loses to the second."""
-    from types import SimpleNamespace
-
-    from gemmgen.select import measure
-    from gemmgen.select import gemm_select, tuning_db
-
-    sustained = {"a": 1.00, "b": 1.02, "c": 1.05, "d": 1.10, "slow": 2.0}
-    alone = {"a": 1.12, "b": 1.00, "c": 1.03}
-    monkeypatch.setattr(timing, "sustained_ms", lambda runs, **kw: {name: sustained[name] for name in runs})
-    monkeypatch.setattr(timing, "median_ms", lambda run, copies, **kw: 1.0)  # a tie over short runs
-    asked = []
-
-    def fake_steady(runs, **kw):
-        asked.append((sorted(runs), kw["seconds"]))
-        return {name: alone[name] for name in runs}
-
-    monkeypatch.setattr(timing, "steady_ms", fake_steady)
-    cands = [SimpleNamespace(name=n, content_hash=f"h_{n}") for n in sustained]
-    rows, records, _ = measure.measure_states(cands, lambda name: name, reps=20, shape="s")
-    assert asked == [(["a", "b", "c"], measure.TUNE_ALONE_S)]
-    assert {name: ms_alone for name, _, _, ms_alone, _ in rows} == {**alone, "d": None, "slow": None}
-    assert tuning_db.Record.from_json(records["h_b"].to_json()).ms_alone == 1.0  # stored and read back
-    costs = gemm_select.tuned_costs({r.name: r for r in records.values()})
-    assert math.isclose(costs["a"], 1.12) and costs["b"] == 1.0 and math.isclose(costs["d"], 1.1)
-    assert min(costs, key=costs.get) == "b"
-
-
 def test_results_are_stored_and_failures_never_win(tmp_path):
     problem = Problem("bf16", 64, False, H200, batch_heads=64, seqlen_q=512, seqlen_k=512)
     result = tuner.TuneResult(Shape(2, 32, 512, 512, 64), problem, [
@@ -187,33 +115,3 @@ def test_autotune_is_the_function_after_its_module_is_imported():
     import gemmgen
     from gemmgen.select import tuner  # noqa: F401  (importing a submodule sets an attribute on a package)
     assert callable(gemmgen.autotune) and gemmgen.autotune is tuner.autotune
-
-
-def test_contenders_retimed_in_rotating_rounds():
-    """Candidates within CONTEND_MARGIN of the fastest are timed again, each round starting with
-    the next one; each keeps the median of its times; the others and failures are left alone."""
-    calls = []
-    later = {"a": [1.10, 1.10, 1.10], "b": [1.00, 1.00, 1.00]}
-
-    def timer(name):
-        def run():
-            calls.append(name)
-            return later[name].pop(0)
-        return run
-
-    result = [tuner.Measurement("a", "h1", 1.00), tuner.Measurement("b", "h2", 1.02),
-              tuner.Measurement("slow", "h3", 2.00), tuner.Measurement("bad", "h4", math.inf, "wrong")]
-    tuner._contend(result, [timer("a"), timer("b"), lambda: pytest.fail("not a contender"), None], None)
-    assert calls == ["a", "b", "b", "a", "a", "b"]
-    assert [m.ms for m in result[:3]] == [1.10, 1.00, 2.00]
-    assert not result[3].ok
-    # A single candidate close to the best is not re-timed.
-    alone = [tuner.Measurement("a", "h1", 1.0), tuner.Measurement("slow", "h3", 2.0)]
-    tuner._contend(alone, [lambda: pytest.fail("re-timed"), None], None)
-    # A failure while re-timing (a broken CUDA context) keeps the first pass's times.
-    def broken():
-        raise RuntimeError("CUDA error: an illegal memory access was encountered")
-    kept = [tuner.Measurement("a", "h1", 1.0), tuner.Measurement("b", "h2", 1.01)]
-    with pytest.warns(GemmgenWarning, match="first-pass times kept"):
-        tuner._contend(kept, [broken, broken], None)
-    assert [m.ms for m in kept] == [1.0, 1.01]

@@ -1,7 +1,8 @@
 """The layout's rules, read from the source's imports (every import statement, in functions too):
 no import cycles; the generator (generator/, shipped as gemmgen.generator) imports nothing of the
 runtime but the foundation modules; the runtime reaches the generator only through its public
-modules (generator/__init__.py names them)."""
+modules (generator/__init__.py names them); selection and tuning (gemmgen.select) import neither
+the operations (gemmgen.ops) nor the command line (gemmgen.cli), which are built on them."""
 from __future__ import annotations
 
 import ast
@@ -114,3 +115,10 @@ def test_the_runtime_reaches_the_generator_through_its_public_modules():
 def test_foundation_modules_import_only_each_other():
     g = graph()
     assert {(m, d) for m in FOUNDATION for d in g[m] if d not in FOUNDATION} == set()
+
+
+def test_selection_imports_no_operation_or_command_module():
+    above = ("gemmgen.ops", "gemmgen.cli")
+    bad = {(m, d) for m, deps in graph().items() if m == "gemmgen.select" or m.startswith("gemmgen.select.")
+           for d in deps if any(d == p or d.startswith(p + ".") for p in above)}
+    assert bad == set()

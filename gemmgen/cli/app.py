@@ -316,7 +316,7 @@ def parser() -> argparse.ArgumentParser:
     prof_gemm = _command(sub, "profile-gemm", "time every batched-GEMM candidate against torch.matmul "
                          "(also: profile --op gemm)")
     cli_gemm.add_arguments(prof_gemm, profile=True)
-    prof_gemm.set_defaults(func=_guarded(cli_gemm.run_profile))
+    prof_gemm.set_defaults(func=_guarded(cli_profile.run), op="gemm")
     tune = _command(sub, "tune", "the tuning databases: path, show, export, import")
     cli_tune.add_arguments(tune)
     tune.set_defaults(func=_guarded(cli_tune.run))
@@ -341,8 +341,9 @@ def _add_op(p: argparse.ArgumentParser, command: str) -> None:
 
 
 def route_op(argv: list[str]) -> list[str]:
-    """`explain --op gemm ...` and `profile --op gemm ...` as the GEMM forms of those commands
-    (`explain-gemm`, `profile-gemm`): one command per question, a shape per kind of operation."""
+    """`explain --op gemm ...` and `profile --op gemm ...` as the parsers of the GEMM's shape
+    arguments (`explain-gemm`, `profile-gemm`): one command per question, a shape per kind of
+    operation; both profile parsers run the one gemmgen.cli.profile.run, by `op`."""
     if not argv or argv[0] not in ("explain", "profile"):
         return argv
     rest, op, i = [], "attention", 1

@@ -1,8 +1,9 @@
-"""`gemmgen explain-gemm` and `gemmgen profile-gemm`: which batched-GEMM instance runs a shape and
-why, and the time of every candidate against torch.matmul (cuBLAS) on the same batched shape.
+"""The batched-GEMM kind on the command line: its shape arguments, its problem, `explain --op gemm`
+(also `explain-gemm`), and what `gemmgen profile --op gemm` (also `profile-gemm`) needs of the kind:
+the workload of a shape, with torch.matmul (cuBLAS) on the same operands as its peer.
 
-    gemmgen explain-gemm --batch 8 --heads 16 --m 1024 --n 1024 --k 64 --b-transposed [--cc 9.0 --sms 132]
-    gemmgen profile-gemm --batch 8 --heads 16 --m 1024 --n 1024 --k 64 --b-transposed [--record]
+    gemmgen explain --op gemm --batch 8 --heads 16 --m 1024 --n 1024 --k 64 --b-transposed [--cc 9.0 --sms 132]
+    gemmgen profile --op gemm --batch 8 --heads 16 --m 1024 --n 1024 --k 64 --b-transposed [--record]
 
 A shape's alignment is that of contiguous tensors ([B, H, M, K] etc.); --record stores the times
 in this GPU's tuning database, which gemmgen.select.gemm_select then prefers over its heuristic.
@@ -10,9 +11,10 @@ in this GPU's tuning database, which gemmgen.select.gemm_select then prefers ove
 from __future__ import annotations
 
 import argparse
-import math
+import dataclasses
+from typing import Any
 
-from gemmgen.select import device, gemm_select, registry, selection
+from gemmgen.select import device, gemm_select, measure, registry, selection
 from gemmgen.errors import InputError
 
 DTYPE_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4}
@@ -39,7 +41,8 @@ def add_arguments(p: argparse.ArgumentParser, *, profile: bool) -> None:
         p.add_argument("--reps", type=int, default=30,
                        help="timed calls per candidate: one alternating round per 10 (median of the rounds; "
                             "each round a burst of >= 10 calls lasting >= 40 ms where calls are >= 50 us)")
-        p.add_argument("--record", action="store_true", help="store the times in the tuning database")
+        p.add_argument("--record", dest="store", action="store_true", help="store the times in the tuning database")
+        p.add_argument("--csv", metavar="FILE", help="write every measurement as CSV")
     else:
         p.add_argument("--instance", help="force an instance by name")
         p.add_argument("--cc", help="describe a GPU that is not here: compute capability, e.g. 9.0")
@@ -54,17 +57,55 @@ def _alignment(values: list[int], elem_bytes: int) -> int:
     return align
 
 
-def problem_of(args: argparse.Namespace, facts: device.DeviceFacts) -> gemm_select.GemmProblem:
-    """The GemmProblem of contiguous operands of the requested shape."""
+@dataclasses.dataclass(frozen=True)
+class GemmShape:
+    """A batched GEMM of contiguous operands: batch x heads matrices C[M, N] = A[M, K] B[K, N]
+    (B stored [N, K] when b_transposed)."""
+
+    batch: int
+    heads: int
+    m: int
+    n: int
+    k: int
+    dtype: str = "fp16"
+    out_fp32: bool = False
+    b_transposed: bool = False
+    strategy: str = "strided"
+
+    @property
+    def flops(self) -> float:
+        """Multiply-adds of one call, twice."""
+        return 2.0 * self.batch * self.heads * self.m * self.n * self.k
+
+    def spec(self) -> str:
+        """The shape as its tuning records store it: BxHxMxNxK."""
+        return f"{self.batch}x{self.heads}x{self.m}x{self.n}x{self.k}"
+
+    def describe(self) -> str:
+        """One line: sizes, types, layout and strategy."""
+        out = "fp32" if self.out_fp32 else self.dtype
+        return (f"{self.batch}x{self.heads} x (M={self.m} N={self.n} K={self.k}) {self.dtype}->{out} "
+                f"{'A*B^T' if self.b_transposed else 'A*B'} {self.strategy}")
+
+
+def shape_of(args: Any) -> GemmShape:
+    """The shape the arguments (or a GemmShape) name; InputError for a size below 1."""
     if min(args.batch, args.heads, args.m, args.n, args.k) < 1:
         raise InputError("--batch, --heads, --m, --n, --k must be at least 1")
-    out = "fp32" if args.out_fp32 else args.dtype
-    elem = DTYPE_BYTES[args.dtype]
+    return GemmShape(args.batch, args.heads, args.m, args.n, args.k, args.dtype, args.out_fp32, args.b_transposed,
+                     args.strategy)
+
+
+def problem_of(args: Any, facts: device.DeviceFacts) -> gemm_select.GemmProblem:
+    """The GemmProblem of contiguous operands of the shape the arguments (or a GemmShape) name."""
+    shape = shape_of(args)
+    out = "fp32" if shape.out_fp32 else shape.dtype
+    elem = DTYPE_BYTES[shape.dtype]
     return gemm_select.GemmProblem(
-        dtype=args.dtype, out_dtype=out, b_transposed=args.b_transposed, strategy=args.strategy, device=facts,
-        m=args.m, n=args.n, k=args.k, batch_count=args.batch * args.heads,
-        align=_alignment([args.k, args.k if args.b_transposed else args.n], elem),
-        align_c=_alignment([args.n], DTYPE_BYTES[out]))
+        dtype=shape.dtype, out_dtype=out, b_transposed=shape.b_transposed, strategy=shape.strategy, device=facts,
+        m=shape.m, n=shape.n, k=shape.k, batch_count=shape.batch * shape.heads,
+        align=_alignment([shape.k, shape.k if shape.b_transposed else shape.n], elem),
+        align_c=_alignment([shape.n], DTYPE_BYTES[out]))
 
 
 def run_explain(args: argparse.Namespace) -> int:
@@ -79,60 +120,37 @@ def run_explain(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_profile(args: argparse.Namespace) -> int:
-    """Time every candidate and torch.matmul on the shape; print a table; optionally record."""
+def workload(shape: GemmShape, problem: gemm_select.GemmProblem) -> measure.CallWorkload:
+    """Random operands of `shape` on the current CUDA device, each candidate called by name on them
+    (through pointer arrays for the ptr strategy), torch.matmul into the same output as its peer."""
     import torch
 
     from gemmgen.ops import gemm
-    from gemmgen.select import measure, timing
 
-    if args.build_dir:
-        registry.set_build_dirs(args.build_dir)
-    if not torch.cuda.is_available():
-        from gemmgen.errors import DeviceError
-
-        raise DeviceError("profile-gemm needs a CUDA GPU")
-    torch.cuda.set_device(args.device)
-    facts = device.facts(args.device)
-    problem = problem_of(args, facts)
-    decision = selection.decide(problem)
-    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
-    out_dtype = torch.float32 if args.out_fp32 else dtype
-    b, h, m, n, k = args.batch, args.heads, args.m, args.n, args.k
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[shape.dtype]
+    out_dtype = torch.float32 if shape.out_fp32 else dtype
+    b, h, m, n, k = shape.batch, shape.heads, shape.m, shape.n, shape.k
     a = torch.randn(b, h, m, k, dtype=dtype, device="cuda")
-    bm = torch.randn(b, h, n, k, dtype=dtype, device="cuda") if args.b_transposed else \
+    bm = torch.randn(b, h, n, k, dtype=dtype, device="cuda") if shape.b_transposed else \
         torch.randn(b, h, k, n, dtype=dtype, device="cuda")
     c = torch.empty(b, h, m, n, dtype=out_dtype, device="cuda")
     arrays = None
-    if args.strategy == "ptr":
+    if shape.strategy == "ptr":
         arrays = gemm.PointerArrays(list(a.flatten(0, 1)), list(bm.flatten(0, 1)), list(c.flatten(0, 1)),
-                                    b_transposed=args.b_transposed)
-    flops = 2.0 * b * h * m * n * k
+                                    b_transposed=shape.b_transposed)
 
     def call(name: str) -> None:
         if arrays is not None:
             arrays.run(instance=name)
         else:
-            gemm.batched_gemm(a, bm, b_transposed=args.b_transposed, out=c, instance=name)
+            gemm.batched_gemm(a, bm, b_transposed=shape.b_transposed, out=c, instance=name)
 
-    bt = bm.transpose(-2, -1) if args.b_transposed else bm
-    torch_call = (lambda: torch.matmul(a, bt, out=c)) if out_dtype == dtype else (lambda: torch.matmul(a, bt).float())
-    rows, records, peer_ms = measure.measure_states(decision.candidates, call, reps=args.reps, shape=f"{b}x{h}x{m}x{n}x{k}",
-                                     peers={"torch": torch_call})
-    ms_torch = peer_ms.get("torch", math.nan)
-    print(f"{problem.describe()} on {facts.describe()}; device time per call (host path hidden) under "
-          f"sustained load (alternating rounds), over short runs (calls timed one by one) and, for the "
-          f"finalists of calls of {timing.HOST_BOUND_MS * 1e3:.0f} us or more, alone under load")
-    print(f"{'instance':60} {'ms':>9} {'TFLOP/s':>8} {'short ms':>9} {'TFLOP/s':>8} {'alone ms':>9} {'TFLOP/s':>8}")
-    for name, ms, ms_short, ms_alone, reason in sorted(rows, key=lambda r: r[1]):
-        mark = "*" if name == decision.winner.name else " "
-        shown = f"{ms:9.4f} {flops / ms / 1e9:8.1f}" if math.isfinite(ms) else f"failed: {reason}"
-        for t in (ms_short, ms_alone):
-            shown += f" {t:9.4f} {flops / t / 1e9:8.1f}" if t is not None else f" {'-':>9} {'-':>8}"
-        print(f"{mark}{name:59} {shown}")
-    print(f" {'torch.matmul (cuBLAS)':59} {ms_torch:9.4f} {flops / ms_torch / 1e9:8.1f}")
-    print(f"(* = the pick before profiling: {decision.source})")
-    if args.record:
-        db = measure.record(problem, records)
-        print(f"recorded {len(records)} times in {db.path}")
-    return 0
+    bt = bm.transpose(-2, -1) if shape.b_transposed else bm
+    if out_dtype == dtype:
+        def cublas(_i: int) -> None:
+            torch.matmul(a, bt, out=c)
+    else:
+        def cublas(_i: int) -> None:
+            torch.matmul(a, bt).float()
+    return measure.CallWorkload(shape.spec(), shape.flops, call, problem, peers={"torch": measure.Peer(cublas)},
+                                sync=torch.cuda.synchronize)

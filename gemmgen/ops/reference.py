@@ -1,46 +1,7 @@
-"""The one attention reference: float64 on the inputs' device."""
+"""The one attention reference: float64 on the inputs' device (gemmgen.select.reference, where the
+tuner's correctness checks read it, holds the code; this is its public name)."""
 from __future__ import annotations
 
-import math
+from gemmgen.select.reference import ALIGNMENTS, attention_reference, causal_offset
 
-import torch
-
-ALIGNMENTS = ("top_left", "bottom_right")
-
-
-def causal_offset(seqlen_q: int, seqlen_k: int, causal_alignment: str) -> int:
-    """Key j is visible to query i iff j <= i + offset: 0 for top-left (torch), Nk - Nq for bottom-right."""
-    if causal_alignment not in ALIGNMENTS:
-        raise ValueError(f"causal_alignment {causal_alignment!r}; supported: {', '.join(ALIGNMENTS)}")
-    return 0 if causal_alignment == "top_left" else seqlen_k - seqlen_q
-
-
-def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
-                        causal_alignment: str = "top_left",
-                        scale: float | None = None, *,
-                        bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """softmax(scale * Q K^T + bias + mask) V in float64, and the natural-log LSE of each row.
-
-    q: [B, H, Nq, d]; k, v: [B, Hkv, Nk, d] with Hkv dividing H (query head h reads kv head
-    h // (H // Hkv)); bias: an additive mask broadcastable to [B, H, Nq, Nk] (any float dtype).
-    Returns (O [B, H, Nq, d] float64, LSE [B, H, Nq] float64). A row that sees no key gives O = 0
-    and LSE = -inf, never NaN.
-    """
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    group = q.shape[1] // k.shape[1]
-    q64 = q.to(torch.float64)
-    k64 = k.to(torch.float64).repeat_interleave(group, dim=1)
-    v64 = v.to(torch.float64).repeat_interleave(group, dim=1)
-    scores = scale * (q64 @ k64.transpose(-2, -1))  # [B, H, Nq, Nk]
-    if bias is not None:  # broadcastable to [B, H, Nq, Nk]; -inf entries remove a key
-        scores = scores + bias.to(torch.float64)
-    if causal:
-        nq, nk = q.shape[2], k.shape[2]
-        offset = causal_offset(nq, nk, causal_alignment)
-        rows = torch.arange(nq, device=q.device)[:, None]
-        cols = torch.arange(nk, device=q.device)[None, :]
-        scores = scores.masked_fill(cols > rows + offset, float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)  # -inf where a row sees no key
-    seen = torch.isfinite(lse)[..., None]
-    probs = torch.where(seen, torch.exp(scores - torch.where(seen, lse[..., None], 0.0)), 0.0)
-    return probs @ v64, lse
+__all__ = ["ALIGNMENTS", "attention_reference", "causal_offset"]

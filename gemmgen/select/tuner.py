@@ -1,37 +1,36 @@
 """Autotune: measure every candidate of a problem, check each one's output, remember the times.
 
-For each shape: every candidate is first checked against the float64 reference on a small proxy
-problem of the same functional key (same dtype, head dim, mask, layout kind, GQA ratio), then
-timed (gemmgen.select.timing) on inputs of the real size, and its real-size output is checked on sampled
-rows. Candidates within CONTEND_MARGIN of the fastest are then timed again in CONTEND_ROUNDS
-rounds whose order rotates, each keeping the median of its times: one pass in a fixed order lets
-the GPU's clock, which the power cap moves within a second, favour one of two near-equal tiles.
-A candidate that fails to load or launch, or gives a wrong result, gets infinite time and
-keeps its reason; it can never win. All times go into the GPU's tuning database under the shape's
-bucket, so later calls in that bucket run the winner (gemmgen.select.selection, source "tuned").
-A kernel that corrupts the CUDA context (an illegal address) fails every later launch of the
-process as well; the reasons of the candidates after it then say so.
+For each shape, gemmgen.select.measure.measure runs an AttentionWorkload: every candidate is first
+checked against the float64 reference on a small proxy problem of the same functional key (same
+dtype, head dim, mask, layout kind, GQA ratio), then run once at the real size and checked on
+sampled rows, then timed per call (gemmgen.select.timing) on inputs of the real size. Candidates
+within CONTEND_MARGIN of the fastest are then timed again in CONTEND_ROUNDS rounds of alternating
+order, each keeping the median of its times: one pass in a fixed order lets the GPU's clock, which
+the power cap moves within a second, favour one of two near-equal tiles. A candidate that fails to
+load or launch, or gives a wrong result, gets infinite time and keeps its reason; it can never win.
+All times go into the GPU's tuning database under the shape's bucket, so later calls in that bucket
+run the winner (gemmgen.select.selection, source "tuned"). A kernel that corrupts the CUDA context
+(an illegal address) fails every later launch of the process as well; the reasons of the
+candidates after it then say so.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
-import statistics
-import time
 import warnings
 import zlib
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Iterable
 
 import torch
 
 from gemmgen.select import device as device_mod
 from gemmgen.kernels import launch
-from gemmgen.select import registry, timing, tuning_db
-from gemmgen.select.measure import record
-from gemmgen.errors import CacheError, GemmgenError, GemmgenWarning
+from gemmgen.select import measure as measuring, registry, timing, tuning_db
+from gemmgen.select.measure import Measurement, WrongResult, record
+from gemmgen.errors import CacheError, GemmgenWarning
 from gemmgen.select.problem import ALIGN_BYTES, Problem
-from gemmgen.ops.reference import attention_reference
+from gemmgen.select.reference import attention_reference
 from gemmgen.select.registry import Candidate
 from gemmgen.select.selection import WRONG_RESULT
 from gemmgen.select.shapes import Shape, parse_shape
@@ -45,23 +44,7 @@ SAMPLED_ROWS = 8
 CONTEND_MARGIN = 1.05
 CONTEND_ROUNDS = 3
 
-Progress = Callable[[str], None]
-
-
-@dataclasses.dataclass
-class Measurement:
-    """One candidate on one shape: median ms (inf when it failed) and why it failed."""
-
-    name: str
-    content_hash: str
-    ms: float
-    reason: str | None = None
-    error: float | None = None  # relative error of the proxy check
-
-    @property
-    def ok(self) -> bool:
-        """True for a finite time."""
-        return math.isfinite(self.ms)
+Progress = measuring.Progress
 
 
 @dataclasses.dataclass
@@ -76,12 +59,7 @@ class TuneResult:
     @property
     def winner(self) -> Measurement | None:
         """The fastest measurement that passed its checks."""
-        ok = [m for m in self.measurements if m.ok]
-        return min(ok, key=lambda m: m.ms) if ok else None
-
-
-class WrongResult(GemmgenError):
-    """A candidate's output does not match the reference."""
+        return measuring.fastest(self.measurements)
 
 
 def make_qkv(shape: Shape, index: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -153,77 +131,60 @@ def check_sampled_rows(q, k, v, o, shape: Shape) -> None:
             raise WrongResult(f"{WRONG_RESULT}: relative error {err:.2e} on sampled rows of {shape.describe()}")
 
 
+def policy(warmup: int = 5, reps: int = 30, graph: bool = False) -> measuring.Policy:
+    """The attention's timing: per call (`reps` calls after `warmup`, median; `graph`: CUDA graph
+    replays), then CONTEND_ROUNDS rounds for the candidates within CONTEND_MARGIN of the fastest."""
+    return measuring.Policy(load="calls", warmup=warmup, reps=reps, graph=graph, margin=CONTEND_MARGIN,
+                            rounds=CONTEND_ROUNDS)
+
+
+class AttentionWorkload:
+    """One attention shape for gemmgen.select.measure.measure, on CUDA device `index` (which must
+    be the current device while it is measured): q, k, v in as many copies as keep them out of L2
+    (timing.plan_copies; else one copy and an L2 flush before each call), outputs made once, and
+    the gate: the proxy check against float64, then one real-size call checked on sampled rows.
+    `peers` (none unless set) run on the same input copies."""
+
+    def __init__(self, shape: Shape, index: int, *, graph: bool = False) -> None:
+        facts = device_mod.facts(index)
+        self.shape, self.index = shape, index
+        self.label, self.flops = shape.spec(), shape.flops
+        self.problem = problem_of(shape, index)
+        with torch.cuda.device(index):
+            q0, k0, v0 = make_qkv(shape, index, seed=1)
+            set_bytes = sum(t.numel() * t.element_size() for t in (q0, k0, v0, q0))
+            self.copies, flush = timing.plan_copies(set_bytes, facts.l2_bytes, torch.cuda.mem_get_info(index)[0])
+            self.inputs = [(q0, k0, v0)] + [make_qkv(shape, index, seed=2 + i) for i in range(self.copies - 1)]
+            self.outs = [launch.empty_like_layout(q) for q, _, _ in self.inputs]
+            self.flush = timing.flush_buffer(index, facts.l2_bytes) if flush and not graph else None
+        self.peers: dict[str, measuring.Peer] = {}
+
+    def prepare(self, cand: Candidate) -> tuple[measuring.Run, float]:
+        """The gate: the proxy check (check_proxy), then one real-size call checked on sampled rows;
+        returns the candidate's call on copy i, its params and LSE buffers (for kernels that always
+        write LSE) made here so that nothing is allocated inside the timed calls, and the proxy's
+        relative error. Raises WrongResult."""
+        kernel, causal, index = cand.kernel, self.shape.causal, self.index
+        err = check_proxy(kernel, self.shape, index)
+        lses = [torch.empty(q.shape[0] * q.shape[1] * q.shape[2], dtype=torch.float32, device=q.device)
+                if kernel.needs_lse else None for q, _, _ in self.inputs]
+        prepared = [launch.params(q, k, v, o, lse, causal=causal, causal_alignment="top_left", scale=None)
+                    for (q, k, v), o, lse in zip(self.inputs, self.outs, lses)]
+
+        def run(i: int, _lses: list = lses) -> None:  # holds the LSE buffers as long as the run lives
+            launch.launch(kernel, prepared[i], index)
+        self.outs[0].fill_(float("nan"))
+        run(0)
+        check_sampled_rows(*self.inputs[0], self.outs[0], self.shape)
+        return run, err
+
+
 def measure(cands: list[Candidate], shape: Shape, *, index: int, warmup: int = 5, reps: int = 30,
             graph: bool = False, progress: Progress | None = None) -> list[Measurement]:
-    """Check and time every candidate on `shape` (see the module docstring)."""
-    facts = device_mod.facts(index)
+    """Check and time every candidate on `shape` (see the module docstring), in the order given."""
     with torch.cuda.device(index):
-        q0, k0, v0 = make_qkv(shape, index, seed=1)
-        set_bytes = sum(t.numel() * t.element_size() for t in (q0, k0, v0, q0))
-        copies, flush = timing.plan_copies(set_bytes, facts.l2_bytes, torch.cuda.mem_get_info(index)[0])
-        inputs = [(q0, k0, v0)] + [make_qkv(shape, index, seed=2 + i) for i in range(copies - 1)]
-        outs = [launch.empty_like_layout(q) for q, _, _ in inputs]
-        flush_buf = timing.flush_buffer(index, facts.l2_bytes) if flush and not graph else None
-        result, timers = [], []
-        for n, cand in enumerate(cands):
-            if progress:
-                progress(f"candidate {n + 1}/{len(cands)} {cand.name}")
-            m, timer = _measure_one(cand, shape, inputs, outs, index=index, warmup=warmup, reps=reps,
-                                    graph=graph, flush=flush_buf)
-            result.append(m)
-            timers.append(timer)
-        _contend(result, timers, progress)
-        del inputs, outs, flush_buf, timers
-    return result
-
-
-def _contend(result: list[Measurement], timers: list, progress: Progress | None) -> None:
-    """Re-time the candidates within CONTEND_MARGIN of the fastest in rotating rounds (in place)."""
-    best = min((m.ms for m in result if m.ok), default=math.inf)
-    close = [i for i, m in enumerate(result) if m.ok and m.ms <= best * CONTEND_MARGIN]
-    if len(close) < 2:
-        return
-    if progress:
-        progress(f"{len(close)} candidates within {CONTEND_MARGIN - 1:.0%}: {CONTEND_ROUNDS} rounds")
-    times = {i: [result[i].ms] for i in close}
-    try:
-        for rnd in range(CONTEND_ROUNDS):
-            for i in close[rnd % len(close):] + close[:rnd % len(close)]:
-                times[i].append(timers[i]())
-    except (GemmgenError, RuntimeError) as exc:
-        # A later candidate broke the CUDA context: the first pass's times stand.
-        warnings.warn(f"re-timing stopped ({exc}); first-pass times kept", GemmgenWarning, stacklevel=2)
-        return
-    for i in close:
-        result[i].ms = statistics.median(times[i])
-
-
-def _measure_one(cand: Candidate, shape: Shape, inputs, outs, *, index: int, warmup: int, reps: int,
-                 graph: bool, flush) -> tuple[Measurement, Callable[[], float] | None]:
-    """The candidate's measurement, and a function that times it again (None when it failed)."""
-    def failed(reason: str, error: float | None = None) -> tuple[Measurement, None]:
-        return Measurement(cand.name, cand.content_hash, math.inf, reason, error), None
-
-    try:
-        kernel = cand.kernel
-        err = check_proxy(kernel, shape, index)
-        # LSE buffers made here for kernels that always write LSE: no allocation inside the timed calls.
-        lses = [torch.empty(q.shape[0] * q.shape[1] * q.shape[2], dtype=torch.float32, device=q.device)
-                if kernel.needs_lse else None for q, _, _ in inputs]
-        prepared = [launch.params(q, k, v, o, lse, causal=shape.causal, causal_alignment="top_left", scale=None)
-                    for (q, k, v), o, lse in zip(inputs, outs, lses)]
-        outs[0].fill_(float("nan"))
-
-        def timer(_lses: list = lses) -> float:  # holds the LSE buffers as long as the timer lives
-            return timing.median_ms(lambda i: launch.launch(kernel, prepared[i], index), len(prepared),
-                                    warmup=warmup, reps=reps, graph=graph, flush=flush)
-        ms = timer()
-        check_sampled_rows(*inputs[0], outs[0], shape)
-    except WrongResult as exc:
-        return failed(str(exc))
-    except (GemmgenError, RuntimeError, OSError) as exc:
-        return failed(f"failed to run: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}")
-    return Measurement(cand.name, cand.content_hash, ms, None, err), timer
+        work = AttentionWorkload(shape, index, graph=graph)
+        return measuring.measure(cands, work, policy(warmup, reps, graph), progress).measurements
 
 
 def problem_of(shape: Shape, index: int) -> Problem:
@@ -236,9 +197,7 @@ def problem_of(shape: Shape, index: int) -> Problem:
 
 def records_of(result: TuneResult) -> dict[str, tuning_db.Record]:
     """The tuning-database records of one result, by content hash."""
-    now = time.time()
-    return {m.content_hash: tuning_db.Record(m.name, m.ms, m.reason, m.error, result.shape.spec(), now)
-            for m in result.measurements}
+    return measuring.records_of(result.measurements, result.shape.spec())
 
 
 def store(result: TuneResult, *, strict: bool = True) -> Path | None:

@@ -47,7 +47,7 @@ class Record:
     error: float | None = None
     shape: str | None = None
     at: float = 0.0
-    # Batched GEMM tuning (gemmgen.select.measure.measure_states): ms is the time under sustained load in
+    # Batched GEMM tuning (gemmgen.select.measure.measure with sustained_policy): ms is the time under sustained load in
     # rotation with the other candidates, ms_short per call over short runs, ms_alone under
     # sustained load with the GPU to itself (the finalists of long calls); None where not taken.
     ms_short: float | None = None
