@@ -25,6 +25,7 @@ def compiler_layout(tmp_path, struct: str, fields: list[str]) -> list[int]:
 
 
 @pytest.mark.parametrize("struct, mirror", [("GemmgenAttnParams", abi.AttnParams),
+                                            ("GemmgenAttnBwdParams", abi.AttnBwdParams),
                                             ("GemmgenInstanceInfo", abi.InstanceInfo),
                                             ("GemmgenBatchedGemmStridedArgs", abi.BatchedGemmStridedArgs),
                                             ("GemmgenBatchedGemmPtrArgs", abi.BatchedGemmPtrArgs),

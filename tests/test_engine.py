@@ -21,7 +21,7 @@ def softmax_build(tmp_path):
 
 
 def test_every_kind_is_registered():
-    assert set(selection.KINDS) == {"attention", "gemm", "softmax"}
+    assert set(selection.KINDS) == {"attention", "attention_bwd", "gemm", "softmax"}
 
 
 def test_softmax_goes_through_the_engine(softmax_build):

@@ -44,9 +44,15 @@ PINNED = {
     "softmax_sm80": [("softmax_sm80_fp16_t128", "da357e7a6b5fc4ed"),
                      ("softmax_sm80_bf16_t128", "0ccd6327a940d1fd"),
                      ("softmax_sm80_bf16_t256", "c403177b4c75d245")],
+    "fmha_bwd_sm90": [("fmha_bwd_sm90_fp16_d32_none_m64n128", "9ea35e3362cf997b"),
+                      ("fmha_bwd_sm90_bf16_d64_causal_m128n128", "b5232fc36d7923b0"),
+                      ("fmha_bwd_sm90_bf16_d128_causal_m64n128", "0e499474d348a0ab")],
+    "mea_bwd_sm80": [("mea_bwd_sm80_fp16_k64_q64k64_preload", "e13e1cafb7ac930c"),
+                     ("mea_bwd_sm80_bf16_k128_q128k128_preload_dropout", "457025b1e68956e7"),
+                     ("mea_bwd_sm80_bf16_k256_q128k64", "c4de8ed16290850b")],
 }
 SPACE_SIZES = {"fa2_sm80": 368, "fmha_sm90": 372, "mea_sm80": 36, "gemm_sm80": 1312, "gemm_sm90": 2576,
-               "softmax_sm80": 4}
+               "softmax_sm80": 4, "fmha_bwd_sm90": 20, "mea_bwd_sm80": 72}
 
 
 def test_every_family_keeps_the_contract():
@@ -111,7 +117,7 @@ def test_a_module_that_breaks_the_contract_is_refused():
                    "problem_reason", "HEAD_DIMS", "RELATIVE_SPEED"):
         assert f"lacks {member}" in str(info.value)
     partial.KIND = "decode"
-    with pytest.raises(TypeError, match="KIND 'decode' is not one of attention, gemm, softmax"):
+    with pytest.raises(TypeError, match="KIND 'decode' is not one of attention, attention_bwd, gemm, softmax"):
         space.register(partial)
     with pytest.raises(ValueError, match="'fa2_sm80' is registered already"):
         space.register(fa2_sm80)

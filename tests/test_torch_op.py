@@ -85,15 +85,52 @@ def _grad_cases():
 
 
 @pytest.mark.parametrize("which", ["q", "k", "v", "attn_mask"])
-def test_fused_attention_refuses_inputs_that_require_grad(which):
+def test_fused_attention_takes_inputs_that_require_grad(which):
+    """fused_attention is differentiable: inputs that require grad pass its checks (here on to the
+    device check of CPU tensors); with out= there is no backward, so they raise naming the input."""
     q, k, v = _grad_cases()
     args = {"q": q, "k": k, "v": v, "attn_mask": torch.zeros(8, 8, dtype=FP16)}
     args[which].requires_grad_()
-    with pytest.raises(gemmgen.InputError, match=f"fused_attention has no backward pass: {which} requires grad"):
+    with pytest.raises(gemmgen.DeviceError):
         gemmgen.fused_attention(**args)
-    for scope in (torch.no_grad, torch.inference_mode):  # inference: the device check is next
+    with pytest.raises(gemmgen.InputError, match=f"fused_attention with out= has no backward pass: {which} requires"):
+        gemmgen.fused_attention(**args, out=torch.empty_like(q))
+    for scope in (torch.no_grad, torch.inference_mode):
         with scope(), pytest.raises(gemmgen.DeviceError):
-            gemmgen.fused_attention(**args)
+            gemmgen.fused_attention(**args, out=torch.empty_like(q))
+
+
+def test_backward_context_refuses_what_it_cannot_differentiate():
+    """The autograd forward (setup_context) needs the LSE and, with dropout, the seed; it saves the
+    rest and marks LSE non-differentiable."""
+    class Ctx:
+        def save_for_backward(self, *t):
+            self.saved = t
+
+        def mark_non_differentiable(self, *t):
+            self.nondiff = t
+
+    q = torch.randn(1, 2, 0, 64, dtype=FP16)  # empty: no kernel selection on a machine without a GPU
+    lse = torch.empty(1, 2, 0)
+    base = [q, q, q, False, "top_left", None, True, None, 0.0, None, 0, None, False]
+    with pytest.raises(gemmgen.InputError, match="needs return_lse=True"):
+        torch_op._setup_context(Ctx(), base[:6] + [False] + base[7:], (q, torch.empty(0)))
+    with pytest.raises(gemmgen.InputError, match="needs an explicit seed"):
+        torch_op._setup_context(Ctx(), base[:8] + [0.1] + base[9:], (q, lse))
+    ctx = Ctx()
+    torch_op._setup_context(ctx, base, (q, lse))
+    assert ctx.saved[4] is lse and ctx.nondiff == (lse,) and ctx.args[-2:] == (False, False)
+
+
+def test_backward_fake_and_gqa_expansion():
+    q = torch.randn(2, 6, 5, 32, dtype=FP16).transpose(1, 2).transpose(1, 2)
+    k = torch.randn(2, 9, 3, 32, dtype=FP16).transpose(1, 2)  # [B, Hkv=3, N=9, d] in BNHD storage
+    dq, dk, dv, dbias = torch_op._fake_backward(q, q, k, k, q, None, False, "top_left", None, 0.0, 0, 0, None,
+                                                True, False)
+    assert dq.shape == q.shape and dk.shape == k.shape and dk.stride() == torch_op.launch.empty_like_layout(k).stride()
+    assert dbias.shape == (2, 6, 5, 9)
+    e = torch_op._expand_kv(k, 2)
+    assert torch.equal(e, k.repeat_interleave(2, dim=1)) and e.stride()[2] > e.stride()[1]
 
 
 def test_varlen_and_gemm_refuse_inputs_that_require_grad():
@@ -111,15 +148,14 @@ def test_varlen_and_gemm_refuse_inputs_that_require_grad():
         gemmgen.batched_gemm(a, b)
 
 
-def test_the_op_implementations_refuse_inputs_that_require_grad():
-    """Reached with grad mode on (a direct torch.ops call: no autograd kernel stands in front),
-    each implementation raises before any allocation or launch; under no_grad it goes on (here, to
-    the device check of a CPU tensor)."""
+def test_the_op_implementations_without_backward_refuse_inputs_that_require_grad():
+    """Reached with grad mode on (a direct torch.ops call: no autograd kernel stands in front), the
+    ops without a backward raise before any allocation or launch; under no_grad they go on (here,
+    to the device check of a CPU tensor)."""
     q = torch.randn(1, 2, 8, 64, dtype=FP16, requires_grad=True)
     packed = q[0].transpose(0, 1)
     cu = torch.tensor([0, 8], dtype=torch.int32)
-    calls = (lambda: torch_op._fused_attention(q, q, q),
-             lambda: torch_op._fused_attention_out(q, q, q, torch.empty(1, 2, 8, 64, dtype=FP16)),
+    calls = (lambda: torch_op._fused_attention_out(q, q, q, torch.empty(1, 2, 8, 64, dtype=FP16)),
              lambda: torch_op._fused_attention_varlen(packed, packed, packed, cu, cu, 8, 8))
     for call in calls:
         with pytest.raises(gemmgen.InputError, match="has no backward pass: q, k, v require grad"):

@@ -17,7 +17,7 @@ import sys
 from gemmgen.select import device, registry, selection, tuning_db
 from gemmgen.errors import DeviceError, InputError
 from gemmgen.generator.space import describe_head_dims, supported_head_dims
-from gemmgen.select.problem import ALIGN_BYTES, Problem
+from gemmgen.select.problem import ALIGN_BYTES, BwdProblem, Problem
 from gemmgen.select.shapes import parse_shape
 
 
@@ -117,9 +117,15 @@ def run(args: argparse.Namespace) -> int:
     shape = parse_shape(args.shape, dtype=args.dtype, causal=args.causal, heads_kv=args.heads_kv,
                         layout=args.layout)
     facts, db = device_facts(args)
-    problem = Problem(dtype=shape.dtype, head_dim=shape.head_dim, causal=shape.causal, device=facts,
-                      batch_heads=shape.batch * shape.heads, seqlen_q=shape.seqlen_q, seqlen_k=shape.seqlen_k,
-                      gqa=shape.heads // shape.kv_heads, layout=shape.layout, align=ALIGN_BYTES)
+    fields = dict(dtype=shape.dtype, head_dim=shape.head_dim, causal=shape.causal, device=facts,
+                  batch_heads=shape.batch * shape.heads, seqlen_q=shape.seqlen_q, seqlen_k=shape.seqlen_k,
+                  gqa=shape.heads // shape.kv_heads, layout=shape.layout, align=ALIGN_BYTES)
+    if args.backward:  # the backward reads K and V expanded to Q's heads (GQA summed afterwards)
+        problem = BwdProblem(**{**fields, "gqa": 1}, deterministic=args.deterministic)
+    elif args.deterministic:
+        raise InputError("--deterministic describes a backward: add --backward")
+    else:
+        problem = Problem(**fields)
     decision = selection.decide(problem, args.instance, db=db)
     print(f"shape: {shape.describe()}")
     print(decision.report())
@@ -136,6 +142,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--heads-kv", type=int, help="key/value heads (GQA/MQA; default: H)")
     p.add_argument("--layout", choices=("bhnd", "bnhd", "mixed"), default="bhnd",
                    help="storage order of q and k/v (default: bhnd)")
+    p.add_argument("--backward", action="store_true",
+                   help="explain the backward pass (dQ, dK, dV) of the shape instead of its forward")
+    p.add_argument("--deterministic", action="store_true",
+                   help="with --backward: a backward whose result does not depend on scheduling")
     p.add_argument("--instance", help="explain this instance instead of the pick")
     p.add_argument("--build-dir", action="append",
                    help="where to find manifests (repeatable; default: $GEMMGEN_BUILD_DIR, else ./build "

@@ -71,10 +71,12 @@ class InstanceInfo(ctypes.Structure):
 class Instance:
     """The two entry points of one instance library: `<symbol>` (run) and `<symbol>_info`."""
 
+    params_type: type = AttnParams  # what <symbol> takes
+
     def __init__(self, library: ctypes.CDLL, symbol: str) -> None:
         self.symbol = symbol
         self._run = getattr(library, symbol)
-        self._run.argtypes = [ctypes.POINTER(AttnParams), ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int]
+        self._run.argtypes = [ctypes.POINTER(self.params_type), ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int]
         self._run.restype = ctypes.c_int
         self._info = getattr(library, f"{symbol}_info")
         self._info.argtypes = [ctypes.POINTER(InstanceInfo)]
@@ -89,7 +91,7 @@ class Instance:
             raise GemmgenLaunchError(f"{self.symbol}_info returned {STATUS_NAMES.get(status, status)}")
         return info
 
-    def run(self, params: AttnParams, stream: int | None) -> None:
+    def run(self, params: ctypes.Structure, stream: int | None) -> None:
         """Launch on `stream` (a cudaStream_t as an int; 0 or None is the default stream).
 
         Raises GemmgenLaunchError with the library's message on a non-zero status.
@@ -122,14 +124,14 @@ def load_library(path: Path) -> ctypes.CDLL:
 
 
 @functools.lru_cache(maxsize=None)
-def _bind(path: str, symbol: str) -> Instance:
-    return Instance(load_library(Path(path)), symbol)
+def _bind(path: str, symbol: str, kind: type[Instance]) -> Instance:
+    return kind(load_library(Path(path)), symbol)
 
 
 def bind(path: Path, symbol: str) -> Instance:
     """Load `path` (cached) and bind its `symbol` entry points (cached); raise GemmgenLaunchError if absent."""
     try:
-        return _bind(str(path), symbol)
+        return _bind(str(path), symbol, Instance)
     except AttributeError as exc:
         raise GemmgenLaunchError(f"{path} does not export {symbol} / {symbol}_info: {exc}") from exc
 
@@ -234,3 +236,62 @@ def bind_softmax(path: Path, symbol: str) -> Kernel:
         return _bind_kernel(str(path), symbol, SoftmaxArgs, False)
     except AttributeError as exc:
         raise GemmgenLaunchError(f"{path} does not export {symbol}: {exc}") from exc
+
+
+# Fused attention backward (GemmgenAttnBwdParams of abi.h).
+
+INFO_BACKWARD = 2  # GEMMGEN_INFO_BACKWARD
+
+
+def _strides(*names: str) -> list[tuple[str, type]]:
+    return [(f"{n}_{dim}_stride", ctypes.c_int64) for n in names for dim in ("batch", "head", "row")]
+
+
+class AttnBwdParams(ctypes.Structure):
+    """GemmgenAttnBwdParams: the forward's tensors, dO, the gradients, a workspace, sizes, strides
+    in elements, scale, causal offset, the forward's mask, dropout and lengths, determinism."""
+
+    _fields_ = [
+        *[(n, ctypes.c_void_p) for n in ("q", "k", "v", "o", "d_o", "lse", "dq", "dk", "dv", "workspace")],
+        ("workspace_bytes", ctypes.c_int64),
+        *[(n, ctypes.c_int32) for n in ("batch", "heads", "heads_kv", "seqlen_q", "seqlen_k", "head_dim")],
+        *_strides("q", "k", "v", "o", "do", "dq", "dk", "dv"),
+        ("scale", ctypes.c_float),
+        ("causal_offset", ctypes.c_int32),
+        ("bias", ctypes.c_void_p), *_strides("bias"),
+        ("dbias", ctypes.c_void_p), *_strides("dbias"),
+        ("dropout_p", ctypes.c_float),
+        ("dropout_seed", ctypes.c_uint64),
+        ("dropout_offset", ctypes.c_uint64),
+        ("cu_seqlens_q", ctypes.c_void_p),
+        ("cu_seqlens_k", ctypes.c_void_p),
+        ("deterministic", ctypes.c_int32),
+    ]
+
+
+class BwdInstance(Instance):
+    """The three entry points of one backward instance library: `<symbol>` (run, with
+    AttnBwdParams), `<symbol>_workspace` (bytes a call needs) and `<symbol>_info`."""
+
+    params_type = AttnBwdParams
+
+    def __init__(self, library: ctypes.CDLL, symbol: str) -> None:
+        super().__init__(library, symbol)
+        self._workspace = getattr(library, f"{symbol}_workspace")
+        self._workspace.argtypes = [ctypes.POINTER(AttnBwdParams)]
+        self._workspace.restype = ctypes.c_int64
+
+    def workspace_bytes(self, params: AttnBwdParams) -> int:
+        """Bytes of workspace `params` needs (0: none); negative from the library is an error."""
+        n = int(self._workspace(ctypes.byref(params)))
+        if n < 0:
+            raise GemmgenLaunchError(f"{self.symbol}_workspace returned {n}")
+        return n
+
+
+def bind_bwd(path: Path, symbol: str) -> BwdInstance:
+    """Bind a backward instance's entry points (cached); raise GemmgenLaunchError if absent."""
+    try:
+        return _bind(str(path), symbol, BwdInstance)
+    except AttributeError as exc:
+        raise GemmgenLaunchError(f"{path} does not export {symbol} / {symbol}_workspace / {symbol}_info: {exc}") from exc

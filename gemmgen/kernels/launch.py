@@ -2,6 +2,7 @@
 one compiled instance on the inputs' device and current stream."""
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -9,8 +10,8 @@ import torch
 
 from gemmgen.kernels import abi
 from gemmgen.select import device
-from gemmgen.select.problem import ALIGN_BYTES, Problem, layout_kind
-from gemmgen.ops.reference import causal_offset
+from gemmgen.select.problem import ALIGN_BYTES, BwdProblem, Problem, layout_kind
+from gemmgen.select.reference import causal_offset
 
 DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 TORCH_DTYPES = {name: dt for dt, name in DTYPE_NAMES.items()}
@@ -128,6 +129,67 @@ def params_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Te
 def _set_features(p: abi.AttnParams, dropout_p: float, seed: int, offset: int) -> None:
     if dropout_p > 0.0:
         p.dropout_p, p.dropout_seed, p.dropout_offset = dropout_p, seed, offset
+
+
+def problem_for_bwd(q: torch.Tensor, k: torch.Tensor, causal: bool, *, causal_alignment: str = "top_left",
+                    scale: float | None = None, dropout: bool = False, bias: torch.Tensor | None = None,
+                    bias_grad: bool = False, deterministic: bool = False,
+                    tensors: tuple[torch.Tensor | None, ...] = ()) -> BwdProblem:
+    """The BwdProblem of a backward call on validated tensors: q and k as the kernel reads them (K
+    with as many heads as Q), `tensors` the others whose extent counts in max_offset."""
+    fwd = problem_for(q, k, causal, causal_alignment=causal_alignment, scale=scale, dropout=dropout, bias=bias)
+    fields = {f.name: getattr(fwd, f.name) for f in dataclasses.fields(Problem)}
+    fields["max_offset"] = max(fwd.max_offset, max_offset(*tensors))
+    return BwdProblem(**fields, bias_grad=bias_grad, deterministic=deterministic)
+
+
+def _triple(t: torch.Tensor) -> tuple[int, int, int]:
+    s = t.stride()
+    return s[0], s[1], s[2]
+
+
+def params_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, d_o: torch.Tensor,
+               lse: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, *, causal: bool,
+               causal_alignment: str, scale: float | None, dropout_p: float = 0.0, seed: int = 0,
+               offset: int = 0, bias: torch.Tensor | None = None, dbias: torch.Tensor | None = None,
+               deterministic: bool = False) -> abi.AttnBwdParams:
+    """The C ABI params of one backward call (all [B, H, N, d] by their strides, K and V with Q's
+    heads; LSE the forward's [B, H, Nq] float32); the workspace is set by run_bwd."""
+    b, h, nq, d = q.shape
+    nk = k.shape[2]
+    p = abi.AttnBwdParams()
+    for name, t in (("q", q), ("k", k), ("v", v), ("o", o), ("d_o", d_o), ("lse", lse), ("dq", dq), ("dk", dk),
+                    ("dv", dv)):
+        setattr(p, name, t.data_ptr())
+    p.batch, p.heads, p.heads_kv, p.seqlen_q, p.seqlen_k, p.head_dim = b, h, k.shape[1], nq, nk, d
+    for name, t in (("q", q), ("k", k), ("v", v), ("o", o), ("do", d_o), ("dq", dq), ("dk", dk), ("dv", dv)):
+        for dim, stride in zip(("batch", "head", "row"), _triple(t)):
+            setattr(p, f"{name}_{dim}_stride", stride)
+    p.scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    p.causal_offset = causal_offset(nq, nk, causal_alignment) if causal else NO_MASK_OFFSET
+    if bias is not None:
+        p.bias = bias.data_ptr()
+        p.bias_batch_stride, p.bias_head_stride, p.bias_row_stride = _triple(bias)
+    if dbias is not None:
+        p.dbias = dbias.data_ptr()
+        p.dbias_batch_stride, p.dbias_head_stride, p.dbias_row_stride = _triple(dbias)
+    if dropout_p > 0.0:
+        p.dropout_p, p.dropout_seed, p.dropout_offset = dropout_p, seed, offset
+    p.deterministic = int(deterministic)
+    return p
+
+
+def run_bwd(kernel: Any, p: abi.AttnBwdParams, index: int) -> None:
+    """Run the backward instance `kernel` with `p` on CUDA device `index` and its current stream,
+    with a workspace of the size the instance asks for, from torch's caching allocator (freed in
+    stream order, and captured like any allocation inside a CUDA graph)."""
+    with torch.cuda.device(index):
+        size = kernel.workspace_bytes(p)
+        workspace = torch.empty(max(size, 1) + 256, dtype=torch.uint8, device=f"cuda:{index}")
+        base = workspace.data_ptr()
+        p.workspace = base + (-base % 256)
+        p.workspace_bytes = size
+        kernel.run(p, _raw_stream(index))
 
 
 def draw_seed(index: int, draws: int) -> tuple[int, int]:

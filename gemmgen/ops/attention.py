@@ -182,8 +182,8 @@ def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
                     causal_alignment: str = "top_left", scale: float | None = None,
                     return_lse: bool = False, instance: str | None = None,
                     out: torch.Tensor | None = None, dropout_p: float = 0.0, seed: int | None = None,
-                    offset: int = 0,
-                    attn_mask: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                    offset: int = 0, attn_mask: torch.Tensor | None = None,
+                    deterministic: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """O = softmax(scale * Q K^T + mask) V on the GPU, without copying the inputs.
 
     q: [B, H, Nq, d]; k, v: [B, Hkv, Nk, d], Hkv dividing H (GQA/MQA); fp16 or bf16; any strides
@@ -194,7 +194,14 @@ def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
     float32 natural-log LSE [B, H, Nq] (-inf and O = 0 for a row that sees no key).
     `instance` forces a built instance by name. Runs on the inputs' device and current stream, as
     the torch custom op torch.ops.gemmgen.fused_attention (torch.compile and CUDA graphs work).
-    There is no backward pass: with grad mode on, inputs that require grad raise InputError.
+
+    Differentiable: when q, k, v or a float attn_mask require grad (grad mode on), autograd gets dQ,
+    dK and dV (summed over each group for GQA/MQA) and the mask's gradient from a backward instance
+    (gemmgen.ops.torch_op.fused_attention_backward), in the inputs' layouts; the forward saves LSE for it.
+    The forward checks at once that a backward instance serves the call, and raises InputError
+    naming what is missing if none does. deterministic=True asks for a backward whose result does
+    not depend on the order blocks finish in (no atomic accumulation; slower). The returned LSE has
+    no gradient of its own; `out=` has no backward. Double backward raises.
 
     dropout_p zeroes each attention weight with that probability and scales the rest by
     1/(1 - dropout_p); the mask is a function of (seed, offset) and the weight's position
@@ -203,23 +210,32 @@ def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
     attn_mask is added to the scaled scores, broadcastable to [B, H, Nq, Nk] like torch SDPA's float
     mask, in q's dtype (a bool mask becomes 0 where True and -inf where False).
     """
-    check_no_grad("fused_attention", q=q, k=k, v=v, attn_mask=attn_mask)
     check_bool("causal", causal)
     check_bool("return_lse", return_lse)
+    check_bool("deterministic", deterministic)
     check_instance(instance)
     scale = _check_args(causal_alignment, scale)
     dropout_p = _check_dropout(dropout_p, seed, offset)
     _validate(q, k, v, out, device=False)
+    training = torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad
+                                               for t in (q, k, v, attn_mask))
+    if training and out is not None:
+        check_no_grad("fused_attention with out=", q=q, k=k, v=v, attn_mask=attn_mask,
+                      hint="call it without out= to get gradients")
     _check_mask(attn_mask, q, k)
     if out is not None and _has_memory(q):
         check_no_overlap([("out", out)], [("q", q), ("k", k), ("v", v)] +
                          ([("attn_mask", attn_mask)] if attn_mask is not None else []))
     _check_device(q, k, v, out)
     bias = _prepare_mask(attn_mask, q, k)
+    if training and dropout_p > 0.0 and seed is None:  # the backward regenerates the forward's mask
+        b, h, nq, _ = q.shape
+        seed, base = launch.draw_seed(q.get_device(), b * h * nq * k.shape[2])
+        offset += base
     features = (dropout_p, seed, offset, bias)
     if out is None:
-        o, lse = torch_op.fused_attention_op(q, k, v, causal, causal_alignment, scale, return_lse, instance,
-                                             *features)
+        o, lse = torch_op.fused_attention_op(q, k, v, causal, causal_alignment, scale, return_lse or training,
+                                             instance, *features, deterministic)
     else:
         lse = torch_op.fused_attention_out_op(q, k, v, out, causal, causal_alignment, scale, return_lse,
                                               instance, *features)
@@ -267,7 +283,8 @@ def fused_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
     torch.compile and CUDA graph capture; a non-contiguous cu_seqlens view is copied to a contiguous
     one (the kernel reads the offsets as an array).
     """
-    check_no_grad("fused_attention_varlen", q=q, k=k, v=v)
+    check_no_grad("fused_attention_varlen", q=q, k=k, v=v,
+                  hint="gemmgen.fused_attention (fixed lengths, or padded batches with attn_mask) has one")
     check_bool("causal", causal)
     check_bool("return_lse", return_lse)
     check_instance(instance)

@@ -1,6 +1,6 @@
-"""The guard against silently missing gradients: gemmgen's operations have no backward pass yet, so a
-call whose inputs require grad (with grad mode on) raises at the forward instead of returning an
-output that autograd cannot differentiate."""
+"""The guard against silently missing gradients: an operation without a backward pass (batched
+GEMM, fused_attention_varlen, fused_attention with out=) raises at the forward when its inputs
+require grad (with grad mode on) instead of returning an output that autograd cannot differentiate."""
 from __future__ import annotations
 
 import torch
@@ -8,7 +8,8 @@ import torch
 from gemmgen.errors import InputError
 
 
-def check_no_grad(op: str, **tensors: object) -> None:
+def check_no_grad(op: str, hint: str = "for training use torch.nn.functional.scaled_dot_product_attention",
+                  **tensors: object) -> None:
     """Raise InputError naming `op` and every tensor argument that requires grad, when grad mode is on.
 
     Outside grad mode (torch.no_grad, torch.inference_mode) and for tensors that do not require grad
@@ -22,4 +23,4 @@ def check_no_grad(op: str, **tensors: object) -> None:
         raise InputError(
             f"{op} has no backward pass: {', '.join(names)} {verb} grad, and the gradients would be "
             f"missing. Supported: inference, under torch.no_grad() or torch.inference_mode(), or with "
-            f"detached inputs (x.detach()); for training use torch.nn.functional.scaled_dot_product_attention")
+            f"detached inputs (x.detach()); for training, {hint}")

@@ -2,14 +2,26 @@
 torch.compile traces them without a graph break and CUDA graphs capture them:
 
     torch.ops.gemmgen.fused_attention(q, k, v, causal, causal_alignment, scale, return_lse, instance,
-                                      dropout_p, seed, offset, bias)
+                                      dropout_p, seed, offset, bias, deterministic)
         -> (O in q's layout, LSE [B, H, Nq] float32, or an empty tensor without return_lse)
+    torch.ops.gemmgen.fused_attention_backward(grad_out, q, k, v, out, lse, causal, causal_alignment,
+                                               scale, dropout_p, seed, offset, bias, bias_grad,
+                                               deterministic)
+        -> (dQ like q, dK like k, dV like v, dBias [B, H, Nq, Nk], or an empty tensor without bias_grad)
     torch.ops.gemmgen.fused_attention_out(q, k, v, out, causal, causal_alignment, scale, return_lse,
                                           instance, dropout_p, seed, offset, bias) -> LSE (O written into `out`)
     torch.ops.gemmgen.fused_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                              max_seqlen_k, causal, scale, return_lse, instance,
                                              dropout_p, seed, offset)
         -> (O [Tq, H, d], LSE [B, H, max_seqlen_q] float32 or an empty tensor)
+
+fused_attention and fused_attention_backward are joined by torch.library.register_autograd: a
+forward whose inputs require grad saves q, k, v, O, LSE and the mask, and the backward op computes
+the gradients from them (LSE is saved, not recomputed; it is returned without a gradient of its
+own). Such a forward needs return_lse=True (gemmgen.fused_attention passes it) and, with dropout,
+an explicit seed (gemmgen.fused_attention draws one), and it checks at once that a backward
+instance can run the call. fused_attention_out and fused_attention_varlen have no backward: they
+refuse inputs that require grad (check_no_grad). Double backward raises.
 
 bias is the additive mask as [B, H, Nq, Nk] by its strides (gemmgen.ops.attention broadcasts and pads it).
 A seed of None draws one from torch's CUDA generator when the op runs (not when it is traced).
@@ -26,6 +38,7 @@ import sys
 from typing import Any, Callable
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 from gemmgen.select import jit, registry, selection
 from gemmgen.kernels import launch
@@ -36,18 +49,17 @@ from gemmgen.select.problem import ALIGN_BYTES, Problem
 _LIB = torch.library.Library("gemmgen", "DEF")
 _ARGS = "bool causal=False, str causal_alignment='top_left', float? scale=None, bool return_lse=False, str? instance=None"
 _FEATURES = "float dropout_p=0.0, int? seed=None, int offset=0"
-_LIB.define(f"fused_attention(Tensor q, Tensor k, Tensor v, {_ARGS}, {_FEATURES}, Tensor? bias=None) "
-            f"-> (Tensor, Tensor)")
+_LIB.define(f"fused_attention(Tensor q, Tensor k, Tensor v, {_ARGS}, {_FEATURES}, Tensor? bias=None, "
+            f"bool deterministic=False) -> (Tensor, Tensor)")
+_LIB.define("fused_attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
+            "bool causal, str causal_alignment, float? scale, float dropout_p, int seed, int offset, "
+            "Tensor? bias, bool bias_grad, bool deterministic) -> (Tensor, Tensor, Tensor, Tensor)")
 _LIB.define(f"fused_attention_out(Tensor q, Tensor k, Tensor v, Tensor(a!) out, {_ARGS}, {_FEATURES}, "
             f"Tensor? bias=None) -> Tensor")
 _LIB.define("fused_attention_varlen(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
             "int max_seqlen_q, int max_seqlen_k, bool causal=False, float? scale=None, bool return_lse=False, "
             f"str? instance=None, {_FEATURES}) -> (Tensor, Tensor)")
 
-# No autograd kernel is registered: gemmgen has no backward pass, and each implementation refuses
-# inputs that require grad while grad mode is on (check_no_grad), which torch leaves on when it
-# passes an op without one through to the implementation. (An autograd kernel would put a Python
-# layer in front of every call.)
 _kernels: dict[tuple, Any] = {}
 _MAX_CACHED = 4096
 
@@ -175,8 +187,7 @@ def _no_lse_on(device: torch.device) -> torch.Tensor:
 
 
 def _fused_attention(q, k, v, causal=False, causal_alignment="top_left", scale=None, return_lse=False,
-                     instance=None, dropout_p=0.0, seed=None, offset=0, bias=None):
-    check_no_grad("torch.ops.gemmgen.fused_attention", q=q, k=k, v=v, bias=bias)
+                     instance=None, dropout_p=0.0, seed=None, offset=0, bias=None, deterministic=False):
     o = launch.empty_like_layout(q)
     features = (dropout_p, seed, offset, bias)
     if not return_lse:
@@ -214,7 +225,7 @@ def _fused_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, m
 
 
 def _fake(q, k, v, causal=False, causal_alignment="top_left", scale=None, return_lse=False, instance=None,
-          dropout_p=0.0, seed=None, offset=0, bias=None):
+          dropout_p=0.0, seed=None, offset=0, bias=None, deterministic=False):
     return launch.empty_like_layout(q), _lse_like(q, return_lse)
 
 
@@ -228,12 +239,158 @@ def _fake_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
     return _varlen_outputs(q, cu_seqlens_q, max_seqlen_q, return_lse)
 
 
+# ---- backward ------------------------------------------------------------------------------------
+
+def _kernel_ready(t: torch.Tensor) -> bool:
+    """Whether a backward kernel can read `t` as it is: last dim contiguous, other strides non-zero
+    multiples of 8 elements where the dim is stepped over, 16-byte aligned data."""
+    (n0, n1, n2, n3), (s0, s1, s2, s3) = t.shape, t.stride()
+    if n3 > 1 and s3 != 1:
+        return False
+    for n, st in ((n0, s0), (n1, s1), (n2, s2)):
+        if n > 1 and (st == 0 or st % 8):
+            return False
+    return t.data_ptr() % ALIGN_BYTES == 0
+
+
+def _bwd_problem(q, k, causal, causal_alignment, scale, dropout_p, bias, bias_grad, deterministic, tensors=()):
+    return launch.problem_for_bwd(q, k, causal, causal_alignment=causal_alignment, scale=scale,
+                                  dropout=dropout_p > 0.0, bias=bias, bias_grad=bias_grad,
+                                  deterministic=deterministic, tensors=tensors)
+
+
+def _bwd_kernel(q, k, causal, causal_alignment, scale, dropout_p, bias, bias_grad, deterministic,
+                tensors=()) -> Any:
+    """The backward kernel for a call (K with Q's heads), selected once per key and cached; a
+    missing instance is compiled on demand as for the forward."""
+    qs, ks = q.stride(), k.stride()
+    big = launch.max_offset(q, k, bias, *tensors) >= 2**31
+    key = ("bwd", q.get_device(), q.dtype, q.shape, k.shape, qs[2] <= qs[1], ks[2] <= ks[1], causal,
+           causal_alignment if causal else None, _sign(scale), big, dropout_p > 0.0, bias is not None,
+           bias_grad, deterministic)
+    kernel = _kernels.get(key)
+    if kernel is None:
+        problem = _bwd_problem(q, k, causal, causal_alignment, scale, dropout_p, bias, bias_grad, deterministic,
+                               tensors)
+        kernel = jit.select_or_build(problem).kernel
+        if len(_kernels) >= _MAX_CACHED:
+            _kernels.clear()
+        _kernels[key] = kernel
+    return kernel
+
+
+def _expanded_layout(t: torch.Tensor, group: int, device: str | torch.device | None = None) -> torch.Tensor:
+    """An uninitialized [B, Hkv * group, N, d] tensor in t's dim order (t itself when group is 1);
+    on the "meta" device it has the strides without the memory (for selecting a kernel)."""
+    if group == 1:
+        return t
+    b, hkv, n, d = t.shape
+    like = launch.empty_like_layout(t.to("meta") if device == "meta" else t, (b, hkv * group, n, d))
+    return like
+
+
+def _expand_kv(t: torch.Tensor, group: int) -> torch.Tensor:
+    """K or V with Q's heads, in t's layout: query head h reads key/value head h // group."""
+    if group == 1:
+        return t
+    b, hkv, n, d = t.shape
+    out = _expanded_layout(t, group)
+    out.unflatten(1, (hkv, group)).copy_(t.unsqueeze(2).expand(b, hkv, group, n, d))
+    return out
+
+
+def _fused_attention_backward(grad_out, q, k, v, out, lse, causal, causal_alignment, scale, dropout_p, seed,
+                              offset, bias, bias_grad, deterministic):
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (grad_out, q, k, v, out)):
+        raise InputError("double backward through gemmgen.fused_attention is not supported: its backward "
+                         "(torch.ops.gemmgen.fused_attention_backward) has no backward of its own; "
+                         "call backward without create_graph=True")
+    b, h, nq, d = q.shape
+    hkv, nk = k.shape[1], k.shape[2]
+    dq, dk, dv = launch.empty_like_layout(q), launch.empty_like_layout(k), launch.empty_like_layout(v)
+    dbias = torch.empty((b, h, nq, nk) if bias_grad else (0,), dtype=q.dtype, device=q.device)
+    if q.numel() == 0 or nk == 0:  # no score: every gradient is zero
+        for t in (dq, dk, dv, dbias):
+            t.zero_()
+        return dq, dk, dv, dbias
+    if lse.shape != (b, h, nq):
+        raise InputError(f"the backward needs the forward's LSE [B, H, Nq] = {[b, h, nq]}; got {tuple(lse.shape)} "
+                         f"(call the forward with return_lse=True)")
+    group = h // hkv
+    kk, vv = _expand_kv(k, group), _expand_kv(v, group)
+    dkk, dvv = (dk, dv) if group == 1 else (launch.empty_like_layout(kk), launch.empty_like_layout(vv))
+    d_o = grad_out if _kernel_ready(grad_out) else launch.empty_like_layout(out).copy_(grad_out)
+    lse = lse.contiguous()
+    for name, t in (("q", q), ("k", kk), ("v", vv), ("out", out)):
+        if not _kernel_ready(t):
+            raise InputError(f"{name} of the backward is not laid out as the forward checked it")
+    index = q.get_device()
+    kernel = _bwd_kernel(q, kk, causal, causal_alignment, scale, dropout_p, bias, bias_grad, deterministic,
+                         (vv, out, d_o, dq, dkk, dvv))
+    p = launch.params_bwd(q, kk, vv, out, d_o, lse, dq, dkk, dvv, causal=causal, causal_alignment=causal_alignment,
+                          scale=scale, dropout_p=dropout_p, seed=seed, offset=offset, bias=bias,
+                          dbias=dbias if bias_grad else None, deterministic=deterministic)
+    launch.run_bwd(kernel, p, index)
+    if group > 1:  # GQA/MQA: dK and dV summed over the query heads of each key/value head
+        dk.copy_(dkk.unflatten(1, (hkv, group)).sum(2, dtype=torch.float32))
+        dv.copy_(dvv.unflatten(1, (hkv, group)).sum(2, dtype=torch.float32))
+    return dq, dk, dv, dbias
+
+
+def _fake_backward(grad_out, q, k, v, out, lse, causal, causal_alignment, scale, dropout_p, seed, offset, bias,
+                   bias_grad, deterministic):
+    b, h, nq, _ = q.shape
+    dbias = q.new_empty((b, h, nq, k.shape[2]) if bias_grad else (0,))
+    return launch.empty_like_layout(q), launch.empty_like_layout(k), launch.empty_like_layout(v), dbias
+
+
+# The positions of fused_attention's arguments (its schema) that the backward reads.
+_Q, _K, _V, _CAUSAL, _ALIGNMENT, _SCALE, _RETURN_LSE, _INSTANCE, _DROPOUT, _SEED, _OFFSET, _BIAS, _DET = range(13)
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    """Save what the backward needs, and refuse at the forward what it could not differentiate."""
+    q, k, v = inputs[_Q], inputs[_K], inputs[_V]
+    causal, alignment, scale = inputs[_CAUSAL], inputs[_ALIGNMENT], inputs[_SCALE]
+    dropout_p, seed, offset, bias, deterministic = (inputs[_DROPOUT], inputs[_SEED], inputs[_OFFSET], inputs[_BIAS],
+                                                    inputs[_DET])
+    o, lse = output
+    if not inputs[_RETURN_LSE]:
+        raise InputError("torch.ops.gemmgen.fused_attention needs return_lse=True when its inputs require grad: "
+                         "the backward reads the forward's LSE (gemmgen.fused_attention passes it)")
+    if dropout_p > 0.0 and seed is None:
+        raise InputError("torch.ops.gemmgen.fused_attention with dropout needs an explicit seed when its inputs "
+                         "require grad: the backward regenerates the forward's mask (gemmgen.fused_attention "
+                         "draws one)")
+    bias_grad = bias is not None and bias.requires_grad
+    if not isinstance(q, FakeTensor) and not torch.compiler.is_compiling() and q.numel() and k.shape[2]:
+        kk = _expanded_layout(k, q.shape[1] // k.shape[1], "meta")
+        _bwd_kernel(q, kk, causal, alignment, scale, dropout_p, bias, bias_grad, deterministic)
+    ctx.save_for_backward(q, k, v, o, lse, bias)
+    ctx.args = (causal, alignment, scale, dropout_p, 0 if seed is None else seed, offset, bias_grad, deterministic)
+    ctx.mark_non_differentiable(lse)
+
+
+
+
+def _autograd_backward(ctx, grad_o, grad_lse):
+    q, k, v, o, lse, bias = ctx.saved_tensors
+    causal, alignment, scale, dropout_p, seed, offset, bias_grad, deterministic = ctx.args
+    dq, dk, dv, dbias = fused_attention_backward_op(grad_o, q, k, v, o, lse, causal, alignment, scale, dropout_p,
+                                                    seed, offset, bias, bias_grad, deterministic)
+    return dq, dk, dv, None, None, None, None, None, None, None, None, dbias if bias_grad else None, None
+
+
 _LIB.impl("fused_attention", _fused_attention, "CUDA")
 _LIB.impl("fused_attention_out", _fused_attention_out, "CUDA")
 _LIB.impl("fused_attention_varlen", _fused_attention_varlen, "CUDA")
+_LIB.impl("fused_attention_backward", _fused_attention_backward, "CUDA")
 torch.library.register_fake("gemmgen::fused_attention", _fake, lib=_LIB)
 torch.library.register_fake("gemmgen::fused_attention_out", _fake_out, lib=_LIB)
 torch.library.register_fake("gemmgen::fused_attention_varlen", _fake_varlen, lib=_LIB)
+torch.library.register_fake("gemmgen::fused_attention_backward", _fake_backward, lib=_LIB)
+torch.library.register_autograd("gemmgen::fused_attention", _autograd_backward, setup_context=_setup_context,
+                                lib=_LIB)
 
 
 
@@ -241,6 +398,7 @@ torch.library.register_fake("gemmgen::fused_attention_varlen", _fake_varlen, lib
 fused_attention_op = torch.ops.gemmgen.fused_attention.default
 fused_attention_out_op = torch.ops.gemmgen.fused_attention_out.default
 fused_attention_varlen_op = torch.ops.gemmgen.fused_attention_varlen.default
+fused_attention_backward_op = torch.ops.gemmgen.fused_attention_backward.default
 
 
 def clear_cache() -> None:

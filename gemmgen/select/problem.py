@@ -95,3 +95,24 @@ class Problem:
         """The sizes and the rest of the key, for `gemmgen explain`."""
         return (f"B*H={self.batch_heads} Nq={self.seqlen_q} Nk={self.seqlen_k}, layout {self.layout}, "
                 f"GQA ratio {self.gqa}, {self.align}-byte aligned")
+
+
+@dataclasses.dataclass(frozen=True)
+class BwdProblem(Problem):
+    """One attention backward call (dQ, dK, dV from dO and the forward's O and LSE) as the registry
+    sees it: the forward's functional key and sizes, with K and V as the kernel reads them (the
+    caller expands GQA, so `gqa` is 1), plus whether dBias is wanted and whether the call must be
+    deterministic. Tuning entries are filed under "bwd_"-prefixed keys."""
+
+    bias_grad: bool = False
+    deterministic: bool = False
+    kind: ClassVar[str] = "attention_bwd"
+
+    @property
+    def functional_key(self) -> str:
+        extra = ("_dbias" if self.bias_grad else "") + ("_det" if self.deterministic else "")
+        return f"bwd_{super().functional_key}{extra}"
+
+    def describe(self) -> str:
+        extra = (", dbias" if self.bias_grad else "") + (", deterministic" if self.deterministic else "")
+        return f"backward of {super().describe()}{extra}"

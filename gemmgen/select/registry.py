@@ -61,9 +61,11 @@ class Candidate:
         return family_named(self.entry.family).INSTANCE.from_params(self.entry.params)
 
     @functools.cached_property
-    def kernel(self) -> abi.Instance:
-        """The loaded and bound entry points (loaded on first use, then cached)."""
-        kernel = abi.bind(self.library, self.entry.symbol)
+    def kernel(self) -> abi.Instance | abi.BwdInstance:
+        """The loaded and bound entry points (loaded on first use, then cached): a backward family's
+        instance exports the backward's three, a forward's its two."""
+        backward = family_named(self.entry.family).KIND == "attention_bwd"
+        kernel = (abi.bind_bwd if backward else abi.bind)(self.library, self.entry.symbol)
         version = kernel.info().abi_version
         if version != abi.ABI_VERSION:
             raise GemmgenLaunchError(f"{self.library} implements ABI {version}, this gemmgen calls "
@@ -215,8 +217,8 @@ def reject_reason(cand: Candidate, problem: Problem) -> str | None:
         family = family_named(entry.family)
     except KeyError:
         return f"family {entry.family!r} is unknown to this gemmgen"
-    if family.KIND != "attention":
-        return f"family {entry.family} is not a fused attention family"
+    if family.KIND != problem.kind:
+        return f"family {entry.family} serves {family.KIND}, not {problem.kind}"
     try:
         inst = cand.instance
     except ValueError as exc:
@@ -254,9 +256,18 @@ def partition(cands: Iterable[Candidate], reason_of: Callable[[Candidate], str |
     return good, rejected
 
 
+def _of_kind(cand: Candidate, kind: str) -> bool:
+    """True when the candidate's family serves `kind`, or is unknown (its reject reason says so)."""
+    try:
+        return family_named(cand.entry.family).KIND == kind
+    except KeyError:
+        return True
+
+
 def candidates(problem: Problem) -> tuple[list[Candidate], list[tuple[str, str]]]:
-    """The instances that can run `problem`, and (label, reason) for every one rejected."""
-    return partition(load()[0], lambda cand: reject_reason(cand, problem))
+    """The instances of the problem's kind (forward or backward attention) that can run it, and
+    (label, reason) for every one of that kind rejected."""
+    return partition([c for c in load()[0] if _of_kind(c, problem.kind)], lambda cand: reject_reason(cand, problem))
 
 
 def build_target(problem: Problem) -> tuple[Any, Any] | None:
@@ -266,7 +277,7 @@ def build_target(problem: Problem) -> tuple[Any, Any] | None:
         for arch in family.ARCHS:
             if not runs_on(arch.gencode, problem.cc):
                 continue
-            if family.KIND != "attention":
+            if family.KIND != problem.kind:
                 continue
             for pool in (family.DEFAULT, family.SPACE):
                 for inst in pool:

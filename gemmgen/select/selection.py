@@ -1,13 +1,14 @@
 """Selection for every kind of operation, through the one engine (gemmgen.select.engine): a
-problem's `kind` names its Kind (attention forward, batched GEMM, row softmax); decide() explains, select()
+problem's `kind` names its Kind (attention forward and backward, batched GEMM, row softmax); decide() explains, select()
 caches the winner per problem and instance name. refresh() of the registry forgets the cache."""
 from __future__ import annotations
 
-from gemmgen.select import attention_select, engine, gemm_select, registry, softmax_select
+from gemmgen.select import attention_bwd_select, attention_select, engine, gemm_select, registry, softmax_select
 from gemmgen.select.engine import NEAREST_MAX_DISTANCE, SOURCES, WRONG_RESULT, Decision  # noqa: F401 (the engine's names, for callers of this module)
 from gemmgen.select.registry import Candidate
 
-KINDS: dict[str, engine.Kind] = {k.name: k for k in (attention_select.KIND, gemm_select.KIND, softmax_select.KIND)}
+KINDS: dict[str, engine.Kind] = {k.name: k for k in (attention_select.KIND, attention_bwd_select.KIND,
+                                                   gemm_select.KIND, softmax_select.KIND)}
 _MAX_CACHED = 4096  # bound the cache for workloads with many distinct lengths
 _selected: dict[tuple[object, str | None], Candidate] = {}
 

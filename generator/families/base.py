@@ -142,6 +142,31 @@ class Warps:
         return 32 * self.warps
 
 
+class BoundedHeadDim:
+    """Mixed into an attention instance built on one of CUTLASS example 41's kernels: it serves
+    every head dim up to its `max_head_dim` and both masks (the causal offset is a launch
+    parameter), so it fixes neither (its family's problem_reason checks them), and its CTA holds one
+    32x32 warp tile per warp of its `block_m` x `block_n` block."""
+
+    max_head_dim: int
+    block_m: int
+    block_n: int
+
+    @property
+    def head_dim(self) -> None:
+        """None: every multiple of 8 up to max_head_dim."""
+        return None
+
+    @property
+    def mask(self) -> None:
+        """None: the causal offset is a launch parameter."""
+        return None
+
+    @property
+    def warps(self) -> int:
+        return self.block_m * self.block_n // (32 * 32)
+
+
 class AttentionInstance(Instance):
     """An attention family's instance. Besides Instance's members it has `head_dim` (int) and
     `mask` (Mask), fields or properties that are None where one instance serves several (its
@@ -260,7 +285,7 @@ class Family(Protocol):
     """What every family module declares at module level (check_family checks it)."""
 
     FAMILY: str  # prefix of every instance name, e.g. "fa2_sm80"
-    KIND: str  # "attention", "gemm" or "softmax": which selection engine serves it
+    KIND: str  # "attention", "attention_bwd", "gemm" or "softmax": which kind of selection serves it
     BUILT_BY_DEFAULT: bool  # whether `gemmgen generate` without --family builds it
     TEMPLATE: str  # its Jinja file under templates/ (an absolute path for a family kept elsewhere)
     HEADER_DIRS: tuple[str, ...]  # folders under templates/include/gemmgen/ its build key covers
@@ -320,6 +345,8 @@ def feature_reason(family: str, problem: Any,
 # Per kind: the members its module declares and the base of its instance type.
 KINDS: dict[str, tuple[type, type[Instance]]] = {
     "attention": (AttentionFamily, AttentionInstance),
+    # Backward families: the attention contract, their instances served by the backward's kind.
+    "attention_bwd": (AttentionFamily, AttentionInstance),
     "gemm": (GemmFamily, GemmInstance),
     "softmax": (Family, Instance),
 }
@@ -364,7 +391,7 @@ def check_family(family: Any) -> None:
         for pool in ("SPACE", "DEFAULT"):
             if any(not isinstance(inst, inst_type) for inst in getattr(family, pool, ())):
                 problems.append(f"{pool} holds something other than {inst_type.__name__} instances")
-    if kind == "attention" and any(not isinstance(d, int) or d < 1 for d in getattr(family, "HEAD_DIMS", ())):
+    if kind in ("attention", "attention_bwd") and any(not isinstance(d, int) or d < 1 for d in getattr(family, "HEAD_DIMS", ())):
         problems.append("HEAD_DIMS are not positive ints")
     if problems:
         raise TypeError(f"family module {getattr(family, '__name__', family)!r} breaks the family contract "

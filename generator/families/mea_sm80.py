@@ -17,7 +17,8 @@ import dataclasses
 import itertools
 
 from gemmgen.arch import Arch
-from gemmgen.generator.families.base import AttentionInstance, CostInputs, DType, Warps, axis_reason, smem_reason
+from gemmgen.generator.families.base import (AttentionInstance, BoundedHeadDim, CostInputs, DType, Warps, axis_reason,
+                                             smem_reason)
 
 FAMILY = "mea_sm80"
 KIND = "attention"
@@ -47,7 +48,7 @@ HEAD_DIMS = tuple(range(HEAD_DIM_MULTIPLE, max(MAX_HEAD_DIMS) + 1, HEAD_DIM_MULT
 
 
 @dataclasses.dataclass(frozen=True)
-class MeaSm80Instance(Warps, AttentionInstance):
+class MeaSm80Instance(BoundedHeadDim, Warps, AttentionInstance):
     """One AttentionKernel: every head dim up to `max_head_dim` and both masks (it fixes neither),
     `block_m` queries by `block_n` keys per block, one 32x32 warp tile per warp."""
 
@@ -63,20 +64,6 @@ class MeaSm80Instance(Warps, AttentionInstance):
     def name(self) -> str:
         return (f"{self.name_stem}_k{self.max_head_dim}_q{self.block_m}k{self.block_n}"
                 f"_{'aligned' if self.aligned else 'unaligned'}")
-
-    @property
-    def head_dim(self) -> None:
-        """None: one instance serves every multiple of 8 up to max_head_dim (problem_reason checks)."""
-        return None
-
-    @property
-    def mask(self) -> None:
-        """None: causal is a launch parameter."""
-        return None
-
-    @property
-    def warps(self) -> int:
-        return self.block_m * self.block_n // (32 * 32)
 
     @property
     def keeps_output_in_registers(self) -> bool:

@@ -157,15 +157,16 @@ def test_side_stream_and_cuda_graph():
     assert torch.equal(out, want)
 
 
-def test_inputs_that_require_grad_raise_at_the_forward():
-    """No backward pass yet: the forward refuses inputs that require grad instead of leaving their
-    gradients None (the public function and the torch op called directly), and runs under no_grad."""
+def test_calls_without_backward_refuse_inputs_that_require_grad():
+    """fused_attention_varlen and fused_attention(out=) have no backward: they refuse inputs that
+    require grad at the forward (the public functions and the torch ops called directly) instead of
+    leaving their gradients None, and run under no_grad."""
     q, k, v = (t.requires_grad_() for t in make_qkv(1, 2, 2, 64, 64, 64, torch.bfloat16, "grad"))
+    with pytest.raises(gemmgen.InputError, match="out= has no backward pass: q, k, v require grad"):
+        gemmgen.fused_attention(q, k, v, out=torch.empty_like(q))
     with pytest.raises(gemmgen.InputError, match="no backward pass: q, k, v require grad"):
-        gemmgen.fused_attention(q, k, v).float().sum().backward()
+        torch.ops.gemmgen.fused_attention_out(q, k, v, torch.empty_like(q))
     assert q.grad is None
-    with pytest.raises(gemmgen.InputError, match="no backward pass: q, k, v require grad"):
-        torch.ops.gemmgen.fused_attention(q, k, v)
     cu = torch.tensor([0, 64], dtype=torch.int32, device="cuda")
     packed = [t[0].transpose(0, 1) for t in (q, k, v)]
     with pytest.raises(gemmgen.InputError, match="no backward pass"):

@@ -4,7 +4,7 @@
 #pragma once
 #include <stdint.h>
 
-#define GEMMGEN_ABI_VERSION 2
+#define GEMMGEN_ABI_VERSION 3
 #define GEMMGEN_EXPORT extern "C" __attribute__((visibility("default")))
 
 // Fused attention forward: O = softmax(scale * Q K^T + mask) V.
@@ -67,6 +67,62 @@ enum GemmgenStatus {
   GEMMGEN_INVALID_ARGUMENT = 1,  // params the instance cannot run (message says which)
   GEMMGEN_CUDA_ERROR = 2,        // a CUDA runtime call or the launch failed
 };
+
+// ---------------------------------------------------------------------------------------------
+// Fused attention backward: given dO = dL/dO and the forward's O and LSE, write dQ, dK and dV
+// (and dBias when asked). Sizes, strides and masks mean what they mean in GemmgenAttnParams; the
+// last dimension of every tensor is contiguous. dQ is shaped like Q; dK and dV like K and V. The
+// instances of the current backward families run heads_kv == heads only: the caller expands K and V
+// for GQA/MQA and sums dK and dV over each group.
+typedef struct GemmgenAttnBwdParams {
+  const void* q;
+  const void* k;
+  const void* v;
+  const void* o;
+  const void* d_o;
+  const float* lse;  // the forward's [batch, heads, seqlen_q] contiguous float32, natural log
+  void* dq;
+  void* dk;
+  void* dv;
+  void* workspace;          // at least <symbol>_workspace(params) bytes, 256-byte aligned,
+  int64_t workspace_bytes;  // contents undefined on entry (the instance clears what it needs)
+
+  int32_t batch;
+  int32_t heads;
+  int32_t heads_kv;
+  int32_t seqlen_q;
+  int32_t seqlen_k;
+  int32_t head_dim;
+
+  int64_t q_batch_stride, q_head_stride, q_row_stride;
+  int64_t k_batch_stride, k_head_stride, k_row_stride;
+  int64_t v_batch_stride, v_head_stride, v_row_stride;
+  int64_t o_batch_stride, o_head_stride, o_row_stride;
+  int64_t do_batch_stride, do_head_stride, do_row_stride;
+  int64_t dq_batch_stride, dq_head_stride, dq_row_stride;
+  int64_t dk_batch_stride, dk_head_stride, dk_row_stride;
+  int64_t dv_batch_stride, dv_head_stride, dv_row_stride;
+
+  float scale;
+  int32_t causal_offset;  // as the forward: key j visible to query i iff j <= i + causal_offset
+
+  const void* bias;  // the forward's additive mask (NULL: none), strides as in GemmgenAttnParams
+  int64_t bias_batch_stride, bias_head_stride, bias_row_stride;
+  void* dbias;       // dL/dBias, [batch, heads, seqlen_q, seqlen_k] by its strides; NULL: not wanted
+  int64_t dbias_batch_stride, dbias_head_stride, dbias_row_stride;
+  float dropout_p;   // the forward's dropout: the same (seed, offset) regenerates the same mask
+  uint64_t dropout_seed;
+  uint64_t dropout_offset;
+  const int32_t* cu_seqlens_q;  // variable lengths as in GemmgenAttnParams; NULL: fixed
+  const int32_t* cu_seqlens_k;
+  int32_t deterministic;  // 1: no accumulation whose order depends on scheduling (slower)
+} GemmgenAttnBwdParams;
+
+// A backward instance exports
+//   int <symbol>(const GemmgenAttnBwdParams*, void* stream, char* err, int err_len);
+//   int64_t <symbol>_workspace(const GemmgenAttnBwdParams*);  // bytes of workspace the call needs
+//   int <symbol>_info(GemmgenInstanceInfo*);                   // flags include GEMMGEN_INFO_BACKWARD
+#define GEMMGEN_INFO_BACKWARD 2
 
 // ---------------------------------------------------------------------------------------------
 // Batched GEMM: C[b, h] = alpha * A[b, h] * op(B[b, h]) for every batch b and head h, fp32

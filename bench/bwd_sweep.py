@@ -1,0 +1,136 @@
+"""Backward sweep: gemmgen.fused_attention's backward against torch SDPA's backends' backward.
+
+Shapes as in FlashAttention's benchmark: batch*seqlen = 16384 tokens, heads*head_dim = 2048,
+Nq = Nk = N. Backward FLOPs = 2.5 x the forward's (4*B*H*N^2*d, halved for causal); forward +
+backward = 3.5 x. Each side is what a user runs, eager and untuned, host path included:
+
+    backward alone:      torch.autograd.grad(o, (q, k, v), do, retain_graph=True)
+    forward + backward:  o = attention(q, k, v); torch.autograd.grad(o, (q, k, v), do)
+
+for gemmgen (the instance the registry picks by default) and for SDPA restricted to each of its
+flash (FlashAttention-2), efficient and cuDNN backends, all in the same process on the same
+inputs, timed in --rounds rounds whose order alternates (gemmgen.select.timing.rounds_ms), each
+round the median of --reps CUDA-event timings, reported as the median over the rounds.
+
+    python bench/bwd_sweep.py [--dtype bf16 fp16] [--head-dim 64 128] [--seq-len 512 ...] [--out FILE.md]
+
+Prints one markdown table per mode and summary lines: at how many shapes with N >= 1024 gemmgen's
+backward is at or above the fastest SDPA backend's, and which shapes fall below.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import gemmgen
+from gemmgen.select import timing
+from gemmgen.select.shapes import HIDDEN, SEQLENS, TOKENS
+
+BACKENDS = {"FA2": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
+            "cuDNN": SDPBackend.CUDNN_ATTENTION}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+MODES = ("bwd", "fwd+bwd")
+BAR_MIN_N = 1024
+
+
+def attend(backend):
+    """The attention of one side: gemmgen's, or SDPA restricted to `backend`."""
+    if backend is None:
+        return lambda q, k, v, causal: gemmgen.fused_attention(q, k, v, causal=causal)
+
+    def run(q, k, v, causal):
+        with sdpa_kernel([backend]):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    return run
+
+
+def sides_for(q, k, v, do, causal, mode):
+    """{label: callable} of the sides that run this shape (a backend that cannot is left out)."""
+    sides = {}
+    for label, backend in {"gemmgen": None, **BACKENDS}.items():
+        fn = attend(backend)
+        try:
+            if mode == "bwd":
+                o = fn(q, k, v, causal)
+
+                def run(o=o):
+                    torch.autograd.grad(o, (q, k, v), do, retain_graph=True)
+            else:
+                def run(fn=fn):
+                    torch.autograd.grad(fn(q, k, v, causal), (q, k, v), do)
+            run()
+        except (RuntimeError, gemmgen.GemmgenError) as exc:
+            print(f"    {label}: not run ({str(exc).splitlines()[0]})", file=sys.stderr, flush=True)
+            continue
+        sides[label] = run
+    return sides
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dtype", nargs="+", default=["bf16", "fp16"], choices=list(DTYPES))
+    ap.add_argument("--head-dim", nargs="+", type=int, default=[64, 128])
+    ap.add_argument("--seq-len", nargs="+", type=int, default=list(SEQLENS))
+    ap.add_argument("--mode", nargs="+", default=list(MODES), choices=MODES)
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--out", help="also write the tables to this markdown file")
+    args = ap.parse_args()
+
+    dev = torch.cuda.get_device_properties(0)
+    header = (f"{dev.name}, {dev.multi_processor_count} SMs, torch {torch.__version__}, gemmgen "
+              f"{gemmgen.__version__}, {datetime.date.today()}; eager calls with the host path, default "
+              f"build untuned; each side the median over {args.rounds} rounds in alternating order of the "
+              f"median of {args.reps} CUDA-event timings; TFLOP/s = 2.5 (bwd) or 3.5 (fwd+bwd) x "
+              f"4*B*H*N^2*d/t, halved for causal")
+    print(header, flush=True)
+    tables, summary = [], []
+    for mode in args.mode:
+        rows = [f"### {mode}", "", "| dtype | d | causal | N | gemmgen | FA2 | efficient | cuDNN | gemmgen/best |",
+                "|---|---|---|---|---|---|---|---|---|"]
+        ratios = []
+        for dname in args.dtype:
+            dtype = DTYPES[dname]
+            for d in args.head_dim:
+                for causal in (False, True):
+                    for n in args.seq_len:
+                        b, h = TOKENS // n, HIDDEN // d
+                        q, k, v, do = (torch.randn(b, h, n, d, device="cuda", dtype=dtype) for _ in range(4))
+                        for t in (q, k, v):
+                            t.requires_grad_()
+                        sides = sides_for(q, k, v, do, causal, mode)
+                        ms = timing.rounds_ms(sides, rounds=args.rounds, reps=args.reps, warmup=2) if sides else {}
+                        factor = 2.5 if mode == "bwd" else 3.5
+                        flops = factor * 4 * b * h * n * n * d / (2 if causal else 1)
+                        tf = {label: flops / t / 1e9 for label, t in ms.items()}
+                        peer = max((tf[x] for x in BACKENDS if x in tf), default=None)
+                        ratio = tf["gemmgen"] / peer if "gemmgen" in tf and peer else None
+                        if ratio is not None and n >= BAR_MIN_N:
+                            ratios.append((ratio, f"{dname} d{d} {'causal' if causal else 'none'} N={n}"))
+                        fmt = lambda x: "-" if x is None else f"{x:.0f}"  # noqa: E731
+                        row = (f"| {dname} | {d} | {'Y' if causal else 'N'} | {n} | {fmt(tf.get('gemmgen'))} | "
+                               f"{fmt(tf.get('FA2'))} | {fmt(tf.get('efficient'))} | {fmt(tf.get('cuDNN'))} | "
+                               f"{'-' if ratio is None else f'{ratio:.2f}'} |")
+                        rows.append(row)
+                        print(f"{mode} {row}", flush=True)
+                        del q, k, v, do, sides
+        ahead = sum(r >= 1.0 for r, _ in ratios)
+        below = sorted(r for r in ratios if r[0] < 1.0)
+        summary += [f"- {mode}: gemmgen >= fastest SDPA backend at {ahead} of {len(ratios)} shapes with N >= "
+                    f"{BAR_MIN_N}",
+                    f"- {mode} below 1.00: " + (", ".join(f"{label} {r:.2f}" for r, label in below) or "none")]
+        tables.append("\n".join(rows))
+    print("\n".join(summary), flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(header + "\n\n" + "\n\n".join(tables) + "\n\n" + "\n".join(summary) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

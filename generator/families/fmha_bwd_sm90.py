@@ -1,0 +1,146 @@
+"""CUTLASS's Hopper FMHA backward (example 88 of the CUTLASS source tree) as a gemmgen family.
+
+The backward kernel is CUTLASS's own (TMA loads, wgmma, a producer warp group and two math warp
+groups, dQ added up in fp32 with TMA reductions), included from the installed nvidia-cutlass
+package; templates/include/gemmgen/fmha_bwd_sm90/launch.h maps gemmgen's backward C ABI
+(GemmgenAttnBwdParams) onto it, with our own steps around it: D = rowsum(O * dO) and the LSE copy
+before, the fp32 dQ into dQ's dtype and strides after, and our mask (keys past seqlen_k, the partial
+last query tile, top-left causal). Built for sm_90a only: wgmma and setmaxnreg have no other target.
+
+Not built by default: on the GPU it has run one case correctly (bf16 d128 causal 256x256), and its
+guard against a hang (a causal CTA whose keys all lie past the last query) has not run on a GPU
+yet; mea_bwd_sm80 serves Hopper meanwhile. Build it with `--family fmha_bwd_sm90`.
+
+One instance = one (dtype, head_dim, mask, tile): block_m queries per step of a CTA's loop, block_n
+keys per CTA (example 88's TileShape (block_m, block_n, head_dim)). `problem_reason` states what a
+built instance cannot run, so the registry picks another family for those calls.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+from gemmgen.arch import Arch
+from gemmgen.generator.families.base import (AttentionInstance, CostInputs, DType, Mask, axis_reason,
+                                             feature_reason, smem_reason)
+
+FAMILY = "fmha_bwd_sm90"
+KIND = "attention_bwd"
+BUILT_BY_DEFAULT = False
+TEMPLATE = "fmha_bwd_sm90.cu.jinja"
+HEADER_DIRS = ("fmha_bwd_sm90",)
+ARCHS = (Arch.SM90,)
+
+# Axes.
+DTYPES = (DType.FP16, DType.BF16)
+# 256 does not fit: its Q/dO stages and fp32 dQ tile alone take 256 KB at block_m 64.
+HEAD_DIMS = (32, 64, 128)
+MASKS = tuple(Mask)  # causal is top-left only (launch.h's BwdMask)
+TILES = ((64, 128), (128, 128))  # (block_m, block_n): the tiles example 88 runs its backward with
+THREADS = 384  # a producer warp group and two math warp groups of block_n / 2 keys each
+MAX_SMEM = Arch.SM90.max_smem_bytes
+INT32_MAX = 2**31 - 1
+
+
+@dataclasses.dataclass(frozen=True)
+class FmhaBwdSm90Instance(AttentionInstance):
+    """One head dim and mask, a CTA of `block_n` keys looping over the queries `block_m` at a time."""
+
+    family = FAMILY
+
+    dtype: DType
+    head_dim: int
+    mask: Mask
+    block_m: int
+    block_n: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.name_stem}_m{self.block_m}n{self.block_n}"
+
+    @property
+    def stages(self) -> int:
+        """Q/dO tiles in flight: the mainloop double-buffers them (its StageCount of 2 pairs)."""
+        return 2
+
+    @property
+    def threads(self) -> int:
+        return THREADS
+
+    @property
+    def smem_bytes(self) -> int:
+        """Shared memory of CUTLASS's SharedStorage (the compiled instances report the same figure; a
+        test checks one): K or V, four stages of block_n / 2 rows; dS, block_m x block_n; Q or dO,
+        four stages of block_m rows; the fp32 dQ tile, two stages; LSE or D, four stages of block_m
+        floats; 512 bytes of pipeline barriers."""
+        e = self.dtype.itemsize
+        bm, bn, d = self.block_m, self.block_n, self.head_dim
+        return 2 * bn * d * e + bm * bn * e + 4 * bm * d * e + 2 * bm * d * 4 + 4 * bm * 4 + 512
+
+    @property
+    def cost_inputs(self) -> CostInputs:
+        """The cost model's view of a CTA: rows are keys here (block_n per CTA), columns queries
+        (block_m per step of its loop), the transpose of a forward tile."""
+        return CostInputs(self.block_n, self.block_m, self.stages, self.threads, self.smem_bytes)
+
+    def template_values(self) -> dict:
+        return {**super().template_values(), "causal": self.causal}
+
+
+INSTANCE = FmhaBwdSm90Instance
+
+
+def invalid_reason(inst: FmhaBwdSm90Instance, arch: Arch = Arch.SM90) -> str | None:
+    """The one validity rule of this family: None when valid, else why not."""
+    if reason := axis_reason("head_dim", inst.head_dim, HEAD_DIMS):
+        return reason
+    if (inst.block_m, inst.block_n) not in TILES:
+        return f"tile {inst.block_m}x{inst.block_n} not in {TILES}"
+    return smem_reason(inst, arch)
+
+
+def problem_reason(inst: FmhaBwdSm90Instance, problem) -> str | None:
+    """What a built instance cannot run (the registry's reason), None when it can."""
+    if reason := feature_reason(FAMILY, problem):
+        return reason
+    if getattr(problem, "bias_grad", False):
+        return f"{FAMILY} has no dbias"
+    if getattr(problem, "deterministic", False):
+        return f"{FAMILY} adds dQ up with atomic TMA reductions across key tiles: not deterministic"
+    if problem.negative_scale:
+        return f"{FAMILY} runs scales >= 0 (its masked scores are -inf times the scale)"
+    if problem.gqa != 1:
+        return f"{FAMILY} runs heads_kv == heads (the caller expands K and V)"
+    if problem.align < 16:
+        return f"{FAMILY} needs 16-byte aligned data and strides (TMA), the problem's are {problem.align}-byte aligned"
+    if problem.causal and problem.causal_alignment != "top_left" and problem.seqlen_q != problem.seqlen_k:
+        # The mask is key j visible to query i iff j <= i; the alignments agree when Nq == Nk.
+        return f"{FAMILY} causal is top-left only (bottom-right differs when Nq != Nk)"
+    if problem.max_offset > INT32_MAX:
+        return f"{FAMILY} indexes with int32; this call reaches element {problem.max_offset}"
+    if problem.batch_heads * problem.seqlen_q * problem.head_dim > INT32_MAX:
+        return f"{FAMILY} indexes dQ's fp32 accumulator with int32; B*H*Nq*d passes it"
+    return None
+
+
+SPACE: tuple[FmhaBwdSm90Instance, ...] = tuple(
+    inst
+    for inst in itertools.starmap(
+        FmhaBwdSm90Instance,
+        ((dt, d, mask, bm, bn) for dt, d, mask, (bm, bn) in itertools.product(DTYPES, HEAD_DIMS, MASKS, TILES)))
+    if invalid_reason(inst) is None
+)
+
+# Default tile per head dim: 64x128, the one tile example 88 runs at every head dim and the only one
+# of TILES that fits d128's shared memory. Not yet timed against 128x128 at d32 and d64 (ptxas: at
+# d64, 128x128 spills about 90 bytes per thread and 64x128 about 20; neither spills at d32).
+DEFAULT_TILE = {32: (64, 128), 64: (64, 128), 128: (64, 128)}
+
+DEFAULT: tuple[FmhaBwdSm90Instance, ...] = tuple(
+    inst for inst in SPACE if (inst.block_m, inst.block_n) == DEFAULT_TILE[inst.head_dim]
+)
+
+# Throughput per unit of the cost model's tile work against fa2_sm80's forward: not measured for the
+# backward; the forward Hopper family's figure (wgmma against mma.sync), until a backward sweep
+# gives one.
+RELATIVE_SPEED = 1.8

@@ -1,0 +1,448 @@
+// Host side of the fmha_bwd_sm90 family: CUTLASS's Hopper FMHA backward mainloop (example 88 of the
+// CUTLASS source tree, included from the installed package), driven through gemmgen's C ABI
+// (GemmgenAttnBwdParams, templates/include/gemmgen/abi.h).
+//
+// One call runs three steps on the caller's stream:
+//   1. prep (ours): D_i = sum_d O[i, d] * dO[i, d] in fp32, and the forward's LSE copied into the
+//      workspace with a row stride padded to kRowPad floats (the mainloop reads both with TMA, whose
+//      strides must be multiples of 16 bytes; the caller's LSE is [B, H, Nq] contiguous, so its head
+//      stride Nq * 4 bytes need not be). dQ's fp32 accumulator is zeroed (cudaMemsetAsync).
+//   2. CUTLASS's warp-specialized backward kernel (FmhaKernelTmaWarpSpecialized over
+//      FmhaBwdMainloopTmaWarpSpecialized): one CTA per block_n keys of one (batch, head), looping
+//      over the queries block_m at a time; it writes dK and dV (TMA stores in the element type) and
+//      adds dQ into the fp32 accumulator with TMA reductions (atomic adds across CTAs: the order of
+//      the additions depends on scheduling, so deterministic calls are refused).
+//   3. convert (ours): the fp32 dQ accumulator into dQ by its strides.
+//
+// The LSE convention: the mainloop computes P = exp2(scale_log2 * S - log2(e) * LSE), that is
+// exp(scale * S - LSE) with LSE the natural-log logsumexp of scale * Q K^T, which is the ABI's LSE;
+// it is copied unchanged. The scale: CUTLASS derives 1/sqrt(d) itself; the params are patched after
+// they are built with the caller's scale (scale_softmax multiplies dS, so dQ and dK carry it and dV
+// does not). A scale of 0 runs as the smallest normal float (see run()).
+//
+// The mask (BwdMask below, ours rather than example 88's FusionBwdAdapter): keys past seqlen_k are
+// masked in every key tile (TMA fills them with zeros, and exp(0 - LSE) can overflow the element
+// type that dS is kept in), the query loop runs ceil(seqlen_q / block_m) tiles (the partial last
+// tile's rows past seqlen_q load Q, dO, LSE and D as zeros, so they add nothing), and causal is
+// top-left: key j is visible to query i iff j <= i (causal_offset 0).
+#pragma once
+#include <cfloat>
+#include <cmath>
+#include <cstdint>
+
+#include <cuda_runtime.h>
+
+#include "cute/tensor.hpp"
+#include "cutlass/bfloat16.h"
+#include "cutlass/cutlass.h"
+#include "cutlass/device_kernel.h"
+#include "cutlass/kernel_hardware_info.h"
+
+// bf16: example 88's backward mainloop writes its dS fragment, made by
+// make_fragment_like<Element>(acc_DP) from the fp32 dP accumulator, with `acc_DS(i) = <float>`.
+// cutlass::half_t takes that (the float converts implicitly through __half); cutlass::bfloat16_t does
+// not (its constructors from float are explicit). For Element = bfloat16_t this overload, declared
+// before the mainloop so that its lookup finds it, makes that one fragment of Bf16FromFloat: the
+// same 16 bits, with an assignment from float that rounds to nearest even like bfloat16_t(float).
+// No other fragment of a backward translation unit is made this way from an fp32 register tensor.
+namespace gemmgen::fmha_bwd_sm90 {
+struct Bf16FromFloat : cutlass::bfloat16_t {
+  Bf16FromFloat() = default;
+  CUTLASS_HOST_DEVICE Bf16FromFloat& operator=(float x) {
+    cutlass::bfloat16_t::operator=(cutlass::bfloat16_t(x));
+    return *this;
+  }
+};
+static_assert(sizeof(Bf16FromFloat) == 2 && alignof(Bf16FromFloat) == 2, "a bf16 in 16 bits");
+}  // namespace gemmgen::fmha_bwd_sm90
+
+namespace cute {
+template <class NewT, size_t N, class Layout, __CUTE_REQUIRES(cute::is_same_v<NewT, cutlass::bfloat16_t>)>
+CUTE_HOST_DEVICE constexpr auto make_fragment_like(Tensor<ArrayEngine<float, N>, Layout> const& tensor) {
+  return make_fragment_like<gemmgen::fmha_bwd_sm90::Bf16FromFloat>(tensor.layout());
+}
+}  // namespace cute
+
+#include "88_hopper_fmha/collective/fmha_collective_bwd_tma_warpspecialized.hpp"
+#include "88_hopper_fmha/collective/fmha_epilogue_bwd.hpp"
+#include "88_hopper_fmha/kernel/fmha_kernel_tma_warpspecialized.hpp"
+#include "88_hopper_fmha/kernel/fmha_tile_scheduler.hpp"
+
+#include "gemmgen/abi.h"
+#include "gemmgen/report.h"
+#include "gemmgen/smem.h"
+
+namespace gemmgen::fmha_bwd_sm90 {
+
+using namespace cute;
+
+// The backward mainloop's Fusion: which query tiles a CTA visits and which scores it masks. The
+// mainloop calls it with blk_coord = (query tile, key tile of the CTA, ...), the tile shape
+// (block_m queries, block_n keys, head_dim) and problem (B, H, Nq, Nk, D); in before_softmax each
+// index is (key, query), the scores being K Q^T.
+template <bool Causal>
+struct BwdMask {
+  template <class BlkCoord, class TileShape, class ProblemSize>
+  CUTLASS_DEVICE int get_trip_count(BlkCoord const&, TileShape const& tile, ProblemSize const& problem) {
+    return ceil_div(int(get<2>(problem)), int(get<0>(tile)));
+  }
+
+  template <class AccQK, class IndexQK, class ProblemSize>
+  CUTLASS_DEVICE void before_softmax(AccQK& acc, IndexQK const& index, ProblemSize const& problem) {
+    const int seqlen_k = get<3>(problem);
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < size(acc); ++i) {
+      auto pos = index(i);
+      const int key = get<0>(pos);
+      const int query = get<1>(pos);
+      if (key >= seqlen_k || (Causal && key > query)) acc(i) = -INFINITY;
+    }
+  }
+
+  // Whether the CTA runs query tile get<0>(c) against its key tile get<1>(c). Causal: when the
+  // tile's last query row reaches the key tile's first key; the tiles that do not come first in
+  // the loop, and the load warp, the math warp groups and the dQ reducer all skip them by this same
+  // test. The last query tile always runs: a CTA that skipped every tile would hang in the
+  // mainloop (its dQ reducer releases a pipeline stage it never received, after which the math warp
+  // groups' producer_tail waits on a barrier phase that never completes). Where it sees none of the
+  // keys (key tiles past the last query, seqlen_q < seqlen_k) the mask zeroes its P and dS, so it
+  // adds nothing, and the CTA writes zero dK and dV.
+  template <class BlkCoord, class TileShape, class ProblemSize>
+  CUTLASS_DEVICE bool is_contributing(BlkCoord const& c, TileShape const& tile, ProblemSize const& problem) {
+    if constexpr (!Causal) {
+      return true;
+    } else {
+      const int q_tile = get<0>(c);
+      return q_tile + 1 >= get_trip_count(c, tile, problem) ||
+             (q_tile + 1) * int(get<0>(tile)) - 1 >= int(get<1>(c)) * int(get<1>(tile));
+    }
+  }
+};
+
+template <class Element_, int BlockM, int BlockN, int HeadDim, bool Causal>
+struct Config {
+  using Element = Element_;
+  // (queries per step, keys per CTA, head dim): example 88's TileShape order. Two math warp groups
+  // take block_n / 2 keys each.
+  using TileShape = Shape<Int<BlockM>, Int<BlockN>, Int<HeadDim>>;
+  using Mainloop = cutlass::fmha::collective::FmhaBwdMainloopTmaWarpSpecialized<Element, float, TileShape,
+                                                                                 BwdMask<Causal>>;
+  using Epilogue = cutlass::fmha::collective::FmhaBwdEpilogueKV<Element, float, typename Mainloop::TileShapePV>;
+  using Kernel = cutlass::fmha::kernel::FmhaKernelTmaWarpSpecialized<
+      Mainloop, Epilogue,
+      cutlass::fmha::kernel::TileSchedulerBwdAdapter<cutlass::fmha::kernel::IndividualTileScheduler>>;
+  static constexpr int kHeadDim = HeadDim;
+  static constexpr int kBlockM = BlockM;
+  static constexpr int kBlockN = BlockN;
+  static constexpr bool kCausal = Causal;
+};
+
+constexpr int64_t kInt32Max = 2147483647;
+constexpr int64_t kMaxGridYZ = 65535;
+constexpr int64_t kRowPad = 8;          // LSE and D rows in the workspace: Nq rounded up to this
+constexpr int64_t kWorkspaceAlign = 256;
+constexpr int kVec = 8;                 // elements per 16-byte access (fp16/bf16)
+
+inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+// The workspace, in order: the LSE copy and D ([B, H, round_up(Nq, kRowPad)] fp32 each), then dQ's
+// accumulator ([B, H, Nq, d] fp32, dense); each part starts kWorkspaceAlign-aligned.
+struct WorkspaceLayout {
+  int64_t rows_padded = 0;
+  int64_t lse_offset = 0, sum_offset = 0, dq_offset = 0, dq_bytes = 0, total = 0;
+};
+
+inline WorkspaceLayout workspace_layout(int64_t b, int64_t h, int64_t nq, int64_t d) {
+  WorkspaceLayout w;
+  w.rows_padded = round_up(nq, kRowPad);
+  const int64_t vec_bytes = round_up(b * h * w.rows_padded * 4, kWorkspaceAlign);
+  w.lse_offset = 0;
+  w.sum_offset = vec_bytes;
+  w.dq_offset = 2 * vec_bytes;
+  w.dq_bytes = b * h * nq * d * 4;
+  w.total = w.dq_offset + round_up(w.dq_bytes, kWorkspaceAlign);
+  return w;
+}
+
+// Step 1: D and the LSE copy. kLanes threads share a row (kVec elements each); rows in a grid-stride
+// loop. Row r is (batch r / (H Nq), head r / Nq % H, query r % Nq).
+template <class Element, int HeadDim>
+__global__ void __launch_bounds__(128) prep_kernel(const Element* o, int64_t o_sb, int64_t o_sh, int64_t o_sr,
+                                                   const Element* d_o, int64_t do_sb, int64_t do_sh, int64_t do_sr,
+                                                   const float* lse, float* lse_ws, float* sum_ws, int64_t heads,
+                                                   int64_t nq, int64_t rows_padded, int64_t rows) {
+  constexpr int kLanes = HeadDim / kVec;
+  static_assert(kLanes >= 1 && kLanes <= 32 && (kLanes & (kLanes - 1)) == 0, "head_dim / 8 must be a power of 2");
+  constexpr int kRowsPerBlock = 128 / kLanes;
+  const int lane = threadIdx.x % kLanes;
+  // The loop's bounds are the block's, so every thread of a warp runs each shuffle below.
+  for (int64_t r0 = int64_t(blockIdx.x) * kRowsPerBlock; r0 < rows; r0 += int64_t(gridDim.x) * kRowsPerBlock) {
+    const int64_t r = r0 + threadIdx.x / kLanes;
+    const bool active = r < rows;
+    const int64_t i = r % nq;
+    const int64_t bh = r / nq;
+    const int64_t hh = bh % heads;
+    const int64_t bb = bh / heads;
+    float acc = 0.f;
+    if (active) {
+      Element vo[kVec], vd[kVec];
+      *reinterpret_cast<uint4*>(vo) =
+          *reinterpret_cast<const uint4*>(o + bb * o_sb + hh * o_sh + i * o_sr + lane * kVec);
+      *reinterpret_cast<uint4*>(vd) =
+          *reinterpret_cast<const uint4*>(d_o + bb * do_sb + hh * do_sh + i * do_sr + lane * kVec);
+      CUTLASS_PRAGMA_UNROLL
+      for (int e = 0; e < kVec; ++e) acc += float(vo[e]) * float(vd[e]);
+    }
+    CUTLASS_PRAGMA_UNROLL
+    for (int s = 1; s < kLanes; s *= 2) acc += __shfl_xor_sync(0xffffffffu, acc, s, kLanes);
+    if (active && lane == 0) {
+      sum_ws[bh * rows_padded + i] = acc;
+      lse_ws[bh * rows_padded + i] = lse[bh * nq + i];
+    }
+  }
+}
+
+// Step 3: dQ's fp32 accumulator (dense [B, H, Nq, d]) into dQ by its strides, kVec elements a thread.
+template <class Element, int HeadDim>
+__global__ void __launch_bounds__(256) convert_kernel(const float* acc, Element* dq, int64_t sb, int64_t sh,
+                                                      int64_t sr, int64_t heads, int64_t nq, int64_t vectors) {
+  constexpr int kPerRow = HeadDim / kVec;
+  for (int64_t v = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; v < vectors; v += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t col = (v % kPerRow) * kVec;
+    const int64_t r = v / kPerRow;
+    const int64_t i = r % nq;
+    const int64_t bh = r / nq;
+    const float4 lo = reinterpret_cast<const float4*>(acc)[2 * v];
+    const float4 hi = reinterpret_cast<const float4*>(acc)[2 * v + 1];
+    const float f[kVec] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+    Element out[kVec];
+    CUTLASS_PRAGMA_UNROLL
+    for (int e = 0; e < kVec; ++e) out[e] = Element(f[e]);
+    *reinterpret_cast<uint4*>(dq + (bh / heads) * sb + (bh % heads) * sh + i * sr + col) =
+        *reinterpret_cast<const uint4*>(out);
+  }
+}
+
+// Largest element offset a [b, h, n, d] view with these strides reaches (+1), for sizes in
+// [1, 2^31) and strides in [0, 2^63): past kInt32Max it is kInt32Max + 1 (no product overflows).
+inline int64_t extent(int64_t b, int64_t h, int64_t n, int64_t d, int64_t sb, int64_t sh, int64_t sn) {
+  int64_t sum = d;
+  const int64_t sizes[] = {b, h, n}, strides[] = {sb, sh, sn};
+  for (int i = 0; i < 3; ++i) {
+    if (sizes[i] > 1 && strides[i] > kInt32Max / (sizes[i] - 1)) return kInt32Max + 1;
+    sum += (sizes[i] - 1) * strides[i];
+  }
+  return sum > kInt32Max ? kInt32Max + 1 : sum;
+}
+
+// A tensor of the call as the kernels see it. The stride of a dim of extent 1 is never used: where
+// it would fail the TMA's rules (a multiple of 16 bytes, in int32) it is taken as 0, so that such a
+// view (a torch size-1 dim of any stride) runs.
+struct View {
+  const char* name;
+  const void* ptr;
+  int64_t sb, sh, sr;
+  int64_t n;  // rows
+};
+
+inline bool sizes_ok(const GemmgenAttnBwdParams* p) {
+  return p->batch >= 1 && p->heads >= 1 && p->heads_kv >= 1 && p->seqlen_q >= 1 && p->seqlen_k >= 1 &&
+         p->head_dim >= 1;
+}
+
+template <class Cfg>
+int64_t workspace(const GemmgenAttnBwdParams* p) {
+  if (p == nullptr || !sizes_ok(p) || p->head_dim != Cfg::kHeadDim) return 0;
+  const int64_t b = p->batch, h = p->heads, nq = p->seqlen_q;
+  // run() refuses calls whose dQ accumulator passes int32 offsets; no workspace is needed for them.
+  if (b * h > kInt32Max || b * h * nq > kInt32Max / Cfg::kHeadDim) return 0;
+  return workspace_layout(b, h, nq, Cfg::kHeadDim).total;
+}
+
+template <class Cfg>
+int run(const GemmgenAttnBwdParams* p, cudaStream_t stream, char* err, int err_len) {
+  using Element = typename Cfg::Element;
+  using Kernel = typename Cfg::Kernel;
+  constexpr int D = Cfg::kHeadDim;
+  if (p == nullptr) return report(err, err_len, GEMMGEN_INVALID_ARGUMENT, "params is NULL");
+  if (p->head_dim != D) {
+    return report(err, err_len, GEMMGEN_INVALID_ARGUMENT, "head_dim %d, this instance runs %d", p->head_dim, D);
+  }
+  if (!sizes_ok(p)) {
+    return report(err, err_len, GEMMGEN_INVALID_ARGUMENT,
+                  "bad sizes: batch %d heads %d heads_kv %d seqlen_q %d seqlen_k %d", p->batch, p->heads,
+                  p->heads_kv, p->seqlen_q, p->seqlen_k);
+  }
+  if (p->heads_kv != p->heads) {
+    return report(err, err_len, GEMMGEN_INVALID_ARGUMENT,
+                  "heads_kv %d != heads %d: this family runs expanded K and V (one K/V head per query head)",
+                  p->heads_kv, p->heads);
+  }
+  if (p->bias != nullptr || p->dbias != nullptr || p->dropout_p != 0.f || p->cu_seqlens_q != nullptr ||
+      p->cu_seqlens_k != nullptr) {
+    return report(err, err_len, GEMMGEN_INVALID_ARGUMENT,
+                  "this family runs no bias, dbias, dropout or variable lengths");
+  }
+  if (p->deterministic != 0) {
+    return report(err, err_len, GEMMGEN_INVALID_ARGUMENT,
+                  "deterministic: this family adds dQ up with atomic TMA reductions across key tiles");
+  }
+  if (!(p->scale >= 0.f) || std::isinf(p->scale)) {
+    return report(err, err_len, GEMMGEN_INVALID_ARGUMENT, "scale %g: this family runs finite scales >= 0",
+                  p->scale);
+  }
+  if (Cfg::kCausal && p->causal_offset != 0) {
+    return report(err, err_len, GEMMGEN_INVALID_ARGUMENT,
+                  "causal_offset %d: this family's causal mask is top-left (offset 0; bottom-right only "
+                  "where seqlen_q == seqlen_k)", p->causal_offset);
+  }
+  const int64_t b = p->batch, h = p->heads, nq = p->seqlen_q, nk = p->seqlen_k;
+  auto norm = [](int64_t extent, int64_t stride) {
+    return extent == 1 && (stride < 0 || stride > kInt32Max || stride % kVec != 0) ? int64_t(0) : stride;
+  };
+  const View views[] = {
+      {"q", p->q, p->q_batch_stride, p->q_head_stride, p->q_row_stride, nq},
+      {"k", p->k, p->k_batch_stride, p->k_head_stride, p->k_row_stride, nk},
+      {"v", p->v, p->v_batch_stride, p->v_head_stride, p->v_row_stride, nk},
+      {"o", p->o, p->o_batch_stride, p->o_head_stride, p->o_row_stride, nq},
+      {"d_o", p->d_o, p->do_batch_stride, p->do_head_stride, p->do_row_stride, nq},
+      {"dq", p->dq, p->dq_batch_stride, p->dq_head_stride, p->dq_row_stride, nq},
+      {"dk", p->dk, p->dk_batch_stride, p->dk_head_stride, p->dk_row_stride, nk},
+      {"dv", p->dv, p->dv_batch_stride, p->dv_head_stride, p->dv_row_stride, nk}};
+  View v[8];
+  for (int t = 0; t < 8; ++t) {
+    v[t] = views[t];
+    v[t].sb = norm(b, v[t].sb);
+    v[t].sh = norm(h, v[t].sh);
+    v[t].sr = norm(v[t].n, v[t].sr);
+    if (v[t].ptr == nullptr) {
+      return report(err, err_len, GEMMGEN_INVALID_ARGUMENT, "%s is NULL", v[t].name);
+    }
+    if (v[t].sb < 0 || v[t].sh < 0 || v[t].sr < 0) {
+      return report(err, err_len, GEMMGEN_INVALID_ARGUMENT, "%s: negative strides", v[t].name);
+    }
+    // TMA (and our 16-byte accesses): 16-byte aligned base, strides multiples of 16 bytes.
+    if (reinterpret_cast<uintptr_t>(v[t].ptr) % 16 != 0 || v[t].sb % kVec != 0 || v[t].sh % kVec != 0 ||
+        v[t].sr % kVec != 0) {
+      return report(err, err_len, GEMMGEN_INVALID_ARGUMENT,
+                    "%s: this family needs a 16-byte aligned pointer and strides that are multiples of %d "
+                    "elements (got %p, strides %lld %lld %lld)", v[t].name, kVec, v[t].ptr,
+                    static_cast<long long>(v[t].sb), static_cast<long long>(v[t].sh),
+                    static_cast<long long>(v[t].sr));
+    }
+    const int64_t reach = extent(b, h, v[t].n, D, v[t].sb, v[t].sh, v[t].sr);
+    if (reach > kInt32Max) {
+      return report(err, err_len, GEMMGEN_INVALID_ARGUMENT,
+                    "%s: element offsets pass int32 (this family indexes with int32)", v[t].name);
+    }
+  }
+  if (b * h > kInt32Max || b * h * nq > kInt32Max / D) {
+    return report(err, err_len, GEMMGEN_INVALID_ARGUMENT,
+                  "batch * heads * seqlen_q * head_dim passes int32 (dQ's fp32 accumulator indexes with int32)");
+  }
+  if (p->lse == nullptr || reinterpret_cast<uintptr_t>(p->lse) % alignof(float) != 0) {
+    return report(err, err_len, GEMMGEN_INVALID_ARGUMENT, "lse must be a 4-byte aligned float32 buffer");
+  }
+  const WorkspaceLayout ws = workspace_layout(b, h, nq, D);
+  if (p->workspace == nullptr || reinterpret_cast<uintptr_t>(p->workspace) % kWorkspaceAlign != 0 ||
+      p->workspace_bytes < ws.total) {
+    return report(err, err_len, GEMMGEN_INVALID_ARGUMENT,
+                  "workspace: %lld bytes, %lld-byte aligned, needed (got %p, %lld bytes)",
+                  static_cast<long long>(ws.total), static_cast<long long>(kWorkspaceAlign), p->workspace,
+                  static_cast<long long>(p->workspace_bytes));
+  }
+
+  constexpr int kSmem = Kernel::SharedStorageSize;
+  if (int status = opt_in_smem<cutlass::device_kernel<Kernel>>(kSmem, err, err_len); status != GEMMGEN_OK) {
+    return status;
+  }
+  int device = 0;
+  cudaError_t e = cudaGetDevice(&device);
+  auto cuda_failed = [&](const char* what) {
+    return report(err, err_len, GEMMGEN_CUDA_ERROR, "%s: %s (%s)", what, cudaGetErrorString(e), cudaGetErrorName(e));
+  };
+  if (e != cudaSuccess) return cuda_failed("cudaGetDevice");
+
+  char* base = static_cast<char*>(p->workspace);
+  float* lse_ws = reinterpret_cast<float*>(base + ws.lse_offset);
+  float* sum_ws = reinterpret_cast<float*>(base + ws.sum_offset);
+  float* dq_acc = reinterpret_cast<float*>(base + ws.dq_offset);
+  const View &vq = v[0], &vk = v[1], &vv = v[2], &vo = v[3], &vdo = v[4], &vdq = v[5], &vdk = v[6], &vdv = v[7];
+
+  e = cudaMemsetAsync(dq_acc, 0, ws.dq_bytes, stream);
+  if (e != cudaSuccess) return cuda_failed("clearing dQ's accumulator");
+
+  const int64_t rows = b * h * nq;
+  {
+    constexpr int kRowsPerBlock = 128 / (D / kVec);
+    const int64_t blocks = std::min<int64_t>((rows + kRowsPerBlock - 1) / kRowsPerBlock, int64_t(1) << 20);
+    prep_kernel<Element, D><<<static_cast<unsigned>(blocks), 128, 0, stream>>>(
+        static_cast<const Element*>(vo.ptr), vo.sb, vo.sh, vo.sr, static_cast<const Element*>(vdo.ptr), vdo.sb,
+        vdo.sh, vdo.sr, p->lse, lse_ws, sum_ws, h, nq, ws.rows_padded, rows);
+    e = cudaGetLastError();
+    if (e != cudaSuccess) return cuda_failed("prep kernel launch");
+  }
+
+  // A scale of exactly 0 would turn the masked scores (-inf) into NaN in exp2(score * scale - lse);
+  // the smallest normal float gives the same probabilities (exp(-LSE)) and dS of about 1e-38.
+  const float scale = p->scale == 0.f ? FLT_MIN : p->scale;
+  const auto* q0 = static_cast<const Element*>(vq.ptr);
+  const auto* k0 = static_cast<const Element*>(vk.ptr);
+  const auto* v0 = static_cast<const Element*>(vv.ptr);
+  const auto* do0 = static_cast<const Element*>(vdo.ptr);
+  auto* dk0 = static_cast<Element*>(const_cast<void*>(vdk.ptr));
+  auto* dv0 = static_cast<Element*>(const_cast<void*>(vdv.ptr));
+  const int64_t rp = ws.rows_padded;
+  // (batch, head, row, 1) in elements: the int strides CUTLASS's arguments take.
+  auto s3 = [](const View& t) { return make_stride(int(t.sb), int(t.sh), int(t.sr), _1{}); };
+  // Chunks keep batch and heads within the grid's y and z limits.
+  for (int64_t b0 = 0; b0 < b; b0 += kMaxGridYZ) {
+    for (int64_t h0 = 0; h0 < h; h0 += kMaxGridYZ) {
+      const int nb = static_cast<int>(std::min(kMaxGridYZ, b - b0));
+      const int nh = static_cast<int>(std::min(kMaxGridYZ, h - h0));
+      auto at = [&](auto* ptr, const View& t) { return ptr + b0 * t.sb + h0 * t.sh; };
+      const int64_t vec0 = b0 * h + h0;  // first (batch, head) row of the workspace vectors
+      typename Kernel::Arguments args{
+          make_tuple(nb, nh, static_cast<int>(nq), static_cast<int>(nk), D),
+          {at(q0, vq), s3(vq), at(k0, vk), s3(vk), at(v0, vv), s3(vv), at(do0, vdo), s3(vdo),
+           lse_ws + vec0 * rp, make_stride(int(h * rp), int(rp), _1{}),
+           sum_ws + vec0 * rp, make_stride(int(h * rp), int(rp), _1{}),
+           dq_acc + vec0 * nq * D, make_stride(int(h * nq * D), int(nq * D), D, _1{})},
+          {at(dk0, vdk), s3(vdk), at(dv0, vdv), s3(vdv)},
+          cutlass::KernelHardwareInfo{device, 0}};
+      typename Kernel::Params params = Kernel::to_underlying_arguments(args, nullptr);
+      params.mainloop.scale_softmax = scale;
+      params.mainloop.scale_softmax_log2 = scale * static_cast<float>(M_LOG2E);
+      const dim3 grid = Kernel::get_grid_shape(params);
+      cutlass::device_kernel<Kernel><<<grid, Kernel::get_block_shape(), kSmem, stream>>>(params);
+      e = cudaGetLastError();
+      if (e != cudaSuccess) return cuda_failed("backward kernel launch");
+    }
+  }
+
+  {
+    const int64_t vectors = rows * (D / kVec);
+    const int64_t blocks = std::min<int64_t>((vectors + 255) / 256, int64_t(1) << 20);
+    convert_kernel<Element, D><<<static_cast<unsigned>(blocks), 256, 0, stream>>>(
+        dq_acc, static_cast<Element*>(const_cast<void*>(vdq.ptr)), vdq.sb, vdq.sh, vdq.sr, h, nq, vectors);
+    e = cudaGetLastError();
+    if (e != cudaSuccess) return cuda_failed("dQ conversion launch");
+  }
+  return GEMMGEN_OK;
+}
+
+template <class Cfg>
+int info(GemmgenInstanceInfo* out) {
+  if (out == nullptr) return GEMMGEN_INVALID_ARGUMENT;
+  out->abi_version = GEMMGEN_ABI_VERSION;
+  out->head_dim = Cfg::kHeadDim;
+  out->block_m = Cfg::kBlockM;
+  out->block_n = Cfg::kBlockN;
+  out->threads = Cfg::Kernel::MaxThreadsPerBlock;
+  out->smem_bytes = Cfg::Kernel::SharedStorageSize;
+  out->causal = Cfg::kCausal ? 1 : 0;
+  out->flags = GEMMGEN_INFO_BACKWARD;
+  return GEMMGEN_OK;
+}
+
+}  // namespace gemmgen::fmha_bwd_sm90

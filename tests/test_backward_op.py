@@ -1,0 +1,215 @@
+"""The backward's Python side without a GPU: torch.ops.gemmgen.fused_attention's autograd
+(register_autograd), what the forward saves, GQA expansion and the group sums, the gradients'
+layouts, dO that the kernel cannot read as it is, empty sizes, the mask's gradient and double
+backward. The CUDA kernels are replaced by float64 torch code behind the same C ABI params (the
+test registers CPU implementations of the two ops for its duration), so everything from the autograd
+kernel to the params a backward instance receives runs as on the GPU."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import gemmgen
+from gemmgen.kernels import launch
+from gemmgen.ops import torch_op
+from gemmgen.select.reference import causal_offset
+
+FP16 = torch.float16
+
+
+def ref_forward(q, k, v, causal, alignment, scale, bias=None):
+    """float64 O and natural-log LSE; rows that see no key give 0 and -inf."""
+    scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
+    g = q.shape[1] // k.shape[1]
+    s = scale * (q.double() @ k.double().repeat_interleave(g, 1).transpose(-2, -1))
+    if bias is not None:
+        s = s + bias.double()
+    nq, nk = q.shape[2], k.shape[2]
+    if causal:
+        rows, cols = torch.arange(nq)[:, None], torch.arange(nk)[None, :]
+        s = s.masked_fill(cols > rows + causal_offset(nq, nk, alignment), float("-inf"))
+    seen = (s > float("-inf")).any(-1, keepdim=True)
+    w = torch.softmax(torch.where(seen, s, 0.0), -1) * seen
+    lse = torch.where(seen[..., 0], torch.logsumexp(torch.where(seen, s, 0.0), -1), float("-inf"))
+    return w @ v.double().repeat_interleave(g, 1), lse
+
+
+class FakeKernel:
+    """A backward "instance" that computes the gradients in float64 from the tensors behind the
+    params' pointers (kept by the patched params_bwd) and checks what the C ABI promises it."""
+
+    calls: list = []
+
+    def workspace_bytes(self, p):
+        return 0
+
+    def run(self, p, stream):
+        t = p._tensors
+        q, k, v, o, d_o, lse = t["q"], t["k"], t["v"], t["o"], t["d_o"], t["lse"]
+        assert k.shape[1] == q.shape[1] and p.heads_kv == p.heads, "K and V reach the kernel with Q's heads"
+        for name in ("q", "k", "v", "o", "d_o", "dq", "dk", "dv"):
+            assert torch_op._kernel_ready(t[name]), f"{name} is not readable by a kernel"
+        assert lse.is_contiguous() and lse.dtype == torch.float32
+        causal = p.causal_offset != launch.NO_MASK_OFFSET
+        leaves = [x.detach().double().requires_grad_() for x in (q, k, v)]
+        bias = t.get("bias")
+        b64 = bias.detach().double().requires_grad_() if bias is not None else None
+        offset_alignment = "top_left" if p.causal_offset == 0 else "bottom_right"
+        with torch.enable_grad():  # the backward runs with grad mode off
+            out, ref_lse = ref_forward(*leaves, causal, offset_alignment, p.scale, b64)
+            grads = torch.autograd.grad(out, leaves + ([b64] if b64 is not None else []), d_o.double())
+        finite = torch.isfinite(ref_lse)
+        assert torch.allclose(lse.double()[finite], ref_lse[finite].detach(), atol=1e-3), "the forward's LSE"
+        for name, g in zip(("dq", "dk", "dv"), grads):
+            t[name].copy_(g)
+        if p.dbias:
+            t["dbias"].copy_(grads[3])
+        FakeKernel.calls.append(p)
+
+
+@pytest.fixture
+def cpu_ops(monkeypatch):
+    """CPU implementations of the forward (float64 reference) and the real backward implementation
+    with FakeKernel behind it; removed afterwards."""
+    def forward(q, k, v, causal=False, causal_alignment="top_left", scale=None, return_lse=False, instance=None,
+                dropout_p=0.0, seed=None, offset=0, bias=None, deterministic=False):
+        o, lse = ref_forward(q, k, v, causal, causal_alignment, scale, bias)
+        out = launch.empty_like_layout(q)
+        out.copy_(o)
+        return out, (lse.float() if return_lse else torch.empty(0))
+
+    real_params = launch.params_bwd
+
+    def params_bwd(q, k, v, o, d_o, lse, dq, dk, dv, **kw):
+        p = real_params(q, k, v, o, d_o, lse, dq, dk, dv, **kw)
+        p._tensors = dict(q=q, k=k, v=v, o=o, d_o=d_o, lse=lse, dq=dq, dk=dk, dv=dv, bias=kw.get("bias"),
+                          dbias=kw.get("dbias"))
+        return p
+
+    monkeypatch.setattr(launch, "params_bwd", params_bwd)
+    monkeypatch.setattr(launch, "run_bwd", lambda kernel, p, index: kernel.run(p, None))
+    monkeypatch.setattr(torch_op, "_bwd_kernel", lambda *a, **kw: FakeKernel())
+    monkeypatch.setattr(torch.Tensor, "get_device", lambda self: 0)
+    FakeKernel.calls = []
+    lib = torch.library.Library("gemmgen", "IMPL")
+    lib.impl("fused_attention", forward, "CPU")
+    lib.impl("fused_attention_backward", torch_op._fused_attention_backward, "CPU")
+    yield
+    lib._destroy()
+
+
+def grads_of(q, k, v, do, bias=None, **kw):
+    leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+    extra = [bias] if bias is not None else []
+    o, _ = torch.ops.gemmgen.fused_attention(*leaves, return_lse=True, bias=bias, **kw)
+    return torch.autograd.grad(o, leaves + extra, do)
+
+
+def ref_grads(q, k, v, do, bias=None, causal=False, causal_alignment="top_left", scale=None):
+    leaves = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    b64 = [bias.detach().double().requires_grad_()] if bias is not None else []
+    o, _ = ref_forward(*leaves, causal, causal_alignment, scale, *b64)
+    return torch.autograd.grad(o, leaves + b64, do.double())
+
+
+@pytest.mark.parametrize("h, hkv", [(4, 4), (8, 2), (4, 1)], ids=["mha", "gqa4", "mqa"])
+@pytest.mark.parametrize("layout", ["bhnd", "bnhd"])
+@pytest.mark.parametrize("causal, alignment", [(False, "top_left"), (True, "top_left"), (True, "bottom_right")])
+def test_gradients_layouts_and_group_sums(cpu_ops, h, hkv, layout, causal, alignment):
+    gen = torch.Generator().manual_seed(hash((h, hkv, layout, causal, alignment)) % 2**31)
+    nq, nk, d = 17, 29, 32
+
+    def make(heads, n):
+        t = torch.randn(2, heads, n, d, generator=gen, dtype=torch.float64).to(FP16)
+        return t.transpose(1, 2).contiguous().transpose(1, 2) if layout == "bnhd" else t
+
+    q, k, v, do = make(h, nq), make(hkv, nk), make(hkv, nk), make(h, nq)
+    got = grads_of(q, k, v, do, causal=causal, causal_alignment=alignment, scale=0.3)
+    want = ref_grads(q, k, v, do, causal=causal, causal_alignment=alignment, scale=0.3)
+    for name, g, w, x in zip(("dQ", "dK", "dV"), got, want, (q, k, v)):
+        assert g.shape == x.shape and g.stride() == x.stride(), f"{name} not in its input's layout"
+        assert torch.allclose(g.double(), w, rtol=1e-2, atol=2e-3), name
+    assert len(FakeKernel.calls) == 1 and FakeKernel.calls[0].heads == h
+
+
+def test_grad_out_the_kernel_cannot_read_is_copied(cpu_ops):
+    q, k, v = (torch.randn(1, 2, 9, 16, dtype=FP16) for _ in range(3))
+    leaves = [x.requires_grad_() for x in (q, k, v)]
+    o, _ = torch.ops.gemmgen.fused_attention(*leaves, return_lse=True)
+    o.float().sum().backward()  # dO is an expanded tensor of ones (strides 0)
+    want = ref_grads(q, k, v, torch.ones_like(q))
+    for g, w in zip((q.grad, k.grad, v.grad), want):
+        assert torch.allclose(g.double(), w, rtol=1e-2, atol=2e-3)
+
+
+def test_empty_sizes_give_zero_gradients_without_a_kernel(cpu_ops):
+    for nq, nk in ((0, 5), (5, 0)):
+        q, do = torch.randn(1, 2, nq, 16, dtype=FP16), torch.randn(1, 2, nq, 16, dtype=FP16)
+        k, v = torch.randn(1, 2, nk, 16, dtype=FP16), torch.randn(1, 2, nk, 16, dtype=FP16)
+        for g in grads_of(q, k, v, do, causal=True):
+            assert torch.equal(g, torch.zeros_like(g))
+    assert FakeKernel.calls == []
+
+
+def test_mask_gradient(cpu_ops):
+    gen = torch.Generator().manual_seed(3)
+    q, k, v, do = (torch.randn(1, 2, 8, 16, generator=gen).to(FP16) for _ in range(4))
+    bias = torch.randn(1, 2, 8, 8, generator=gen).to(FP16).requires_grad_()
+    got = grads_of(q, k, v, do, bias=bias, causal=True)
+    want = ref_grads(q, k, v, do, bias=bias, causal=True)
+    for g, w in zip(got, want):
+        assert torch.allclose(g.double(), w, rtol=1e-2, atol=2e-3)
+    assert FakeKernel.calls[-1].dbias != 0
+
+
+def test_lse_has_no_gradient_and_double_backward_raises(cpu_ops):
+    q, k, v, do = (torch.randn(1, 2, 8, 16, dtype=FP16) for _ in range(4))
+    leaves = [x.requires_grad_() for x in (q, k, v)]
+    o, lse = torch.ops.gemmgen.fused_attention(*leaves, return_lse=True)
+    assert o.requires_grad and not lse.requires_grad
+    with pytest.raises(gemmgen.InputError, match="double backward"):
+        torch.autograd.grad(o, leaves, do, create_graph=True)
+
+
+def test_the_forward_needs_its_lse_when_inputs_require_grad(cpu_ops):
+    q = torch.randn(1, 2, 8, 16, dtype=FP16, requires_grad=True)
+    with pytest.raises(gemmgen.InputError, match="needs return_lse=True"):
+        torch.ops.gemmgen.fused_attention(q, q, q)
+    with torch.no_grad():
+        torch.ops.gemmgen.fused_attention(q, q, q)  # inference needs no LSE
+
+
+# Selection of backward instances: the engine's attention_bwd kind, on a build without libraries.
+
+def test_backward_selection_and_explain(tmp_path):
+    from conftest import make_entry, run_cli, write_build_dir
+    from gemmgen.generator.families import fa2_sm80, mea_bwd_sm80
+    from gemmgen.select import device, registry, selection
+    from gemmgen.select.problem import BwdProblem, Problem
+
+    fwd = [i for i in fa2_sm80.DEFAULT if i.dtype.value == "bf16" and i.head_dim == 128]
+    root = write_build_dir(tmp_path, [make_entry(i) for i in (*mea_bwd_sm80.DEFAULT, *fwd)])
+    h100 = device.synthetic((9, 0), 132)
+    registry.set_build_dirs([root])
+    try:
+        bwd = selection.decide(BwdProblem("bf16", 96, True, h100, batch_heads=32, seqlen_q=1000, seqlen_k=1000))
+        assert bwd.winner.entry.family == "mea_bwd_sm80" and bwd.kind.name == "attention_bwd"
+        assert {c.entry.family for c in bwd.candidates} == {"mea_bwd_sm80"}
+        assert "head_dim 96 above this instance's bound 64" in dict(bwd.rejected).values()
+        assert not any("fa2_sm80" in label for label, _ in bwd.rejected)  # forward families are not listed
+        fwd_decision = selection.decide(Problem("bf16", 128, True, h100, batch_heads=32, seqlen_q=1000, seqlen_k=1000))
+        assert fwd_decision.winner.entry.family == "fa2_sm80"
+        assert not any("bwd" in label for label, _ in fwd_decision.rejected)
+        assert BwdProblem("bf16", 96, True, h100).functional_key.startswith("bwd_")
+        with pytest.raises(gemmgen.NoInstanceError, match="dBias"):
+            selection.select(BwdProblem("bf16", 64, False, h100, seqlen_k=97, bias=True, bias_grad=True))
+    finally:
+        registry.set_build_dirs(None)
+    proc = run_cli("explain", "--shape", "2,16,1000,96,causal", "--backward", "--cc", "9.0", "--sms", "132",
+                   "--build-dir", str(root))
+    assert proc.returncode == 0, proc.stderr
+    assert "backward of bf16 head_dim=96 causal" in proc.stdout and "mea_bwd_sm80_bf16_k128" in proc.stdout
+    proc = run_cli("explain", "--shape", "2,16,1000,96", "--deterministic", "--cc", "9.0", "--sms", "132")
+    assert proc.returncode != 0 and "--deterministic describes a backward" in proc.stderr

@@ -1,0 +1,239 @@
+"""The fmha_bwd_sm90 family (CUTLASS's Hopper FMHA backward): its instance space, validity rule, what
+a built instance refuses (problem_reason), rendering, and a real nvcc build of one instance whose
+library loads without a GPU: its info, its workspace size, and the calls it refuses before any CUDA
+call."""
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import pytest
+
+from conftest import run_cli
+from gemmgen.arch import Arch
+from gemmgen.errors import GemmgenLaunchError
+from gemmgen.generator import manifest, render, space
+from gemmgen.generator.families import base
+from gemmgen.generator.families import fmha_bwd_sm90 as fam
+from gemmgen.generator.families.fmha_bwd_sm90 import DType, FmhaBwdSm90Instance, Mask
+from gemmgen.kernels import abi
+from gemmgen.select import device
+from gemmgen.select.problem import BwdProblem
+
+H100 = device.synthetic((9, 0), 132)
+BUILD_ONE = "fmha_bwd_sm90_fp16_d32_none_m64n128"  # the quickest to compile
+
+
+def test_family_keeps_the_contract_and_is_registered():
+    base.check_family(fam)
+    assert fam.KIND == "attention_bwd" and not fam.BUILT_BY_DEFAULT and fam.ARCHS == (Arch.SM90,)
+    assert space.family_named(fam.FAMILY) is fam
+    assert fam.INSTANCE.from_params(fam.DEFAULT[0].params()) == fam.DEFAULT[0]
+
+
+def test_space_names_unique_and_stable():
+    names = [inst.name for inst in fam.SPACE]
+    assert len(names) == len(set(names)) == 20
+    assert all("bwd" in n and n.startswith("fmha_bwd_sm90_") for n in names)
+    assert "fmha_bwd_sm90_bf16_d128_causal_m64n128" in names
+    assert "fmha_bwd_sm90_fp16_d64_none_m128n128" in names
+    assert "fmha_bwd_sm90_fp16_d128_none_m128n128" not in names  # shared memory
+    assert len({inst.content_hash() for inst in fam.SPACE}) == len(names)
+
+
+def test_default_covers_every_dtype_head_dim_mask_once():
+    keys = [(i.dtype, i.head_dim, i.mask) for i in fam.DEFAULT]
+    assert len(keys) == len(set(keys))
+    assert set(keys) == {(dt, d, m) for dt in fam.DTYPES for d in fam.HEAD_DIMS for m in Mask}
+    assert set(fam.DEFAULT) <= set(fam.SPACE)
+
+
+def test_built_only_for_sm90_and_only_when_named():
+    assert not any(i.family == fam.FAMILY for i in space.select_instances(Arch.SM90))
+    assert space.select_instances(Arch.SM90, families={fam.FAMILY}) == list(fam.DEFAULT)
+    assert space.select_instances(Arch.SM90, families={fam.FAMILY}, all_instances=True) == list(fam.SPACE)
+    assert not any(i.family == fam.FAMILY for i in space.select_instances(Arch.SM80, all_instances=True))
+    # A backward family adds no head dim to what the forward accepts.
+    assert space.supported_head_dims() == tuple(sorted({d for f in space.FAMILIES if f.KIND == "attention"
+                                                        for d in f.HEAD_DIMS}))
+
+
+@pytest.mark.parametrize("change, reason", [
+    (dict(), None),
+    (dict(block_m=128), None),  # d64 128x128
+    (dict(head_dim=32, block_m=128), None),
+    (dict(head_dim=256), "head_dim 256"),
+    (dict(head_dim=96), "head_dim 96"),
+    (dict(head_dim=128, block_m=128), "shared memory"),
+    (dict(block_n=64), "tile 64x64"),
+    (dict(block_m=192), "tile 192x128"),
+])
+def test_invalid_reason(change, reason):
+    inst = dataclasses.replace(FmhaBwdSm90Instance(DType.BF16, 64, Mask.CAUSAL, 64, 128), **change)
+    got = fam.invalid_reason(inst)
+    assert got is None if reason is None else reason in got
+
+
+@pytest.mark.parametrize("name, smem", [
+    # SharedStorageSize of the compiled instances (their _info)
+    ("fmha_bwd_sm90_fp16_d32_causal_m64n128", 67072),
+    ("fmha_bwd_sm90_fp16_d32_causal_m128n128", 117248),
+    ("fmha_bwd_sm90_bf16_d64_none_m128n128", 199168),
+    ("fmha_bwd_sm90_bf16_d128_none_m64n128", 214528),
+])
+def test_shared_memory_and_cost_inputs(name, smem):
+    inst = next(i for i in fam.SPACE if i.name == name)
+    assert inst.smem_bytes == smem and inst.threads == 384
+    cost = inst.cost_inputs  # a CTA's rows are block_n keys, its columns block_m queries a step
+    assert (cost.block_m, cost.block_n, cost.stages, cost.threads, cost.smem_bytes) == (
+        inst.block_n, inst.block_m, 2, 384, smem)
+
+
+def problem(**kw) -> BwdProblem:
+    return BwdProblem(**{"dtype": "bf16", "head_dim": 64, "causal": False, "device": H100, "batch_heads": 32,
+                         "seqlen_q": 1024, "seqlen_k": 1024, **kw})
+
+
+CAUSAL_64 = FmhaBwdSm90Instance(DType.BF16, 64, Mask.CAUSAL, 64, 128)
+
+
+@pytest.mark.parametrize("kw, reason", [
+    (dict(), None),
+    (dict(causal=True), None),
+    (dict(causal=True, seqlen_q=1000, seqlen_k=77), None),  # partial tiles, Nq > Nk: masked
+    (dict(causal=True, seqlen_q=77, seqlen_k=1000), None),  # key tiles past every query: zero dK, dV
+    (dict(seqlen_q=1, seqlen_k=3), None),
+    (dict(zero_scale=True), None),
+    (dict(dropout=True), "no dropout"),
+    (dict(bias=True), "no bias"),
+    (dict(varlen=True), "no varlen"),
+    (dict(bias_grad=True), "no dbias"),
+    (dict(deterministic=True), "not deterministic"),
+    (dict(negative_scale=True), "scales >= 0"),
+    (dict(gqa=4), "heads_kv == heads"),
+    (dict(align=8), "16-byte aligned"),
+    (dict(causal=True, causal_alignment="bottom_right", seqlen_q=1000), "top-left only"),
+    (dict(causal=True, causal_alignment="bottom_right"), None),  # Nq == Nk: both alignments agree
+    (dict(causal_alignment="bottom_right", seqlen_q=1000), None),  # no mask: the alignment is moot
+    (dict(max_offset=2**31), "int32"),
+    (dict(batch_heads=2**16, seqlen_q=2**10), "accumulator"),
+])
+def test_problem_reason(kw, reason):
+    got = fam.problem_reason(CAUSAL_64, problem(**kw))
+    assert got is None if reason is None else reason in got
+
+
+def test_rendered_text():
+    inst = next(i for i in fam.SPACE if i.name == "fmha_bwd_sm90_bf16_d128_causal_m64n128")
+    tc = render.Toolchain(flags=("-O3",), nvcc_version="13.0.88", cutlass_version="4.2.0")
+    text = render.render_text(inst, tc)
+    assert '#include "gemmgen/fmha_bwd_sm90/launch.h"' in text
+    assert "Config<cutlass::bfloat16_t, /*BlockM=*/64, /*BlockN=*/128," in text
+    assert "/*HeadDim=*/128, /*Causal=*/true>;" in text
+    sym = inst.symbol
+    assert f"GEMMGEN_EXPORT int {sym}(const GemmgenAttnBwdParams* params, void* stream" in text
+    assert f"GEMMGEN_EXPORT int64_t {sym}_workspace(const GemmgenAttnBwdParams* params)" in text
+    assert f"GEMMGEN_EXPORT int {sym}_info(GemmgenInstanceInfo* info)" in text
+
+
+# A real build: nvcc 13 with CUTLASS's headers, no GPU needed to load the library.
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    from gemmgen.errors import ToolchainError
+    from gemmgen.generator import toolchain
+
+    try:
+        toolchain.find_nvcc()
+    except ToolchainError as exc:
+        pytest.skip(f"nvcc is missing: {exc}")
+    out = tmp_path_factory.mktemp("bwd90")
+    start = time.monotonic()
+    proc = run_cli("generate", "--arch", "sm90", "--family", fam.FAMILY, "--all", "--filter", f"^{BUILD_ONE}$",
+                   "--out", str(out), "--jobs", "1")
+    print(f"\ncompiled {BUILD_ONE} in {time.monotonic() - start:.0f} s")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    entry = manifest.load(out / "sm90" / "manifest.json").instances[0]
+    assert entry.name == BUILD_ONE and entry.state == "built" and entry.gencode == list(Arch.SM90.gencode)
+    return entry, abi.bind_bwd(out / "sm90" / entry.library, entry.symbol)
+
+
+def params(**kw) -> abi.AttnBwdParams:
+    """Params of a dense [2, 3, 100, 32] fp16 call (100 keys) at fake 256-byte aligned addresses."""
+    b, h, nq, nk, d = 2, 3, kw.pop("seqlen_q", 100), kw.pop("seqlen_k", 100), kw.pop("head_dim", 32)
+    p = abi.AttnBwdParams()
+    for i, name in enumerate(("q", "k", "v", "o", "d_o", "lse", "dq", "dk", "dv", "workspace")):
+        setattr(p, name, 0x10000000 * (i + 1))
+    p.workspace_bytes = 1 << 30
+    p.batch, p.heads, p.heads_kv, p.seqlen_q, p.seqlen_k, p.head_dim = b, h, h, nq, nk, d
+    for name in ("q", "k", "v", "o", "do", "dq", "dk", "dv"):
+        n = nk if name in ("k", "v", "dk", "dv") else nq
+        p_strides = (h * n * d, n * d, d)
+        for dim, stride in zip(("batch", "head", "row"), p_strides):
+            setattr(p, f"{name}_{dim}_stride", stride)
+    p.scale, p.causal_offset = 0.125, 2**31 - 1
+    for key, value in kw.items():
+        setattr(p, key, value)
+    return p
+
+
+def test_real_build_info(built):
+    entry, kernel = built
+    info = kernel.info()
+    assert info.abi_version == 3 and info.flags & abi.INFO_BACKWARD
+    assert (info.head_dim, info.block_m, info.block_n, info.causal, info.threads) == (32, 64, 128, 0, entry.threads)
+    assert info.smem_bytes == entry.smem_bytes  # the family's figure is exact
+
+
+def test_real_build_workspace(built):
+    _, kernel = built
+    # LSE copy and D: 2*3 rows of Nq rounded up to 8 floats, each part 256-byte aligned; then dQ in fp32.
+    vec = -(-2 * 3 * 104 * 4 // 256) * 256
+    assert kernel.workspace_bytes(params()) == 2 * vec + 2 * 3 * 100 * 32 * 4
+    assert kernel.workspace_bytes(params(seqlen_q=1)) == 2 * 256 + 2 * 3 * 1 * 32 * 4
+    assert kernel.workspace_bytes(params(head_dim=64)) == 0  # not this instance's: run() refuses it
+    assert kernel.workspace_bytes(params(batch=0)) == 0
+
+
+@pytest.mark.parametrize("kw, words", [
+    (dict(head_dim=64), "head_dim 64, this instance runs 32"),
+    (dict(seqlen_k=0), "bad sizes"),
+    (dict(heads_kv=1), "heads_kv 1 != heads 3"),
+    (dict(deterministic=1), "deterministic"),
+    (dict(dropout_p=0.1), "no bias, dbias, dropout"),
+    (dict(bias=0x1000), "no bias, dbias, dropout"),
+    (dict(dbias=0x1000), "no bias, dbias, dropout"),
+    (dict(cu_seqlens_q=0x1000), "variable lengths"),
+    (dict(scale=-0.5), "scales >= 0"),
+    (dict(scale=float("nan")), "scales >= 0"),
+    (dict(q=0x10000008), "q: this family needs a 16-byte aligned pointer"),
+    (dict(dv_row_stride=36), "dv: this family needs"),
+    (dict(k_head_stride=100 * 32 + 4), "k: this family needs"),
+    (dict(dk=0), "dk is NULL"),
+    (dict(o_batch_stride=2**31 - 8), "o: element offsets pass int32"),
+    (dict(batch=2**20, heads=2**12, heads_kv=2**12), "q: element offsets pass int32"),
+    (dict(lse=0x10000002), "lse must be"),
+    (dict(workspace=0x10000010), "workspace"),
+    (dict(workspace_bytes=1024), "workspace"),
+])
+def test_real_build_refuses(built, kw, words):
+    """Every refusal comes before any CUDA call, so it runs without a GPU."""
+    _, kernel = built
+    with pytest.raises(GemmgenLaunchError, match="INVALID_ARGUMENT") as info:
+        kernel.run(params(**kw), None)
+    assert words in str(info.value)
+
+
+def test_real_build_ignores_the_strides_of_single_dims(built):
+    """A dim of extent 1 has no stride to align (it is taken as 0): such a call gets past every
+    check, to the first CUDA call, which fails without a GPU (or runs with one)."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("the params point at no memory: only a machine without a GPU may get past the checks")
+    _, kernel = built
+    p = params(batch=1, q_batch_stride=3, heads=1, heads_kv=1, k_head_stride=5)
+    try:
+        kernel.run(p, None)
+    except GemmgenLaunchError as exc:
+        assert "INVALID_ARGUMENT" not in str(exc) and "CUDA_ERROR" in str(exc)
