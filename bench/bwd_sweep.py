@@ -20,7 +20,6 @@ backward is at or above the fastest SDPA backend's, and which shapes fall below.
 from __future__ import annotations
 
 import argparse
-import datetime
 import sys
 
 import torch
@@ -28,12 +27,12 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import gemmgen
+from common import DTYPES, fa_shapes, header
 from gemmgen.select import timing
-from gemmgen.select.shapes import HIDDEN, SEQLENS, TOKENS
+from gemmgen.select.shapes import SEQLENS
 
 BACKENDS = {"FA2": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
             "cuDNN": SDPBackend.CUDNN_ATTENTION}
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 MODES = ("bwd", "fwd+bwd")
 BAR_MIN_N = 1024
 
@@ -82,43 +81,34 @@ def main() -> int:
     ap.add_argument("--out", help="also write the tables to this markdown file")
     args = ap.parse_args()
 
-    dev = torch.cuda.get_device_properties(0)
-    header = (f"{dev.name}, {dev.multi_processor_count} SMs, torch {torch.__version__}, gemmgen "
-              f"{gemmgen.__version__}, {datetime.date.today()}; eager calls with the host path, default "
-              f"build untuned; each side the median over {args.rounds} rounds in alternating order of the "
-              f"median of {args.reps} CUDA-event timings; TFLOP/s = 2.5 (bwd) or 3.5 (fwd+bwd) x "
-              f"4*B*H*N^2*d/t, halved for causal")
-    print(header, flush=True)
+    head = header(f"eager calls with the host path, default build untuned; each side the median over "
+                  f"{args.rounds} rounds in alternating order of the median of {args.reps} CUDA-event timings; "
+                  f"TFLOP/s = 2.5 (bwd) or 3.5 (fwd+bwd) x 4*B*H*N^2*d/t, halved for causal")
+    print(head, flush=True)
     tables, summary = [], []
     for mode in args.mode:
         rows = [f"### {mode}", "", "| dtype | d | causal | N | gemmgen | FA2 | efficient | cuDNN | gemmgen/best |",
                 "|---|---|---|---|---|---|---|---|---|"]
         ratios = []
-        for dname in args.dtype:
-            dtype = DTYPES[dname]
-            for d in args.head_dim:
-                for causal in (False, True):
-                    for n in args.seq_len:
-                        b, h = TOKENS // n, HIDDEN // d
-                        q, k, v, do = (torch.randn(b, h, n, d, device="cuda", dtype=dtype) for _ in range(4))
-                        for t in (q, k, v):
-                            t.requires_grad_()
-                        sides = sides_for(q, k, v, do, causal, mode)
-                        ms = timing.rounds_ms(sides, rounds=args.rounds, reps=args.reps, warmup=2) if sides else {}
-                        factor = 2.5 if mode == "bwd" else 3.5
-                        flops = factor * 4 * b * h * n * n * d / (2 if causal else 1)
-                        tf = {label: flops / t / 1e9 for label, t in ms.items()}
-                        peer = max((tf[x] for x in BACKENDS if x in tf), default=None)
-                        ratio = tf["gemmgen"] / peer if "gemmgen" in tf and peer else None
-                        if ratio is not None and n >= BAR_MIN_N:
-                            ratios.append((ratio, f"{dname} d{d} {'causal' if causal else 'none'} N={n}"))
-                        fmt = lambda x: "-" if x is None else f"{x:.0f}"  # noqa: E731
-                        row = (f"| {dname} | {d} | {'Y' if causal else 'N'} | {n} | {fmt(tf.get('gemmgen'))} | "
-                               f"{fmt(tf.get('FA2'))} | {fmt(tf.get('efficient'))} | {fmt(tf.get('cuDNN'))} | "
-                               f"{'-' if ratio is None else f'{ratio:.2f}'} |")
-                        rows.append(row)
-                        print(f"{mode} {row}", flush=True)
-                        del q, k, v, do, sides
+        for dname, dtype, d, causal, n, b, h, fwd_flops in fa_shapes(args.dtype, args.head_dim, args.seq_len):
+            q, k, v, do = (torch.randn(b, h, n, d, device="cuda", dtype=dtype) for _ in range(4))
+            for t in (q, k, v):
+                t.requires_grad_()
+            sides = sides_for(q, k, v, do, causal, mode)
+            ms = timing.rounds_ms(sides, rounds=args.rounds, reps=args.reps, warmup=2) if sides else {}
+            flops = (2.5 if mode == "bwd" else 3.5) * fwd_flops
+            tf = {label: flops / t / 1e9 for label, t in ms.items()}
+            peer = max((tf[x] for x in BACKENDS if x in tf), default=None)
+            ratio = tf["gemmgen"] / peer if "gemmgen" in tf and peer else None
+            if ratio is not None and n >= BAR_MIN_N:
+                ratios.append((ratio, f"{dname} d{d} {'causal' if causal else 'none'} N={n}"))
+            fmt = lambda x: "-" if x is None else f"{x:.0f}"  # noqa: E731
+            row = (f"| {dname} | {d} | {'Y' if causal else 'N'} | {n} | {fmt(tf.get('gemmgen'))} | "
+                   f"{fmt(tf.get('FA2'))} | {fmt(tf.get('efficient'))} | {fmt(tf.get('cuDNN'))} | "
+                   f"{'-' if ratio is None else f'{ratio:.2f}'} |")
+            rows.append(row)
+            print(f"{mode} {row}", flush=True)
+            del q, k, v, do, sides
         ahead = sum(r >= 1.0 for r, _ in ratios)
         below = sorted(r for r in ratios if r[0] < 1.0)
         summary += [f"- {mode}: gemmgen >= fastest SDPA backend at {ahead} of {len(ratios)} shapes with N >= "
@@ -128,7 +118,7 @@ def main() -> int:
     print("\n".join(summary), flush=True)
     if args.out:
         with open(args.out, "w") as f:
-            f.write(header + "\n\n" + "\n\n".join(tables) + "\n\n" + "\n".join(summary) + "\n")
+            f.write(head + "\n\n" + "\n\n".join(tables) + "\n\n" + "\n".join(summary) + "\n")
     return 0
 
 

@@ -17,7 +17,8 @@ import torch
 from gemmgen.kernels import abi
 from gemmgen.select import registry
 
-from fa_sweep import HIDDEN, TOKENS, time_ms
+from fa_sweep import time_ms
+from gemmgen.select.shapes import HIDDEN, TOKENS
 
 
 def main() -> int:

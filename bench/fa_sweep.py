@@ -22,7 +22,6 @@ the pick matches the fastest backend.
 from __future__ import annotations
 
 import argparse
-import datetime
 import statistics
 import sys
 
@@ -31,14 +30,14 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import gemmgen
+from common import DTYPES, fa_shapes, header
 from gemmgen.kernels import launch
 from gemmgen.select import registry, timing
 from gemmgen.generator.space import FAMILIES
-from gemmgen.select.shapes import HIDDEN, SEQLENS, TOKENS  # the sweep's shapes, shared with `gemmgen profile`
+from gemmgen.select.shapes import SEQLENS  # the sweep's lengths, shared with `gemmgen profile`
 
 BACKENDS = {"FA2": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
             "cuDNN": SDPBackend.CUDNN_ATTENTION}
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def time_ms(fn, warmup: int, reps: int) -> float:
@@ -94,59 +93,51 @@ def main() -> int:
     ap.add_argument("--out", help="also write the table to this markdown file")
     args = ap.parse_args()
 
-    dev = torch.cuda.get_device_properties(0)
-    header = (f"{dev.name}, {dev.multi_processor_count} SMs, torch {torch.__version__}, "
-              f"gemmgen {gemmgen.__version__}, {datetime.date.today()}; each side the median over {args.rounds} "
-              f"rounds in alternating order of the median of {args.reps} CUDA-event timings"
-              f"{' of the kernels alone (each call behind a spin kernel)' if args.kernels else ''}; "
-              f"TFLOP/s = 4*B*H*N^2*d/t (halved for causal)")
+    head = header(f"each side the median over {args.rounds} rounds in alternating order of the median of "
+                  f"{args.reps} CUDA-event timings"
+                  f"{' of the kernels alone (each call behind a spin kernel)' if args.kernels else ''}; "
+                  f"TFLOP/s = 4*B*H*N^2*d/t (halved for causal)")
     families = [f.FAMILY for f in FAMILIES if getattr(f, "KIND", "attention") == "attention"]
     rows = ["| dtype | d | causal | N | " + " | ".join(families) + " | pick | picked instance | FA2 | efficient "
             "| cuDNN | pick/peer |", "|---" * (len(families) + 10) + "|"]
     ratios = []
-    print(header, flush=True)
-    for dname in args.dtype:
-        dtype = DTYPES[dname]
-        for d in args.head_dim:
-            for causal in (False, True):
-                for n in args.seq_len:
-                    b, h = TOKENS // n, HIDDEN // d
-                    q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=dtype) for _ in range(3))
-                    flops = 4 * b * h * n * n * d / (2 if causal else 1)
-                    sides = {name: (lambda name=name: gemmgen.fused_attention(q, k, v, causal=causal, instance=name))
-                             for name in built_instances(q, k, causal)}
-                    for label, backend in BACKENDS.items():
-                        run = sdpa(q, k, v, causal, backend)
-                        try:  # a backend that cannot run this shape is left out
-                            run()
-                        except RuntimeError:
-                            continue
-                        sides[label] = run
-                    ms = timing.rounds_ms(sides, rounds=args.rounds, reps=args.reps, warmup=3,
-                                          hide_host=args.kernels)
-                    tflops = {side: flops / t / 1e9 for side, t in ms.items()}
-                    measured = {name: t for name, t in tflops.items() if name not in BACKENDS}
-                    peers = {label: tflops.get(label) for label in BACKENDS}
-                    pick = gemmgen.selected_instance(q, k, v, causal=causal) if measured else None
-                    fmt = lambda x: "-" if x is None else f"{x:.0f}"  # noqa: E731
-                    best_of = [max((t for name, t in measured.items() if name.startswith(fam + "_")), default=None)
-                               for fam in families]
-                    peer = max((t for t in peers.values() if t is not None), default=None)
-                    ratio = measured[pick] / peer if pick in measured and peer else None
-                    if ratio is not None:
-                        ratios.append((ratio, f"{dname} d{d} {'causal' if causal else 'none'} N={n}"))
-                    row = (f"| {dname} | {d} | {'Y' if causal else 'N'} | {n} | "
-                           + " | ".join(fmt(t) for t in best_of)
-                           + f" | {fmt(measured.get(pick))} | {pick or '-'} | {fmt(peers['FA2'])} | "
-                           f"{fmt(peers['efficient'])} | {fmt(peers['cuDNN'])} | "
-                           f"{'-' if ratio is None else f'{ratio:.2f}'} |")
-                    rows.append(row)
-                    print(row, flush=True)
-                    print("    all: " + ", ".join(f"{name}={t:.0f}" for name, t in
-                                              sorted(measured.items(), key=lambda kv: -kv[1])), file=sys.stderr,
-                          flush=True)
+    print(head, flush=True)
+    for dname, dtype, d, causal, n, b, h, flops in fa_shapes(args.dtype, args.head_dim, args.seq_len):
+        q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=dtype) for _ in range(3))
+        sides = {name: (lambda name=name: gemmgen.fused_attention(q, k, v, causal=causal, instance=name))
+                 for name in built_instances(q, k, causal)}
+        for label, backend in BACKENDS.items():
+            run = sdpa(q, k, v, causal, backend)
+            try:  # a backend that cannot run this shape is left out
+                run()
+            except RuntimeError:
+                continue
+            sides[label] = run
+        ms = timing.rounds_ms(sides, rounds=args.rounds, reps=args.reps, warmup=3,
+                              hide_host=args.kernels)
+        tflops = {side: flops / t / 1e9 for side, t in ms.items()}
+        measured = {name: t for name, t in tflops.items() if name not in BACKENDS}
+        peers = {label: tflops.get(label) for label in BACKENDS}
+        pick = gemmgen.selected_instance(q, k, v, causal=causal) if measured else None
+        fmt = lambda x: "-" if x is None else f"{x:.0f}"  # noqa: E731
+        best_of = [max((t for name, t in measured.items() if name.startswith(fam + "_")), default=None)
+                   for fam in families]
+        peer = max((t for t in peers.values() if t is not None), default=None)
+        ratio = measured[pick] / peer if pick in measured and peer else None
+        if ratio is not None:
+            ratios.append((ratio, f"{dname} d{d} {'causal' if causal else 'none'} N={n}"))
+        row = (f"| {dname} | {d} | {'Y' if causal else 'N'} | {n} | "
+               + " | ".join(fmt(t) for t in best_of)
+               + f" | {fmt(measured.get(pick))} | {pick or '-'} | {fmt(peers['FA2'])} | "
+               f"{fmt(peers['efficient'])} | {fmt(peers['cuDNN'])} | "
+               f"{'-' if ratio is None else f'{ratio:.2f}'} |")
+        rows.append(row)
+        print(row, flush=True)
+        print("    all: " + ", ".join(f"{name}={t:.0f}" for name, t in
+                                  sorted(measured.items(), key=lambda kv: -kv[1])), file=sys.stderr,
+              flush=True)
     ahead = sum(r >= 1.0 for r, _ in ratios)
-    finish(header, rows, [f"- pick >= fastest SDPA backend at {ahead} of {len(ratios)} shapes", below_line(ratios)],
+    finish(head, rows, [f"- pick >= fastest SDPA backend at {ahead} of {len(ratios)} shapes", below_line(ratios)],
            args.out)
     return 0
 

@@ -9,16 +9,13 @@ materializes B*H*N^2 scores: 8 GB of fp32 at N = 8192), so the run takes a few m
 from __future__ import annotations
 
 import argparse
-import datetime
 import math
 
 import torch
 
 import gemmgen
+from common import DTYPES, fa_shapes, header
 from gemmgen.select import timing
-from gemmgen.select.shapes import HIDDEN, TOKENS
-
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def manual(q, k, v, causal):
@@ -38,39 +35,30 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--out", default="bench/results/unfused_h200.md")
     args = ap.parse_args()
-    dev = torch.cuda.get_device_properties(0)
-    header = (f"{dev.name}, {dev.multi_processor_count} SMs, torch {torch.__version__}, gemmgen "
-              f"{gemmgen.__version__}, {datetime.date.today()}; median of {args.reps} CUDA-event timings; "
-              f"TFLOP/s = 4*B*H*N^2*d/t (halved for causal)")
-    print(header, flush=True)
+    head = header(f"median of {args.reps} CUDA-event timings; TFLOP/s = 4*B*H*N^2*d/t (halved for causal)")
+    print(head, flush=True)
     rows = ["| dtype | d | causal | N | unfused | fused | manual PyTorch | unfused/manual | fused/unfused |",
             "|---|---|---|---|---|---|---|---|---|"]
-    for dname in args.dtype:
-        dtype = DTYPES[dname]
-        for d in args.head_dim:
-            for causal in (False, True):
-                for n in args.seq_len:
-                    b, h = TOKENS // n, HIDDEN // d
-                    q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=dtype) for _ in range(3))
-                    flops = 4 * b * h * n * n * d / (2 if causal else 1)
-                    times = {}
-                    for label, fn in (("unfused", lambda: gemmgen.unfused_attention(q, k, v, causal=causal)),
-                                      ("fused", lambda: gemmgen.fused_attention(q, k, v, causal=causal)),
-                                      ("manual", lambda: manual(q, k, v, causal))):
-                        try:
-                            times[label] = timing.median_ms(lambda _i, fn=fn: fn(), 1, warmup=3, reps=args.reps)
-                        except (gemmgen.GemmgenError, torch.OutOfMemoryError) as exc:
-                            print(f"  {label} at N={n}: {str(exc).splitlines()[0]}", flush=True)
-                            times[label] = math.inf
-                    tf = {key: flops / ms / 1e9 if math.isfinite(ms) else 0.0 for key, ms in times.items()}
-                    row = (f"| {dname} | {d} | {'Y' if causal else 'N'} | {n} | {tf['unfused']:.1f} | "
-                           f"{tf['fused']:.1f} | {tf['manual']:.1f} | "
-                           f"{times['manual'] / times['unfused']:.2f} | {times['unfused'] / times['fused']:.2f} |")
-                    rows.append(row)
-                    print(row, flush=True)
-                    torch.cuda.empty_cache()
+    for dname, dtype, d, causal, n, b, h, flops in fa_shapes(args.dtype, args.head_dim, args.seq_len):
+        q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=dtype) for _ in range(3))
+        times = {}
+        for label, fn in (("unfused", lambda: gemmgen.unfused_attention(q, k, v, causal=causal)),
+                          ("fused", lambda: gemmgen.fused_attention(q, k, v, causal=causal)),
+                          ("manual", lambda: manual(q, k, v, causal))):
+            try:
+                times[label] = timing.median_ms(lambda _i, fn=fn: fn(), 1, warmup=3, reps=args.reps)
+            except (gemmgen.GemmgenError, torch.OutOfMemoryError) as exc:
+                print(f"  {label} at N={n}: {str(exc).splitlines()[0]}", flush=True)
+                times[label] = math.inf
+        tf = {key: flops / ms / 1e9 if math.isfinite(ms) else 0.0 for key, ms in times.items()}
+        row = (f"| {dname} | {d} | {'Y' if causal else 'N'} | {n} | {tf['unfused']:.1f} | "
+               f"{tf['fused']:.1f} | {tf['manual']:.1f} | "
+               f"{times['manual'] / times['unfused']:.2f} | {times['unfused'] / times['fused']:.2f} |")
+        rows.append(row)
+        print(row, flush=True)
+        torch.cuda.empty_cache()
     with open(args.out, "w") as f:
-        f.write(header + "\n\n" + "\n".join(rows) + "\n")
+        f.write(head + "\n\n" + "\n".join(rows) + "\n")
     print(f"\nwritten to {args.out}\n")
     print("\n".join(rows))
     return 0

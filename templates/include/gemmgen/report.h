@@ -1,8 +1,11 @@
-// How the C ABI entry points fail: a status code returned, and a message written into the
-// caller's buffer (printf-style, truncated to err_len).
+// How the C ABI entry points report: a failure as a status code returned and a message written
+// into the caller's buffer (printf-style, truncated to err_len); an attention instance's static
+// facts through its <symbol>_info.
 #pragma once
 #include <cstdarg>
 #include <cstdio>
+
+#include "gemmgen/abi.h"
 
 namespace gemmgen {
 
@@ -14,6 +17,17 @@ inline int report(char* err, int err_len, int status, const char* fmt, ...) {
     va_end(args);
   }
   return status;
+}
+
+// Fill `out` (GEMMGEN_INVALID_ARGUMENT when it is NULL) with the facts of an attention instance:
+// its head dim (the bound, for an instance serving every head dim up to one), tile, threads,
+// shared memory, whether it is built for the causal mask, and GEMMGEN_INFO_* flags.
+inline int instance_info(GemmgenInstanceInfo* out, int head_dim, int block_m, int block_n, int threads,
+                         int smem_bytes, bool causal, int flags) {
+  if (out == nullptr) return GEMMGEN_INVALID_ARGUMENT;
+  *out = GemmgenInstanceInfo{GEMMGEN_ABI_VERSION, head_dim, block_m, block_n, threads, smem_bytes,
+                             causal ? 1 : 0, flags};
+  return GEMMGEN_OK;
 }
 
 }  // namespace gemmgen

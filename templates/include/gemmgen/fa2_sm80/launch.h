@@ -59,16 +59,8 @@ int run(const GemmgenAttnParams* p, cudaStream_t stream, char* err, int err_len)
 
 template <class Traits, bool Causal>
 int info(GemmgenInstanceInfo* out) {
-  if (out == nullptr) return GEMMGEN_INVALID_ARGUMENT;
-  out->abi_version = GEMMGEN_ABI_VERSION;
-  out->head_dim = Traits::kHeadDim;
-  out->block_m = Traits::kBlockM;
-  out->block_n = Traits::kBlockN;
-  out->threads = Traits::kNThreads;
-  out->smem_bytes = Traits::kSmemSize;
-  out->causal = Causal ? 1 : 0;
-  out->flags = 0;
-  return GEMMGEN_OK;
+  return instance_info(out, Traits::kHeadDim, Traits::kBlockM, Traits::kBlockN, Traits::kNThreads,
+                       Traits::kSmemSize, Causal, /*flags=*/0);
 }
 
 }  // namespace gemmgen::fa2_sm80

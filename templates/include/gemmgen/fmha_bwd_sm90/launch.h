@@ -433,16 +433,8 @@ int run(const GemmgenAttnBwdParams* p, cudaStream_t stream, char* err, int err_l
 
 template <class Cfg>
 int info(GemmgenInstanceInfo* out) {
-  if (out == nullptr) return GEMMGEN_INVALID_ARGUMENT;
-  out->abi_version = GEMMGEN_ABI_VERSION;
-  out->head_dim = Cfg::kHeadDim;
-  out->block_m = Cfg::kBlockM;
-  out->block_n = Cfg::kBlockN;
-  out->threads = Cfg::Kernel::MaxThreadsPerBlock;
-  out->smem_bytes = Cfg::Kernel::SharedStorageSize;
-  out->causal = Cfg::kCausal ? 1 : 0;
-  out->flags = GEMMGEN_INFO_BACKWARD;
-  return GEMMGEN_OK;
+  return instance_info(out, Cfg::kHeadDim, Cfg::kBlockM, Cfg::kBlockN, Cfg::Kernel::MaxThreadsPerBlock,
+                       Cfg::Kernel::SharedStorageSize, Cfg::kCausal, GEMMGEN_INFO_BACKWARD);
 }
 
 }  // namespace gemmgen::fmha_bwd_sm90

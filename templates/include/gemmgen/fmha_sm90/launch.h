@@ -221,16 +221,8 @@ int run(const GemmgenAttnParams* p, cudaStream_t stream, char* err, int err_len)
 
 template <class Cfg>
 int info(GemmgenInstanceInfo* out) {
-  if (out == nullptr) return GEMMGEN_INVALID_ARGUMENT;
-  out->abi_version = GEMMGEN_ABI_VERSION;
-  out->head_dim = Cfg::kHeadDim;
-  out->block_m = Cfg::kBlockM;
-  out->block_n = Cfg::kBlockN;
-  out->threads = Cfg::Kernel::MaxThreadsPerBlock;
-  out->smem_bytes = Cfg::Kernel::SharedStorageSize;
-  out->causal = Cfg::kCausal ? 1 : 0;
-  out->flags = GEMMGEN_INFO_NEEDS_LSE;
-  return GEMMGEN_OK;
+  return instance_info(out, Cfg::kHeadDim, Cfg::kBlockM, Cfg::kBlockN, Cfg::Kernel::MaxThreadsPerBlock,
+                       Cfg::Kernel::SharedStorageSize, Cfg::kCausal, GEMMGEN_INFO_NEEDS_LSE);
 }
 
 }  // namespace gemmgen::fmha_sm90

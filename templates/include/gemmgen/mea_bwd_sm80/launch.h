@@ -322,16 +322,10 @@ int run(const GemmgenAttnBwdParams* p, cudaStream_t stream, char* err, int err_l
 
 template <class Traits>
 int info(GemmgenInstanceInfo* out) {
-  if (out == nullptr) return GEMMGEN_INVALID_ARGUMENT;
-  out->abi_version = GEMMGEN_ABI_VERSION;
-  out->head_dim = Traits::kMaxHeadDim;  // the bound: every multiple of kAlignment up to it runs
-  out->block_m = Traits::kBlockI;
-  out->block_n = Traits::kBlockJ;
-  out->threads = Traits::kThreads;
-  out->smem_bytes = Traits::kSmemSize;
-  out->causal = 0;  // both masks: causal_offset decides per call
-  out->flags = GEMMGEN_INFO_BACKWARD;
-  return GEMMGEN_OK;
+  // The head dim is the bound (every multiple of kAlignment up to it runs); causal is false as
+  // the instance serves both masks (causal_offset decides per call).
+  return instance_info(out, Traits::kMaxHeadDim, Traits::kBlockI, Traits::kBlockJ, Traits::kThreads,
+                       Traits::kSmemSize, /*causal=*/false, GEMMGEN_INFO_BACKWARD);
 }
 
 }  // namespace gemmgen::mea_bwd_sm80

@@ -116,16 +116,11 @@ int run(const GemmgenAttnParams* p, cudaStream_t stream, char* err, int err_len)
 
 template <class Traits>
 int info(GemmgenInstanceInfo* out) {
-  if (out == nullptr) return GEMMGEN_INVALID_ARGUMENT;
-  out->abi_version = GEMMGEN_ABI_VERSION;
-  out->head_dim = Traits::kMaxHeadDim;  // the bound: every multiple of kAlignment up to it runs
-  out->block_m = Traits::kBlockM;
-  out->block_n = Traits::kBlockN;
-  out->threads = Traits::kThreads;
-  out->smem_bytes = Traits::kSmemSize;
-  out->causal = 0;  // both masks: causal_offset decides per call
-  out->flags = 0;   // LSE is written only where the caller passes a buffer
-  return GEMMGEN_OK;
+  // The head dim is the bound (every multiple of kAlignment up to it runs); causal is false as
+  // the instance serves both masks (causal_offset decides per call); no flags: LSE is written only
+  // where the caller passes a buffer.
+  return instance_info(out, Traits::kMaxHeadDim, Traits::kBlockM, Traits::kBlockN, Traits::kThreads,
+                       Traits::kSmemSize, /*causal=*/false, /*flags=*/0);
 }
 
 }  // namespace gemmgen::mea_sm80
