@@ -255,9 +255,10 @@ def parser() -> argparse.ArgumentParser:
     gen.add_argument("--jobs", type=int, help="parallel nvcc jobs (default: cores, <= free GB / 4)")
     gen.add_argument("--no-compile", action="store_true", help="render sources and manifest only")
     gen.add_argument("--family", action="append",
-                     help="build this family (repeatable; 'all' for every family; default: fa2_sm80 and "
-                          "fmha_sm90). Dropout, masks and varlen need mea_sm80; the unfused path "
-                          "gemm_sm80 and softmax_sm80")
+                     help="build this family (repeatable; 'all' for every family; default: "
+                          f"{', '.join(f.FAMILY for f in space.FAMILIES if space.built_by_default(f))}). "
+                          "Dropout, masks and varlen need mea_sm80; the Hopper backward fmha_bwd_sm90; the "
+                          "unfused path gemm_sm80 and softmax_sm80")
     gen.set_defaults(func=cmd_generate)
 
     lst = _command(sub, "list", "list the builds, or the instances of one build",
