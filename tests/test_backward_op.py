@@ -213,3 +213,17 @@ def test_backward_selection_and_explain(tmp_path):
     assert "backward of bf16 head_dim=96 causal" in proc.stdout and "mea_bwd_sm80_bf16_k128" in proc.stdout
     proc = run_cli("explain", "--shape", "2,16,1000,96", "--deterministic", "--cc", "9.0", "--sms", "132")
     assert proc.returncode != 0 and "--deterministic describes a backward" in proc.stderr
+
+
+def test_backward_profile_and_autotune_entry_points():
+    """`gemmgen profile --backward` and autotune(backward=True) exist and reach the GPU check."""
+    import inspect
+
+    from conftest import run_cli
+    from gemmgen.cli import profile
+
+    assert "backward" in inspect.signature(gemmgen.autotune).parameters
+    assert isinstance(profile.KINDS["attention_bwd"], profile.Backward)
+    proc = run_cli("profile", "--arch", "sm80", "--shapes", "2,4,256,64,causal", "--backward")
+    assert proc.returncode != 0 and "needs a CUDA GPU" in proc.stderr
+    assert "--backward" in run_cli("profile", "--help").stdout

@@ -129,7 +129,7 @@ def test_backward_fake_and_gqa_expansion():
                                                 True, False)
     assert dq.shape == q.shape and dk.shape == k.shape and dk.stride() == torch_op.launch.empty_like_layout(k).stride()
     assert dbias.shape == (2, 6, 5, 9)
-    e = torch_op._expand_kv(k, 2)
+    e = torch_op.launch.expand_heads(k, 2)
     assert torch.equal(e, k.repeat_interleave(2, dim=1)) and e.stride()[2] > e.stride()[1]
 
 

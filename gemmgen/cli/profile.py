@@ -7,6 +7,7 @@ differs: the shapes its arguments name, each shape's problem, candidates and Wor
 included), the Policy it is timed under, and its table's title and CSV columns.
 
     gemmgen profile --arch sm80 --shapes 2,16,1024,128 [--csv F] [--plot F.png]   (torch SDPA as peers)
+    gemmgen profile --arch sm80 --shapes 2,16,1024,128 --backward                  (SDPA's backward as peers)
     gemmgen profile --op gemm --batch 8 --m 1024 --n 1024 --k 64 [--record]        (torch.matmul as peer)
 """
 from __future__ import annotations
@@ -211,7 +212,59 @@ class Gemm:
                 "heads": shape.heads, "m": shape.m, "n": shape.n, "k": shape.k}
 
 
-KINDS: dict[str, Kind] = {"attention": Attention(), "gemm": Gemm()}
+def sdpa_backward_peers(shape: shapes.Shape, qkv: tuple, do) -> dict[str, measure.Peer]:
+    """The backward passes of torch SDPA's flash, efficient and cuDNN backends on the workload's
+    inputs: each backend's forward made once (under its scope, which fixes the backward kernel),
+    then torch.autograd.grad of its output timed; a backend that cannot run the shape is left out."""
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backends = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
+                "cudnn": SDPBackend.CUDNN_ATTENTION}
+    leaves = [t.detach().requires_grad_() for t in qkv]
+    peers = {}
+    for label in SDPA_BACKENDS:
+        try:
+            with sdpa_kernel([backends[label]]):
+                out = F.scaled_dot_product_attention(*leaves, is_causal=shape.causal,
+                                                     enable_gqa=shape.kv_heads != shape.heads)
+        except RuntimeError:
+            continue
+
+        def run(_i: int, out=out) -> None:
+            torch.autograd.grad(out, leaves, do, retain_graph=True)
+        peers[label] = measure.Peer(run)
+    return peers
+
+
+class Backward(Attention):
+    """The attention backward (--backward): the same shapes, the built backward candidates of --arch,
+    timed per call (gemmgen.select.tuner.BackwardWorkload) against torch SDPA's backward passes."""
+
+    peer_titles = {b: f"torch sdpa {b} backward" for b in SDPA_BACKENDS}
+
+    def plan(self, args: argparse.Namespace, shape: shapes.Shape, index: int) -> Plan:
+        """Every built backward candidate of --arch for the shape (only --instance's where given)."""
+        from gemmgen.select import tuner
+
+        arch = parse_arch(args.arch).value
+        problem = tuner.bwd_problem_of(shape, index)
+        cands = [c for c in registry.candidates(problem)[0] if c.entry.arch == arch
+                 and (not args.instance or c.name in args.instance)]
+        return Plan(shape, problem, cands, f"backward of {shape.describe()}  (bucket {problem.bucket.key})",
+                    missing=f"no {arch} backward candidate for {shape.describe()}: see `gemmgen explain --backward`")
+
+    def workload(self, args: argparse.Namespace, plan: Plan, index: int) -> measure.Workload:
+        """The tuner's backward workload of the shape, SDPA's backward passes as peers."""
+        from gemmgen.select import tuner
+
+        work = tuner.BackwardWorkload(plan.shape, index)
+        work.peers = sdpa_backward_peers(plan.shape, work.qkv, work.do)
+        return work
+
+
+KINDS: dict[str, Kind] = {"attention": Attention(), "attention_bwd": Backward(), "gemm": Gemm()}
 
 
 def _times(measured: measure.Measured, ms: float | None) -> str:
@@ -266,7 +319,7 @@ def csv_rows(kind: Kind, plan: Plan, measured: measure.Measured) -> list[dict]:
 
 def run(args: argparse.Namespace) -> int:
     """Profile as the arguments say (the kind --op names); returns the exit status."""
-    kind = KINDS[args.op]
+    kind = KINDS["attention_bwd" if args.op == "attention" and getattr(args, "backward", False) else args.op]
     if args.build_dir:
         registry.set_build_dirs(args.build_dir)
     todo = kind.shapes(args)
@@ -327,6 +380,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", nargs="+", choices=shapes.DTYPES,
                    help="element types to profile (default: bf16; --sweep: both)")
     p.add_argument("--heads-kv", type=int, help="key/value heads for --shapes (GQA/MQA)")
+    p.add_argument("--backward", action="store_true",
+                   help="profile the backward pass (dQ, dK, dV) against torch SDPA's backward passes")
     p.add_argument("--layout", choices=("bhnd", "bnhd", "mixed"), default="bhnd",
                    help="storage order of q and k/v (default: bhnd)")
     p.add_argument("--instance", action="append", help="only this instance (repeatable)")

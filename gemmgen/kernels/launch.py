@@ -23,6 +23,11 @@ except AttributeError:  # a torch build without CUDA
         return torch.cuda.current_stream(index).cuda_stream
 
 
+def raw_stream(index: int) -> int:
+    """The current torch stream of CUDA device `index` as a cudaStream_t (an int)."""
+    return _raw_stream(index)
+
+
 def empty_like_layout(q: torch.Tensor, shape: tuple[int, ...] | torch.Size | None = None) -> torch.Tensor:
     """An uninitialized tensor with q's dim order (q's layout, made dense), head_dim innermost.
 
@@ -179,17 +184,44 @@ def params_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tenso
     return p
 
 
+def expanded_layout(t: torch.Tensor, group: int, device: str | torch.device | None = None) -> torch.Tensor:
+    """An uninitialized [B, Hkv * group, N, d] tensor in t's dim order (t itself when group is 1);
+    on the "meta" device it has the strides without the memory (for selecting a kernel)."""
+    if group == 1:
+        return t
+    b, hkv, n, d = t.shape
+    return empty_like_layout(t.to("meta") if device == "meta" else t, (b, hkv * group, n, d))
+
+
+def expand_heads(t: torch.Tensor, group: int) -> torch.Tensor:
+    """K or V with Q's heads, in t's layout: query head h reads key/value head h // group (the
+    backward instances run heads_kv == heads)."""
+    if group == 1:
+        return t
+    b, hkv, n, d = t.shape
+    out = expanded_layout(t, group)
+    out.unflatten(1, (hkv, group)).copy_(t.unsqueeze(2).expand(b, hkv, group, n, d))
+    return out
+
+
+def bwd_workspace(kernel: Any, p: abi.AttnBwdParams, index: int) -> torch.Tensor:
+    """A workspace of the size the backward instance asks for, from torch's caching allocator
+    (freed in stream order; captured like any allocation inside a CUDA graph), set in `p`; the
+    caller keeps the tensor alive while `p` is launched."""
+    size = kernel.workspace_bytes(p)
+    workspace = torch.empty(max(size, 1) + 256, dtype=torch.uint8, device=f"cuda:{index}")
+    base = workspace.data_ptr()
+    p.workspace, p.workspace_bytes = base + (-base % 256), size
+    return workspace
+
+
 def run_bwd(kernel: Any, p: abi.AttnBwdParams, index: int) -> None:
     """Run the backward instance `kernel` with `p` on CUDA device `index` and its current stream,
-    with a workspace of the size the instance asks for, from torch's caching allocator (freed in
-    stream order, and captured like any allocation inside a CUDA graph)."""
+    with a workspace made for the call (bwd_workspace)."""
     with torch.cuda.device(index):
-        size = kernel.workspace_bytes(p)
-        workspace = torch.empty(max(size, 1) + 256, dtype=torch.uint8, device=f"cuda:{index}")
-        base = workspace.data_ptr()
-        p.workspace = base + (-base % 256)
-        p.workspace_bytes = size
+        workspace = bwd_workspace(kernel, p, index)
         kernel.run(p, _raw_stream(index))
+        del workspace  # freed in stream order, after the launch
 
 
 def draw_seed(index: int, draws: int) -> tuple[int, int]:

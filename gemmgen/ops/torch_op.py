@@ -279,24 +279,6 @@ def _bwd_kernel(q, k, causal, causal_alignment, scale, dropout_p, bias, bias_gra
     return kernel
 
 
-def _expanded_layout(t: torch.Tensor, group: int, device: str | torch.device | None = None) -> torch.Tensor:
-    """An uninitialized [B, Hkv * group, N, d] tensor in t's dim order (t itself when group is 1);
-    on the "meta" device it has the strides without the memory (for selecting a kernel)."""
-    if group == 1:
-        return t
-    b, hkv, n, d = t.shape
-    like = launch.empty_like_layout(t.to("meta") if device == "meta" else t, (b, hkv * group, n, d))
-    return like
-
-
-def _expand_kv(t: torch.Tensor, group: int) -> torch.Tensor:
-    """K or V with Q's heads, in t's layout: query head h reads key/value head h // group."""
-    if group == 1:
-        return t
-    b, hkv, n, d = t.shape
-    out = _expanded_layout(t, group)
-    out.unflatten(1, (hkv, group)).copy_(t.unsqueeze(2).expand(b, hkv, group, n, d))
-    return out
 
 
 def _fused_attention_backward(grad_out, q, k, v, out, lse, causal, causal_alignment, scale, dropout_p, seed,
@@ -317,7 +299,7 @@ def _fused_attention_backward(grad_out, q, k, v, out, lse, causal, causal_alignm
         raise InputError(f"the backward needs the forward's LSE [B, H, Nq] = {[b, h, nq]}; got {tuple(lse.shape)} "
                          f"(call the forward with return_lse=True)")
     group = h // hkv
-    kk, vv = _expand_kv(k, group), _expand_kv(v, group)
+    kk, vv = launch.expand_heads(k, group), launch.expand_heads(v, group)
     dkk, dvv = (dk, dv) if group == 1 else (launch.empty_like_layout(kk), launch.empty_like_layout(vv))
     d_o = grad_out if _kernel_ready(grad_out) else launch.empty_like_layout(out).copy_(grad_out)
     lse = lse.contiguous()
@@ -364,7 +346,7 @@ def _setup_context(ctx, inputs, output) -> None:
                          "draws one)")
     bias_grad = bias is not None and bias.requires_grad
     if not isinstance(q, FakeTensor) and not torch.compiler.is_compiling() and q.numel() and k.shape[2]:
-        kk = _expanded_layout(k, q.shape[1] // k.shape[1], "meta")
+        kk = launch.expanded_layout(k, q.shape[1] // k.shape[1], "meta")
         _bwd_kernel(q, kk, causal, alignment, scale, dropout_p, bias, bias_grad, deterministic)
     ctx.save_for_backward(q, k, v, o, lse, bias)
     ctx.args = (causal, alignment, scale, dropout_p, 0 if seed is None else seed, offset, bias_grad, deterministic)

@@ -29,13 +29,15 @@ from gemmgen.kernels import launch
 from gemmgen.select import measure as measuring, registry, timing, tuning_db
 from gemmgen.select.measure import Measurement, WrongResult, record
 from gemmgen.errors import CacheError, GemmgenWarning
-from gemmgen.select.problem import ALIGN_BYTES, Problem
+from gemmgen.select.problem import ALIGN_BYTES, BwdProblem, Problem
 from gemmgen.select.reference import attention_reference
 from gemmgen.select.registry import Candidate
 from gemmgen.select.selection import WRONG_RESULT
 from gemmgen.select.shapes import Shape, parse_shape
 
 TOLERANCE = {"fp16": 2e-3, "bf16": 1e-2}  # relative Frobenius error ||O - ref|| / ||ref||
+# The backward's gradients: its kernels round P and dS to the input dtype before their GEMMs.
+BWD_TOLERANCE = {"fp16": 1e-2, "bf16": 3e-2}
 LSE_TOLERANCE = 1e-3
 PROXY_LEN, PROXY_LEN_K = 257, 263  # odd: partial tiles and the causal diagonal are exercised
 SAMPLED_ROWS = 8
@@ -218,6 +220,102 @@ def store(result: TuneResult, *, strict: bool = True) -> Path | None:
         return None
 
 
+def bwd_problem_of(shape: Shape, index: int) -> BwdProblem:
+    """The BwdProblem of a shape's backward on device `index`: K and V reach the kernel with Q's
+    heads (the op expands them), so its GQA ratio is 1."""
+    fields = {f.name: getattr(problem_of(shape, index), f.name) for f in dataclasses.fields(Problem)}
+    return BwdProblem(**{**fields, "gqa": 1})
+
+
+def check_proxy_bwd(kernel: Any, shape: Shape, index: int) -> float:
+    """Run the backward `kernel` on the proxy problem, from the float64 forward's O and LSE, into
+    NaN-filled gradients, and compare dQ, dK, dV (K and V expanded to Q's heads) with float64
+    autograd; returns the largest relative error; raises WrongResult."""
+    small = proxy_shape(shape)
+    q, k, v = make_qkv(small, index, seed=zlib.crc32(f"bwd {small.spec()}".encode()))
+    group = small.heads // small.kv_heads
+    k, v = launch.expand_heads(k, group), launch.expand_heads(v, group)
+    do = torch.randn(q.shape, dtype=q.dtype, device=q.device,
+                     generator=torch.Generator(device=q.device).manual_seed(7))
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    with torch.enable_grad():
+        ref, ref_lse = attention_reference(*leaves, shape.causal)
+        grads = torch.autograd.grad(ref, leaves, do.double())
+    o = launch.empty_like_layout(q).copy_(ref)
+    lse = ref_lse.float().contiguous()
+    dq, dk, dv = (launch.empty_like_layout(t).fill_(float("nan")) for t in (q, k, v))
+    launch.run_bwd(kernel, launch.params_bwd(q, k, v, o, do, lse, dq, dk, dv, causal=shape.causal,
+                                             causal_alignment="top_left", scale=None), index)
+    errors = [((g.double() - w).norm() / w.norm().clamp_min(1e-300)).item() for g, w in zip((dq, dk, dv), grads)]
+    worst = max(errors, key=lambda e: math.inf if math.isnan(e) else e)
+    if not worst <= BWD_TOLERANCE[shape.dtype]:  # NaN fails
+        raise WrongResult(f"{WRONG_RESULT}: gradient errors dQ {errors[0]:.2e}, dK {errors[1]:.2e}, dV "
+                          f"{errors[2]:.2e} (tolerance {BWD_TOLERANCE[shape.dtype]:.0e}) on {small.describe()}")
+    return worst
+
+
+class BackwardWorkload:
+    """One attention shape's backward for gemmgen.select.measure.measure, on CUDA device `index` (the
+    current device while it is measured): q, K and V expanded to q's heads as the op passes them, O
+    and LSE from the forward the registry picks, dO, gradients made once (one input copy: a backward
+    reads several times the forward's bytes, and its time is long against an L2's refill). The gate:
+    the proxy check against float64 autograd (check_proxy_bwd), then one real-size call whose
+    gradients must all be finite. `peers` (none unless set) are torch's backward passes."""
+
+    copies = 1
+    flush = None
+
+    def __init__(self, shape: Shape, index: int) -> None:
+        self.shape, self.index = shape, index
+        self.label, self.flops = f"bwd {shape.spec()}", 2.5 * shape.flops
+        self.problem = bwd_problem_of(shape, index)
+        q, k, v = make_qkv(shape, index, seed=1)
+        group = shape.heads // shape.kv_heads
+        self.qkv = (q, k, v)
+        self.k, self.v = launch.expand_heads(k, group), launch.expand_heads(v, group)
+        self.o, self.lse = launch.empty_like_layout(q), torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+        forward = registry_select(problem_of(shape, index))
+        launch.launch(forward.kernel, launch.params(q, self.k, self.v, self.o, self.lse, causal=shape.causal,
+                                                   causal_alignment="top_left", scale=None), index)
+        self.do = torch.randn(q.shape, dtype=q.dtype, device=q.device)
+        self.grads = tuple(launch.empty_like_layout(t) for t in (q, self.k, self.v))
+        self.peers: dict[str, measuring.Peer] = {}
+
+    def prepare(self, cand: Candidate) -> tuple[measuring.Run, float]:
+        """The gate, then the candidate's call with its params and workspace made here."""
+        kernel, index = cand.kernel, self.index
+        err = check_proxy_bwd(kernel, self.shape, index)
+        q = self.qkv[0]
+        p = launch.params_bwd(q, self.k, self.v, self.o, self.do, self.lse, *self.grads, causal=self.shape.causal,
+                              causal_alignment="top_left", scale=None)
+        workspace = launch.bwd_workspace(kernel, p, index)
+
+        def run(_i: int, _workspace: torch.Tensor = workspace) -> None:  # holds the workspace while it lives
+            kernel.run(p, launch.raw_stream(index))
+        for g in self.grads:
+            g.fill_(float("nan"))
+        run(0)
+        if not all(torch.isfinite(g).all().item() for g in self.grads):
+            raise WrongResult(f"{WRONG_RESULT}: non-finite gradients on {self.shape.describe()}")
+        return run, err
+
+
+def registry_select(problem: Problem) -> Candidate:
+    """The forward the registry picks for `problem` (the backward workload's O and LSE)."""
+    from gemmgen.select import selection
+
+    return selection.select(problem)
+
+
+def measure_backward(cands: list[Candidate], shape: Shape, *, index: int, warmup: int = 5, reps: int = 30,
+                     progress: Progress | None = None, peers: dict | None = None) -> list[Measurement]:
+    """Check and time every backward candidate on `shape`, per call (policy), in the order given."""
+    with torch.cuda.device(index):
+        work = BackwardWorkload(shape, index)
+        work.peers = peers(work) if peers else {}
+        return measuring.measure(cands, work, policy(warmup, reps, False), progress).measurements
+
+
 def tune_shape(shape: Shape, *, index: int | None = None, candidates: list[Candidate] | None = None,
                warmup: int = 5, reps: int = 30, graph: bool = False, save: bool = True,
                strict: bool = True, progress: Progress | None = None) -> TuneResult:
@@ -232,12 +330,29 @@ def tune_shape(shape: Shape, *, index: int | None = None, candidates: list[Candi
     return result
 
 
+def tune_backward(shape: Shape, *, index: int | None = None, warmup: int = 5, reps: int = 30,
+                  save: bool = True, strict: bool = True, progress: Progress | None = None) -> TuneResult:
+    """Measure every backward candidate of one shape and store the times under its BwdProblem's
+    bucket (unless save=False): later backward passes in that bucket run the winner."""
+    index = torch.cuda.current_device() if index is None else index
+    problem = bwd_problem_of(shape, index)
+    cands = registry.candidates(problem)[0]
+    result = TuneResult(shape, problem, measure_backward(cands, shape, index=index, warmup=warmup, reps=reps,
+                                                         progress=progress))
+    if save and result.measurements:
+        result.database = store(result, strict=strict)
+    return result
+
+
 def autotune(problems: Iterable[Shape | str], *, device: int | None = None, warmup: int = 5, reps: int = 30,
-             graph: bool = False, save: bool = True) -> list[TuneResult]:
+             graph: bool = False, save: bool = True, backward: bool = False) -> list[TuneResult]:
     """Tune each problem (a Shape, or "B,H,N,d[,causal]" text for bf16) on CUDA device `device`
     (default: the current one): every candidate checked and timed, the times stored in the tuning
-    database. Later fused_attention calls in the same size buckets run the winners."""
+    database. Later fused_attention calls in the same size buckets run the winners. With
+    backward=True the backward instances are tuned instead (for training; graph is not used)."""
     shapes = [parse_shape(p) if isinstance(p, str) else p for p in problems]
+    if backward:
+        return [tune_backward(s, index=device, warmup=warmup, reps=reps, save=save) for s in shapes]
     return [tune_shape(s, index=device, warmup=warmup, reps=reps, graph=graph, save=save) for s in shapes]
 
 

@@ -379,3 +379,21 @@ def test_small_transformer_trains_like_sdpa():
     assert g[-1] < 0.8 * g[0] and s[-1] < 0.8 * s[0]
     tail_g, tail_s = sum(g[-10:]) / 10, sum(s[-10:]) / 10
     assert abs(tail_g - tail_s) / tail_s < 0.05, (tail_g, tail_s)
+
+
+def test_backward_autotune_profile_and_explain(tmp_path):
+    """autotune(backward=True) checks and times every backward candidate and files the times under
+    the backward's bucket, which the selection then reads; `gemmgen profile --backward` prints the
+    candidates beside SDPA's backward passes."""
+    from conftest import run_cli
+    from gemmgen.select import selection, tuner
+
+    (result,) = gemmgen.autotune(["2,4,512,64,causal"], backward=True)
+    assert result.winner is not None, [(m.name, m.reason) for m in result.measurements]
+    assert all(m.ok for m in result.measurements), [(m.name, m.reason) for m in result.measurements]
+    decision = selection.decide(tuner.bwd_problem_of(result.shape, torch.cuda.current_device()))
+    assert decision.source == "tuned" and decision.winner.name == result.winner.name
+    proc = run_cli("profile", "--arch", "sm80", "--shapes", "2,4,512,64,causal", "--backward", "--no-store",
+                   "--reps", "5")
+    assert proc.returncode == 0, proc.stderr
+    assert "backward of" in proc.stdout and "mea_bwd_sm80" in proc.stdout
