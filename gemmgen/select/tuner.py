@@ -241,8 +241,8 @@ def check_proxy_bwd(kernel: Any, shape: Shape, index: int) -> float:
     with torch.enable_grad():
         ref, ref_lse = attention_reference(*leaves, shape.causal)
         grads = torch.autograd.grad(ref, leaves, do.double())
-    o = launch.empty_like_layout(q).copy_(ref)
-    lse = ref_lse.float().contiguous()
+    o = launch.empty_like_layout(q).copy_(ref.detach())
+    lse = ref_lse.detach().float().contiguous()
     dq, dk, dv = (launch.empty_like_layout(t).fill_(float("nan")) for t in (q, k, v))
     launch.run_bwd(kernel, launch.params_bwd(q, k, v, o, do, lse, dq, dk, dv, causal=shape.causal,
                                              causal_alignment="top_left", scale=None), index)
