@@ -33,8 +33,7 @@ import torch
 
 import gemmgen
 from fa_sweep import BACKENDS, DTYPES, below_line, finish, sdpa, time_ms  # the sweep's (same folder)
-from gemmgen.kernels import launch
-from gemmgen.select import registry, timing
+from gemmgen.select import calls, registry, timing
 from gemmgen.select.shapes import HIDDEN, SEQLENS, TOKENS
 
 
@@ -94,7 +93,7 @@ def main() -> int:
                     ours_fn = lambda name: (lambda: gemmgen.fused_attention(q, k, v, causal=causal,  # noqa: E731
                                                                             instance=name))
                     if args.family:
-                        names = [c.name for c in registry.candidates(launch.problem_for(q, k, causal))[0]
+                        names = [c.name for c in registry.candidates(calls.problem_for(q, k, causal))[0]
                                  if c.entry.family == args.family]
                         if not names:
                             print(f"{dname} d{d} {mask} N={n}: no {args.family} instance built", flush=True)

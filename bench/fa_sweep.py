@@ -31,8 +31,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import gemmgen
 from common import DTYPES, fa_shapes, header
-from gemmgen.kernels import launch
-from gemmgen.select import registry, timing
+from gemmgen.select import calls, registry, timing
 from gemmgen.generator.space import FAMILIES
 from gemmgen.select.shapes import SEQLENS  # the sweep's lengths, shared with `gemmgen profile`
 
@@ -78,7 +77,7 @@ def finish(header: str, rows: list[str], summary: list[str], out: str | None) ->
 
 def built_instances(q: torch.Tensor, k: torch.Tensor, causal: bool) -> list[str]:
     """Names of the built instances (any family) that can run this call."""
-    return [c.name for c in registry.candidates(launch.problem_for(q, k, causal))[0]]
+    return [c.name for c in registry.candidates(calls.problem_for(q, k, causal))[0]]
 
 
 def main() -> int:

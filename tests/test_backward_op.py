@@ -47,7 +47,7 @@ class FakeKernel:
 
     def run(self, p, stream):
         t = p._tensors
-        q, k, v, o, d_o, lse = t["q"], t["k"], t["v"], t["o"], t["d_o"], t["lse"]
+        q, k, v, d_o, lse = t["q"], t["k"], t["v"], t["d_o"], t["lse"]
         assert k.shape[1] == q.shape[1] and p.heads_kv == p.heads, "K and V reach the kernel with Q's heads"
         for name in ("q", "k", "v", "o", "d_o", "dq", "dk", "dv"):
             assert torch_op._kernel_ready(t[name]), f"{name} is not readable by a kernel"

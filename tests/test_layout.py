@@ -122,3 +122,12 @@ def test_selection_imports_no_operation_or_command_module():
     bad = {(m, d) for m, deps in graph().items() if m == "gemmgen.select" or m.startswith("gemmgen.select.")
            for d in deps if any(d == p or d.startswith(p + ".") for p in above)}
     assert bad == set()
+
+
+def test_kernel_bindings_import_nothing_above_them():
+    """gemmgen.kernels (the C ABI and launching) sits below selection: the problem of a call on
+    tensors is gemmgen.select.calls', not the launcher's."""
+    above = ("gemmgen.select", "gemmgen.ops", "gemmgen.cli")
+    bad = {(m, d) for m, deps in graph().items() if m.startswith("gemmgen.kernels")
+           for d in deps if any(d == p or d.startswith(p + ".") for p in above)}
+    assert bad == set()

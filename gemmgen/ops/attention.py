@@ -7,7 +7,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
 from gemmgen.kernels import launch
-from gemmgen.select import selection
+from gemmgen.select import calls, selection
 from gemmgen.ops import torch_op
 from gemmgen.ops.checks import check_bool, check_dense, check_finite, check_instance, check_no_overlap
 from gemmgen.ops.grad import check_no_grad
@@ -322,7 +322,7 @@ def explain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool =
     _check_mask(attn_mask, q, k)
     _check_device(q, k, v, None)
     bias = _prepare_mask(attn_mask, q, k)
-    return selection.decide(launch.problem_for(q, k, causal, v=v, dropout=dropout_p > 0.0, bias=bias), instance)
+    return selection.decide(calls.problem_for(q, k, causal, v=v, dropout=dropout_p > 0.0, bias=bias), instance)
 
 
 def selected_instance(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
@@ -331,4 +331,4 @@ def selected_instance(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, caus
     check_bool("causal", causal)
     check_instance(instance)
     _validate(q, k, v, None)
-    return selection.select(launch.problem_for(q, k, causal), instance).name
+    return selection.select(calls.problem_for(q, k, causal), instance).name

@@ -40,7 +40,7 @@ from typing import Any, Callable
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
-from gemmgen.select import jit, registry, selection
+from gemmgen.select import calls, jit, registry, selection
 from gemmgen.kernels import launch
 from gemmgen.errors import InputError
 from gemmgen.ops.grad import check_no_grad
@@ -139,7 +139,7 @@ def _run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse
     key = (index, q.dtype, q.shape, k.shape, qs[2] <= qs[1], ks[2] <= ks[1], causal,
            causal_alignment if causal else None, _sign(scale), big, instance,
            dropout_p > 0.0, bias is not None, False)
-    kernel = _kernel_for(key, lambda: launch.problem_for(
+    kernel = _kernel_for(key, lambda: calls.problem_for(
         q, k, causal, v=v, causal_alignment=causal_alignment, scale=scale, dropout=dropout_p > 0.0,
         bias=bias), q, k, causal, instance)
     seed, offset = _dropout_seed(index, dropout_p, seed, offset, q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2])
@@ -162,7 +162,7 @@ def _run_varlen(q, k, v, o, lse, cu_q, cu_k, max_q, max_k, causal, scale, instan
     big = launch.max_offset(q, k, v, o) >= 2**31
     key = (index, q.dtype, q.shape, k.shape, batch, max_q, max_k, causal, _sign(scale),
            big, instance, dropout_p > 0.0, False, True)
-    kernel = _kernel_for(key, lambda: launch.problem_for_varlen(
+    kernel = _kernel_for(key, lambda: calls.problem_for_varlen(
         q, k, v, batch, max_q, max_k, causal, scale=scale, dropout=dropout_p > 0.0), q, k, causal, instance)
     seed, offset = _dropout_seed(index, dropout_p, seed, offset, batch * q.shape[1] * max_q * max_k)
     launch.launch(kernel, launch.params_varlen(q, k, v, o, lse, cu_q, cu_k, max_q, max_k, causal=causal,
@@ -254,7 +254,7 @@ def _kernel_ready(t: torch.Tensor) -> bool:
 
 
 def _bwd_problem(q, k, causal, causal_alignment, scale, dropout_p, bias, bias_grad, deterministic, tensors=()):
-    return launch.problem_for_bwd(q, k, causal, causal_alignment=causal_alignment, scale=scale,
+    return calls.problem_for_bwd(q, k, causal, causal_alignment=causal_alignment, scale=scale,
                                   dropout=dropout_p > 0.0, bias=bias, bias_grad=bias_grad,
                                   deterministic=deterministic, tensors=tensors)
 

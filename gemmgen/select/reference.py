@@ -6,14 +6,7 @@ import math
 
 import torch
 
-ALIGNMENTS = ("top_left", "bottom_right")
-
-
-def causal_offset(seqlen_q: int, seqlen_k: int, causal_alignment: str) -> int:
-    """Key j is visible to query i iff j <= i + offset: 0 for top-left (torch), Nk - Nq for bottom-right."""
-    if causal_alignment not in ALIGNMENTS:
-        raise ValueError(f"causal_alignment {causal_alignment!r}; supported: {', '.join(ALIGNMENTS)}")
-    return 0 if causal_alignment == "top_left" else seqlen_k - seqlen_q
+from gemmgen.kernels.launch import ALIGNMENTS, causal_offset  # noqa: F401 (the mask rule, with the reference)
 
 
 def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,

@@ -26,7 +26,7 @@ import torch
 
 from gemmgen.select import device as device_mod
 from gemmgen.kernels import launch
-from gemmgen.select import measure as measuring, registry, timing, tuning_db
+from gemmgen.select import calls, measure as measuring, registry, timing, tuning_db
 from gemmgen.select.measure import Measurement, WrongResult, record
 from gemmgen.errors import CacheError, GemmgenWarning
 from gemmgen.select.problem import ALIGN_BYTES, BwdProblem, Problem
@@ -359,7 +359,7 @@ def autotune(problems: Iterable[Shape | str], *, device: int | None = None, warm
 def tune_call(q: torch.Tensor, k: torch.Tensor, causal: bool) -> TuneResult:
     """Tune the bucket of one fused_attention call (GEMMGEN_AUTOTUNE=1), on fresh inputs of its shape."""
     b, h, nq, d = q.shape
-    problem = launch.problem_for(q, k, causal)
+    problem = calls.problem_for(q, k, causal)
     shape = Shape(b, h, nq, k.shape[2], d, causal=causal, dtype=problem.dtype, heads_kv=k.shape[1],
                   layout=problem.layout)
     return tune_shape(shape, index=q.get_device(), strict=False)

@@ -17,7 +17,7 @@ import gemmgen
 from gemmgen.errors import NoInstanceError
 from gemmgen.kernels import launch
 from gemmgen.ops.reference import causal_offset
-from gemmgen.select import registry
+from gemmgen.select import calls, registry
 
 pytestmark = pytest.mark.gpu
 
@@ -102,7 +102,7 @@ def run_instance(cand, q, k, v, do, *, causal, alignment, scale=None):
     with torch.no_grad():
         o, lse = gemmgen.fused_attention(q, k, v, causal=causal, causal_alignment=alignment, scale=scale,
                                          return_lse=True)
-    problem = launch.problem_for_bwd(q, k, causal, causal_alignment=alignment, scale=scale)
+    problem = calls.problem_for_bwd(q, k, causal, causal_alignment=alignment, scale=scale)
     if registry.reject_reason(cand, problem) is not None:
         return None
     dq, dk, dv = (torch.full_like(t, float("nan")) for t in (q, k, v))

@@ -8,7 +8,7 @@ import torch
 
 import gemmgen
 from gemmgen.kernels import launch
-from gemmgen.select import registry
+from gemmgen.select import calls, registry
 from gemmgen.errors import NoInstanceError
 from gemmgen.generator.families import fmha_sm90 as fam
 
@@ -51,7 +51,7 @@ def test_every_instance(name):
     ran = 0
     for nq, nk in LENGTHS:
         q, k, v = make_qkv(1 if nq > 1000 else 2, 3, 3, nq, nk, d, dtype, (name, nq, nk))
-        problem = launch.problem_for(q, k, causal, v=v)
+        problem = calls.problem_for(q, k, causal, v=v)
         if registry.functional_reason(fam, fam.INSTANCE.from_params(p), problem) is not None:
             continue  # a call the instance refuses: the registry never sends it there
         check(q, k, v, causal=causal, instance=name)
@@ -128,7 +128,7 @@ def test_refused_calls_go_elsewhere():
     q, k, v = make_qkv(1, 2, 2, 64, 128, 128, torch.bfloat16, "refused")
     for kw in (dict(scale=-0.5), dict(causal=True, causal_alignment="bottom_right")):
         causal = kw.get("causal", False)
-        problem = launch.problem_for(q, k, causal, v=v, causal_alignment=kw.get("causal_alignment", "top_left"),
+        problem = calls.problem_for(q, k, causal, v=v, causal_alignment=kw.get("causal_alignment", "top_left"),
                                      scale=kw.get("scale"))
         good = [c.name for c in registry.candidates(problem)[0]]
         assert not any(n.startswith("fmha_sm90") for n in good)

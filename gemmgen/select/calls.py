@@ -1,0 +1,53 @@
+"""The selection problem of an attention call on tensors (forward, variable-length, backward): what
+the torch ops and the tuner hand gemmgen.select.selection."""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from gemmgen.kernels.launch import DTYPE_NAMES, max_offset
+from gemmgen.select import device
+from gemmgen.select.problem import ALIGN_BYTES, BwdProblem, Problem, layout_kind
+
+
+def problem_for(q: torch.Tensor, k: torch.Tensor, causal: bool, *, v: torch.Tensor | None = None,
+                causal_alignment: str = "top_left", scale: float | None = None, dropout: bool = False,
+                bias: bool | torch.Tensor | None = False, varlen: bool = False) -> Problem:
+    """The Problem of a validated call (q, k on one CUDA device). `bias` may be the bias tensor itself
+    (its extent then counts in max_offset)."""
+    b, h, nq, d = q.shape
+    bias_tensor = bias if isinstance(bias, torch.Tensor) else None
+    return Problem(dtype=DTYPE_NAMES[q.dtype], head_dim=d, causal=bool(causal),
+                   device=device.facts(q.get_device()), batch_heads=b * h, seqlen_q=nq,
+                   seqlen_k=k.shape[2], gqa=h // k.shape[1],
+                   layout=layout_kind(q.stride(), k.stride()), align=ALIGN_BYTES,
+                   causal_alignment=causal_alignment, negative_scale=scale is not None and scale < 0,
+                   zero_scale=scale == 0,
+                   dropout=dropout, bias=bias is not None and bias is not False, varlen=varlen,
+                   max_offset=max_offset(q, k, v, bias_tensor))
+
+
+def problem_for_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: int, max_seqlen_q: int,
+                       max_seqlen_k: int, causal: bool, *, causal_alignment: str = "top_left",
+                       scale: float | None = None, dropout: bool = False) -> Problem:
+    """The Problem of a validated variable-length call: packed q [Tq, H, d], k, v [Tk, Hkv, d]."""
+    h, d = q.shape[1], q.shape[2]
+    return Problem(dtype=DTYPE_NAMES[q.dtype], head_dim=d, causal=bool(causal),
+                   device=device.facts(q.get_device()), batch_heads=batch * h, seqlen_q=max_seqlen_q,
+                   seqlen_k=max_seqlen_k, gqa=h // k.shape[1], layout="bnhd", align=ALIGN_BYTES,
+                   causal_alignment=causal_alignment, negative_scale=scale is not None and scale < 0,
+                   zero_scale=scale == 0,
+                   dropout=dropout, varlen=True, max_offset=max_offset(q, k, v))
+
+
+def problem_for_bwd(q: torch.Tensor, k: torch.Tensor, causal: bool, *, causal_alignment: str = "top_left",
+                    scale: float | None = None, dropout: bool = False, bias: torch.Tensor | None = None,
+                    bias_grad: bool = False, deterministic: bool = False,
+                    tensors: tuple[torch.Tensor | None, ...] = ()) -> BwdProblem:
+    """The BwdProblem of a backward call on validated tensors: q and k as the kernel reads them (K
+    with as many heads as Q), `tensors` the others whose extent counts in max_offset."""
+    fwd = problem_for(q, k, causal, causal_alignment=causal_alignment, scale=scale, dropout=dropout, bias=bias)
+    fields = {f.name: getattr(fwd, f.name) for f in dataclasses.fields(Problem)}
+    fields["max_offset"] = max(fwd.max_offset, max_offset(*tensors))
+    return BwdProblem(**fields, bias_grad=bias_grad, deterministic=deterministic)
