@@ -133,16 +133,24 @@ class Attention:
                              f"known: {', '.join(sorted(known)) or 'none'}")
         return todo
 
-    def plan(self, args: argparse.Namespace, shape: shapes.Shape, index: int) -> Plan:
-        """Every built candidate of --arch for the shape (only --instance's where given)."""
+    what = ""  # the table title's first words ("backward of " for the backward)
+    noun = "candidate"
+    explain = "gemmgen explain"
+
+    def problem_of(self, shape: shapes.Shape, index: int) -> Any:
+        """The shape's selection problem."""
         from gemmgen.select import tuner
 
+        return tuner.problem_of(shape, index)
+
+    def plan(self, args: argparse.Namespace, shape: shapes.Shape, index: int) -> Plan:
+        """Every built candidate of --arch for the shape (only --instance's where given)."""
         arch = parse_arch(args.arch).value
-        problem = tuner.problem_of(shape, index)
+        problem = self.problem_of(shape, index)
         cands = [c for c in registry.candidates(problem)[0] if c.entry.arch == arch
                  and (not args.instance or c.name in args.instance)]
-        return Plan(shape, problem, cands, f"{shape.describe()}  (bucket {problem.bucket.key})",
-                    missing=f"no {arch} candidate for {shape.describe()}: see `gemmgen explain`")
+        return Plan(shape, problem, cands, f"{self.what}{shape.describe()}  (bucket {problem.bucket.key})",
+                    missing=f"no {arch} {self.noun} for {shape.describe()}: see `{self.explain}`")
 
     def workload(self, args: argparse.Namespace, plan: Plan, index: int) -> measure.Workload:
         """The tuner's workload of the shape, SDPA's backends on its inputs as peers."""
@@ -244,16 +252,15 @@ class Backward(Attention):
 
     peer_titles = {b: f"torch sdpa {b} backward" for b in SDPA_BACKENDS}
 
-    def plan(self, args: argparse.Namespace, shape: shapes.Shape, index: int) -> Plan:
-        """Every built backward candidate of --arch for the shape (only --instance's where given)."""
+    what = "backward of "
+    noun = "backward candidate"
+    explain = "gemmgen explain --backward"
+
+    def problem_of(self, shape: shapes.Shape, index: int) -> Any:
+        """The shape's backward problem (K and V expanded to Q's heads)."""
         from gemmgen.select import tuner
 
-        arch = parse_arch(args.arch).value
-        problem = tuner.bwd_problem_of(shape, index)
-        cands = [c for c in registry.candidates(problem)[0] if c.entry.arch == arch
-                 and (not args.instance or c.name in args.instance)]
-        return Plan(shape, problem, cands, f"backward of {shape.describe()}  (bucket {problem.bucket.key})",
-                    missing=f"no {arch} backward candidate for {shape.describe()}: see `gemmgen explain --backward`")
+        return tuner.bwd_problem_of(shape, index)
 
     def workload(self, args: argparse.Namespace, plan: Plan, index: int) -> measure.Workload:
         """The tuner's backward workload of the shape, SDPA's backward passes as peers."""
