@@ -227,3 +227,16 @@ def test_backward_profile_and_autotune_entry_points():
     proc = run_cli("profile", "--arch", "sm80", "--shapes", "2,4,256,64,causal", "--backward")
     assert proc.returncode != 0 and "needs a CUDA GPU" in proc.stderr
     assert "--backward" in run_cli("profile", "--help").stdout
+
+
+def test_broadcast_inputs_reach_the_kernel_dense(cpu_ops):
+    """The forward reads inputs broadcast over batch or heads (stride 0); the backward hands the
+    kernel dense copies and returns gradients of the inputs' shapes."""
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(1, 2, 8, 16, generator=gen).to(FP16).expand(3, 2, 8, 16)
+    k = torch.randn(3, 1, 9, 16, generator=gen).to(FP16).expand(3, 2, 9, 16)
+    v, do = torch.randn(3, 2, 9, 16, generator=gen).to(FP16), torch.randn(3, 2, 8, 16, generator=gen).to(FP16)
+    got = grads_of(q, k, v, do, causal=True)
+    want = ref_grads(q, k, v, do, causal=True)
+    for g, w, x in zip(got, want, (q, k, v)):
+        assert g.shape == x.shape and torch.allclose(g.double(), w, rtol=1e-2, atol=2e-3)

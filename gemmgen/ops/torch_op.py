@@ -279,8 +279,6 @@ def _bwd_kernel(q, k, causal, causal_alignment, scale, dropout_p, bias, bias_gra
     return kernel
 
 
-
-
 def _fused_attention_backward(grad_out, q, k, v, out, lse, causal, causal_alignment, scale, dropout_p, seed,
                               offset, bias, bias_grad, deterministic):
     if torch.is_grad_enabled() and any(t.requires_grad for t in (grad_out, q, k, v, out)):
@@ -301,11 +299,10 @@ def _fused_attention_backward(grad_out, q, k, v, out, lse, causal, causal_alignm
     group = h // hkv
     kk, vv = launch.expand_heads(k, group), launch.expand_heads(v, group)
     dkk, dvv = (dk, dv) if group == 1 else (launch.empty_like_layout(kk), launch.empty_like_layout(vv))
+    # The forward reads broadcast (stride 0) dims; the backward kernels take dense ones.
+    q, kk, vv, out = (t if _kernel_ready(t) else launch.empty_like_layout(t).copy_(t) for t in (q, kk, vv, out))
     d_o = grad_out if _kernel_ready(grad_out) else launch.empty_like_layout(out).copy_(grad_out)
     lse = lse.contiguous()
-    for name, t in (("q", q), ("k", kk), ("v", vv), ("out", out)):
-        if not _kernel_ready(t):
-            raise InputError(f"{name} of the backward is not laid out as the forward checked it")
     index = q.get_device()
     kernel = _bwd_kernel(q, kk, causal, causal_alignment, scale, dropout_p, bias, bias_grad, deterministic,
                          (vv, out, d_o, dq, dkk, dvv))
@@ -353,8 +350,6 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.mark_non_differentiable(lse)
 
 
-
-
 def _autograd_backward(ctx, grad_o, grad_lse):
     q, k, v, o, lse, bias = ctx.saved_tensors
     causal, alignment, scale, dropout_p, seed, offset, bias_grad, deterministic = ctx.args
@@ -373,8 +368,6 @@ torch.library.register_fake("gemmgen::fused_attention_varlen", _fake_varlen, lib
 torch.library.register_fake("gemmgen::fused_attention_backward", _fake_backward, lib=_LIB)
 torch.library.register_autograd("gemmgen::fused_attention", _autograd_backward, setup_context=_setup_context,
                                 lib=_LIB)
-
-
 
 
 fused_attention_op = torch.ops.gemmgen.fused_attention.default
