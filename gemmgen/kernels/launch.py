@@ -11,14 +11,6 @@ import torch
 from gemmgen.kernels import abi
 
 DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
-ALIGNMENTS = ("top_left", "bottom_right")
-
-
-def causal_offset(seqlen_q: int, seqlen_k: int, causal_alignment: str) -> int:
-    """Key j is visible to query i iff j <= i + offset: 0 for top-left (torch), Nk - Nq for bottom-right."""
-    if causal_alignment not in ALIGNMENTS:
-        raise ValueError(f"causal_alignment {causal_alignment!r}; supported: {', '.join(ALIGNMENTS)}")
-    return 0 if causal_alignment == "top_left" else seqlen_k - seqlen_q
 TORCH_DTYPES = {name: dt for dt, name in DTYPE_NAMES.items()}
 
 try:  # the raw cudaStream_t, without building a torch.cuda.Stream object (inductor uses the same)
@@ -60,6 +52,16 @@ def max_offset(*tensors: torch.Tensor | None) -> int:
         if n:
             best = max(best, n if t.is_contiguous() else sum((d - 1) * s for d, s in zip(t.shape, t.stride())) + 1)
     return best
+
+
+ALIGNMENTS = ("top_left", "bottom_right")
+
+
+def causal_offset(seqlen_q: int, seqlen_k: int, causal_alignment: str) -> int:
+    """Key j is visible to query i iff j <= i + offset: 0 for top-left (torch), Nk - Nq for bottom-right."""
+    if causal_alignment not in ALIGNMENTS:
+        raise ValueError(f"causal_alignment {causal_alignment!r}; supported: {', '.join(ALIGNMENTS)}")
+    return 0 if causal_alignment == "top_left" else seqlen_k - seqlen_q
 
 
 # causal_offset of a call without a mask: every key j <= i + INT32_MAX is visible. Families whose
@@ -122,7 +124,7 @@ def params_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tenso
                offset: int = 0, bias: torch.Tensor | None = None, dbias: torch.Tensor | None = None,
                deterministic: bool = False) -> abi.AttnBwdParams:
     """The C ABI params of one backward call (all [B, H, N, d] by their strides, K and V with Q's
-    heads; LSE the forward's [B, H, Nq] float32); the workspace is set by run_bwd."""
+    heads; LSE the forward's [B, H, Nq] float32); the workspace is set by bwd_workspace."""
     b, h, nq, d = q.shape
     nk = k.shape[2]
     p = abi.AttnBwdParams()
@@ -141,8 +143,7 @@ def params_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tenso
     if dbias is not None:
         p.dbias = dbias.data_ptr()
         p.dbias_batch_stride, p.dbias_head_stride, p.dbias_row_stride = _triple(dbias)
-    if dropout_p > 0.0:
-        p.dropout_p, p.dropout_seed, p.dropout_offset = dropout_p, seed, offset
+    _set_features(p, dropout_p, seed, offset)
     p.deterministic = int(deterministic)
     return p
 

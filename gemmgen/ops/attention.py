@@ -198,8 +198,8 @@ def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
     Differentiable: when q, k, v or a float attn_mask require grad (grad mode on), autograd gets dQ,
     dK and dV (summed over each group for GQA/MQA) and the mask's gradient from a backward instance
     (gemmgen.ops.torch_op.fused_attention_backward), in the inputs' layouts; the forward saves LSE for it.
-    The forward checks at once that a backward instance serves the call, and raises InputError
-    naming what is missing if none does. deterministic=True asks for a backward whose result does
+    The forward checks at once that a backward instance serves the call, and raises NoInstanceError
+    with every instance's reason if none does. deterministic=True asks for a backward whose result does
     not depend on the order blocks finish in (no atomic accumulation; slower). The returned LSE has
     no gradient of its own; `out=` has no backward. Double backward raises.
 
