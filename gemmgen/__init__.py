@@ -28,6 +28,7 @@ if not (Path(__file__).resolve().parent / "generator").is_dir() and (_checkout /
 _LAZY_ATTRS = {
     "fused_attention": "gemmgen.ops.attention",
     "fused_attention_varlen": "gemmgen.ops.attention",
+    "fused_attention_with_kvcache": "gemmgen.ops.kvcache",
     "selected_instance": "gemmgen.ops.attention",
     "explain": "gemmgen.ops.attention",
     "autotune": "gemmgen.select.tuner",
@@ -44,7 +45,7 @@ _LAZY_ATTRS = {
 # The subpackages: the code generator, and the runtime's selection, operations, kernels and CLI.
 _SUBMODULES = {"arch", "cache", "errors", "generator", "select", "ops", "kernels", "cli"}
 
-__all__ = ["fused_attention", "fused_attention_varlen", "selected_instance", "explain", "autotune", "attention_reference",
+__all__ = ["fused_attention", "fused_attention_varlen", "fused_attention_with_kvcache", "selected_instance", "explain", "autotune", "attention_reference",
            "set_build_dirs", "refresh", "cache_dir", "Shape", "parse_shape",
            "batched_gemm", "batched_gemm_ptrs", "unfused_attention",
            "GemmgenError", "ToolchainError", "ManifestError", "InputError", "DeviceError",

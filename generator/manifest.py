@@ -17,7 +17,7 @@ from gemmgen.errors import ManifestError
 SCHEMA = 1
 # The C ABI the rendered libraries implement: GEMMGEN_ABI_VERSION of templates/include/gemmgen/abi.h
 # (keep the two in step). The manifest records it; the runtime checks it before loading a library.
-ABI_VERSION = 3
+ABI_VERSION = 4
 MANIFEST_NAME = "manifest.json"
 STATES = ("built", "failed", "rendered")
 

@@ -35,6 +35,9 @@ PINNED = {
     "mea_sm80": [("mea_sm80_fp16_k64_q32k128_aligned", "363ebe8e53846213"),
                  ("mea_sm80_bf16_k64_q64k64_aligned", "c57ce76b17bd2661"),
                  ("mea_sm80_bf16_k256_q128k64_aligned", "2a57f5c78c2a743c")],
+    "decode_sm80": [("decode_sm80_fp16_d64_m16n32w1x2s2", "7b35e9792bf7640a"),
+                    ("decode_sm80_bf16_d128_m16n64w1x4s2", "90bb1d6479a6c29e"),
+                    ("decode_sm80_bf16_d256_m64n64w4x1s2", "241ce9ce23268b10")],
     "gemm_sm80": [("gemm_sm80_strided_fp16_fp16_nn_m64n64k32w4s2a1", "463c91b0810f89ad"),
                   ("gemm_sm80_strided_bf16_bf16_nn_m64n64k32w4s2a1", "d28b688c1a424741"),
                   ("gemm_sm80_ptr_bf16_f32_nt_m256n128k64w8s3a8", "e4682ec3100f366a")],
@@ -51,7 +54,7 @@ PINNED = {
                      ("mea_bwd_sm80_bf16_k128_q128k128_preload_dropout", "457025b1e68956e7"),
                      ("mea_bwd_sm80_bf16_k256_q128k64", "c4de8ed16290850b")],
 }
-SPACE_SIZES = {"fa2_sm80": 368, "fmha_sm90": 372, "mea_sm80": 36, "gemm_sm80": 1312, "gemm_sm90": 2576,
+SPACE_SIZES = {"fa2_sm80": 368, "fmha_sm90": 372, "mea_sm80": 36, "decode_sm80": 566, "gemm_sm80": 1312, "gemm_sm90": 2576,
                "softmax_sm80": 4, "fmha_bwd_sm90": 20, "mea_bwd_sm80": 72}
 
 

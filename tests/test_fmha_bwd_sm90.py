@@ -180,7 +180,7 @@ def params(**kw) -> abi.AttnBwdParams:
 def test_real_build_info(built):
     entry, kernel = built
     info = kernel.info()
-    assert info.abi_version == 3 and info.flags & abi.INFO_BACKWARD
+    assert info.abi_version == abi.ABI_VERSION and info.flags & abi.INFO_BACKWARD
     assert (info.head_dim, info.block_m, info.block_n, info.causal, info.threads) == (32, 64, 128, 0, entry.threads)
     assert info.smem_bytes == entry.smem_bytes  # the family's figure is exact
 

@@ -119,7 +119,8 @@ def run(args: argparse.Namespace) -> int:
     facts, db = device_facts(args)
     fields = dict(dtype=shape.dtype, head_dim=shape.head_dim, causal=shape.causal, device=facts,
                   batch_heads=shape.batch * shape.heads, seqlen_q=shape.seqlen_q, seqlen_k=shape.seqlen_k,
-                  gqa=shape.heads // shape.kv_heads, layout=shape.layout, align=ALIGN_BYTES)
+                  gqa=shape.heads // shape.kv_heads, layout=shape.layout, align=ALIGN_BYTES,
+                  causal_alignment=args.causal_alignment)
     if args.backward:  # the backward reads K and V expanded to Q's heads (GQA summed afterwards)
         problem = BwdProblem(**{**fields, "gqa": 1}, deterministic=args.deterministic)
     elif args.deterministic:
@@ -138,6 +139,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shape", required=True, metavar="B,H,Nq,Nk,d",
                    help="B,H,Nq,Nk,d (or B,H,N,d), optionally ,causal; a size of 0 is an empty problem")
     p.add_argument("--causal", action="store_true", help="causal mask (as ,causal in --shape)")
+    p.add_argument("--causal-alignment", choices=("top_left", "bottom_right"), default="top_left",
+                   help="where a causal mask's diagonal sits when Nq != Nk (default top_left, as torch)")
     p.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16", help="element type (default: bf16)")
     p.add_argument("--heads-kv", type=int, help="key/value heads (GQA/MQA; default: H)")
     p.add_argument("--layout", choices=("bhnd", "bnhd", "mixed"), default="bhnd",

@@ -11,6 +11,7 @@ from gemmgen.errors import GemmgenLaunchError
 from gemmgen.generator.manifest import ABI_VERSION  # noqa: F401 (the version the bindings follow)
 
 INFO_NEEDS_LSE = 1  # GEMMGEN_INFO_NEEDS_LSE
+INFO_KV_CACHE = 4  # GEMMGEN_INFO_KV_CACHE: reads seqlens_k, block_table, num_splits; exports <symbol>_workspace
 ERR_LEN = 1024  # bytes of the message buffer handed to the entry points
 _local = threading.local()
 
@@ -54,6 +55,27 @@ class AttnParams(ctypes.Structure):
         ("dropout_offset", ctypes.c_uint64),
         ("cu_seqlens_q", ctypes.c_void_p),  # int32*, NULL: fixed lengths
         ("cu_seqlens_k", ctypes.c_void_p),
+        ("seqlens_k", ctypes.c_void_p),  # int32*, NULL: seqlen_k keys each
+        ("block_table", ctypes.c_void_p),  # int32*, NULL: not paged
+        ("block_table_batch_stride", ctypes.c_int64),
+        ("page_size", ctypes.c_int32),
+        ("num_pages", ctypes.c_int32),
+        ("num_splits", ctypes.c_int32),
+        ("workspace", ctypes.c_void_p),
+        ("workspace_bytes", ctypes.c_int64),
+    ]
+
+
+class KvAppendArgs(ctypes.Structure):
+    """GemmgenKvAppendArgs (templates/include/gemmgen/decode_sm80/append.h): new tokens' keys and
+    values, the caches, the lengths and block table, sizes, strides in elements."""
+
+    _fields_ = [
+        *[(n, ctypes.c_void_p) for n in ("k", "v", "k_cache", "v_cache", "seqlens", "block_table")],
+        ("block_table_batch_stride", ctypes.c_int64),
+        *[(n, ctypes.c_int32) for n in ("batch", "new_tokens", "heads_kv", "head_dim", "capacity", "page_size",
+                                        "num_pages", "elem_bytes")],
+        *[(f"{t}_{dim}_stride", ctypes.c_int64) for t in ("k", "v", "kc", "vc") for dim in ("batch", "row", "head")],
     ]
 
 
@@ -81,7 +103,17 @@ class Instance:
         self._info = getattr(library, f"{symbol}_info")
         self._info.argtypes = [ctypes.POINTER(InstanceInfo)]
         self._info.restype = ctypes.c_int
-        self.needs_lse = bool(self.info().flags & INFO_NEEDS_LSE)
+        flags = self.info().flags
+        self.needs_lse = bool(flags & INFO_NEEDS_LSE)
+        self.kv_cache = bool(flags & INFO_KV_CACHE)
+        self._workspace = self._append = None
+        if self.kv_cache:
+            self._workspace = getattr(library, f"{symbol}_workspace")
+            self._workspace.argtypes = [ctypes.POINTER(self.params_type)]
+            self._workspace.restype = ctypes.c_int64
+            self._append = getattr(library, f"{symbol}_append")
+            self._append.argtypes = [ctypes.POINTER(KvAppendArgs), ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int]
+            self._append.restype = ctypes.c_int
 
     def info(self) -> InstanceInfo:
         """Call `<symbol>_info`; raise GemmgenLaunchError on a non-zero status."""
@@ -90,6 +122,23 @@ class Instance:
         if status != 0:
             raise GemmgenLaunchError(f"{self.symbol}_info returned {STATUS_NAMES.get(status, status)}")
         return info
+
+    def workspace_bytes(self, params: ctypes.Structure) -> int:
+        """Bytes of workspace `params` needs (0: none, or an instance without a workspace); negative
+        from the library is an error."""
+        if self._workspace is None:
+            return 0
+        n = int(self._workspace(ctypes.byref(params)))
+        if n < 0:
+            raise GemmgenLaunchError(f"{self.symbol}_workspace returned {n}")
+        return n
+
+    def append(self, args: "KvAppendArgs", stream: int | None) -> None:
+        """Write new keys and values into a cache (`<symbol>_append`, key-value-cache instances only);
+        raises GemmgenLaunchError with the library's message on failure."""
+        if self._append is None:
+            raise GemmgenLaunchError(f"{self.symbol} has no key-value-cache append entry point")
+        _call(self._append, f"{self.symbol}_append", args, stream)
 
     def run(self, params: ctypes.Structure, stream: int | None) -> None:
         """Launch on `stream` (a cudaStream_t as an int; 0 or None is the default stream).
@@ -280,13 +329,6 @@ class BwdInstance(Instance):
         self._workspace = getattr(library, f"{symbol}_workspace")
         self._workspace.argtypes = [ctypes.POINTER(AttnBwdParams)]
         self._workspace.restype = ctypes.c_int64
-
-    def workspace_bytes(self, params: AttnBwdParams) -> int:
-        """Bytes of workspace `params` needs (0: none); negative from the library is an error."""
-        n = int(self._workspace(ctypes.byref(params)))
-        if n < 0:
-            raise GemmgenLaunchError(f"{self.symbol}_workspace returned {n}")
-        return n
 
 
 def bind_bwd(path: Path, symbol: str) -> BwdInstance:

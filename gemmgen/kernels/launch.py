@@ -209,8 +209,53 @@ def launch(kernel: Any, p: abi.AttnParams, index: int) -> None:
         scratch = torch.empty(p.batch * p.heads * p.seqlen_q, dtype=torch.float32, device=f"cuda:{index}")
         p = type(p).from_buffer_copy(p)
         p.lse = scratch.data_ptr()  # the caching allocator reuses it only after this stream's work
+    workspace_bytes = kernel.workspace_bytes(p)
+    if workspace_bytes > 0:  # split-KV partial rows: allocated per call, freed after this stream's work
+        workspace = torch.empty(workspace_bytes + 256, dtype=torch.uint8, device=f"cuda:{index}")
+        p = type(p).from_buffer_copy(p)
+        base = workspace.data_ptr()
+        p.workspace, p.workspace_bytes = base + (-base % 256), workspace_bytes
     if torch.cuda.current_device() == index:
         kernel.run(p, _raw_stream(index))
     else:
         with torch.cuda.device(index):
             kernel.run(p, _raw_stream(index))
+
+
+# Key-value caches (fused_attention_with_kvcache): q, o [B, Nq, H, d]; caches [B or pages, rows, Hkv, d].
+def kv_append_args(k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: torch.Tensor,
+                block_table: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor, capacity: int) -> abi.KvAppendArgs:
+    """The append entry point's args: k, v [B, Nnew, Hkv, d] go to each sequence's rows
+    cache_seqlens[b] .. + Nnew - 1 (indices stay on the GPU: no host sync, CUDA graphs capture it)."""
+    a = abi.KvAppendArgs(k.data_ptr(), v.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), cache_seqlens.data_ptr(),
+                         block_table.data_ptr() if block_table is not None else None,
+                         block_table.stride(0) if block_table is not None else 0,
+                         k.shape[0], k.shape[1], k.shape[2], k.shape[3], capacity,
+                         k_cache.shape[1] if block_table is not None else 0,
+                         k_cache.shape[0], k.element_size())
+    for name, t in (("k", k), ("v", v), ("kc", k_cache), ("vc", v_cache)):
+        s0, s1, s2, _ = t.stride()
+        setattr(a, f"{name}_batch_stride", s0)
+        setattr(a, f"{name}_row_stride", s1)
+        setattr(a, f"{name}_head_stride", s2)
+    return a
+
+
+def params_kvcache(q, k_cache, v_cache, seqlens, block_table, o, lse, *, causal: bool, scale: float | None,
+           capacity: int):
+    """The C ABI params of a key-value-cache call (q, o [B, Nq, H, d]; seqlens the keys of each
+    sequence, new tokens included)."""
+    qt, ot = q.transpose(1, 2), o.transpose(1, 2)  # [B, H, Nq, d] views for the ABI
+    kt, vt = k_cache.transpose(1, 2), v_cache.transpose(1, 2)
+    p = params(qt, kt, vt, ot, lse, causal=False, causal_alignment="top_left", scale=scale)
+    p.seqlen_k = capacity
+    p.causal_offset = capacity - q.shape[1] if causal else NO_MASK_OFFSET
+    p.seqlens_k = seqlens.data_ptr()
+    if block_table is not None:
+        p.block_table = block_table.data_ptr()
+        p.block_table_batch_stride = block_table.stride(0)
+        p.page_size = k_cache.shape[1]
+        p.num_pages = k_cache.shape[0]
+    if scale is None:
+        p.scale = 1.0 / math.sqrt(q.shape[3])
+    return p

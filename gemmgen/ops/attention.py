@@ -311,24 +311,27 @@ def fused_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
 
 
 def explain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
-            instance: str | None = None, dropout_p: float = 0.0,
+            causal_alignment: str = "top_left", instance: str | None = None, dropout_p: float = 0.0,
             attn_mask: torch.Tensor | None = None) -> selection.Decision:
     """The decision fused_attention makes for these tensors: candidates, rejects with their reasons,
     winner and its source (decision.report() gives the text `gemmgen explain` prints)."""
     check_bool("causal", causal)
     check_instance(instance)
+    _check_args(causal_alignment, None)
     _validate(q, k, v, None, device=False)
     dropout_p = _check_dropout(dropout_p, None, 0)
     _check_mask(attn_mask, q, k)
     _check_device(q, k, v, None)
     bias = _prepare_mask(attn_mask, q, k)
-    return selection.decide(calls.problem_for(q, k, causal, v=v, dropout=dropout_p > 0.0, bias=bias), instance)
+    return selection.decide(calls.problem_for(q, k, causal, v=v, causal_alignment=causal_alignment,
+                                              dropout=dropout_p > 0.0, bias=bias), instance)
 
 
 def selected_instance(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
-                      instance: str | None = None) -> str:
+                      causal_alignment: str = "top_left", instance: str | None = None) -> str:
     """The name of the instance fused_attention would run for these tensors."""
     check_bool("causal", causal)
     check_instance(instance)
+    _check_args(causal_alignment, None)
     _validate(q, k, v, None)
-    return selection.select(calls.problem_for(q, k, causal), instance).name
+    return selection.select(calls.problem_for(q, k, causal, causal_alignment=causal_alignment), instance).name

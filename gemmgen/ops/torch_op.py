@@ -14,6 +14,9 @@ torch.compile traces them without a graph break and CUDA graphs capture them:
                                              max_seqlen_k, causal, scale, return_lse, instance,
                                              dropout_p, seed, offset)
         -> (O [Tq, H, d], LSE [B, H, max_seqlen_q] float32 or an empty tensor)
+    torch.ops.gemmgen.fused_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, k, v,
+                                                   causal, scale, return_lse, instance)
+        -> (O [B, Nq, H, d], LSE [B, H, Nq] float32 or an empty tensor); k, v appended into the caches
 
 fused_attention and fused_attention_backward are joined by torch.library.register_autograd: a
 forward whose inputs require grad saves q, k, v, O, LSE and the mask, and the backward op computes
@@ -60,6 +63,10 @@ _LIB.define("fused_attention_varlen(Tensor q, Tensor k, Tensor v, Tensor cu_seql
             "int max_seqlen_q, int max_seqlen_k, bool causal=False, float? scale=None, bool return_lse=False, "
             f"str? instance=None, {_FEATURES}) -> (Tensor, Tensor)")
 
+_LIB.define("fused_attention_with_kvcache(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor cache_seqlens, "
+            "Tensor? block_table=None, Tensor? k=None, Tensor? v=None, bool causal=True, float? scale=None, "
+            "bool return_lse=False, str? instance=None) -> (Tensor, Tensor)")
+
 _kernels: dict[tuple, Any] = {}
 _MAX_CACHED = 4096
 
@@ -70,12 +77,12 @@ def autotune_enabled() -> bool:
 
 
 def _select(problem: Problem, q: torch.Tensor, k: torch.Tensor, causal: bool,
-            instance: str | None) -> tuple[Any, bool]:
-    """The kernel for this call and whether the choice may be cached."""
+            instance: str | None) -> tuple[tuple[Any, int], bool]:
+    """The kernel for this call with its num_splits, and whether the choice may be cached."""
     cand = jit.select_or_build(problem, instance)
     cacheable = True
     # The tuner times plain calls: dropout, bias and variable lengths keep the registry's choice.
-    plain = not (problem.dropout or problem.bias or problem.varlen)
+    plain = not (problem.dropout or problem.bias or problem.varlen or problem.kv_cache)
     if instance is None and plain and autotune_enabled() and selection.needs_tuning(problem):
         if torch.cuda.is_current_stream_capturing():  # timing synchronizes: tune after the capture
             cacheable = False
@@ -86,19 +93,20 @@ def _select(problem: Problem, q: torch.Tensor, k: torch.Tensor, causal: bool,
                   file=sys.stderr, flush=True)
             tuner.tune_call(q, k, causal)
             cand = selection.select(problem)
-    return cand.kernel, cacheable
+    return (cand.kernel, selection.splits(cand, problem)), cacheable
 
 
 def _kernel_for(key: tuple, problem_of: Callable[[], Problem], q: torch.Tensor, k: torch.Tensor, causal: bool,
-                instance: str | None) -> Any:
-    kernel = _kernels.get(key)
-    if kernel is None:
-        kernel, cacheable = _select(problem_of(), q, k, causal, instance)
+                instance: str | None) -> tuple[Any, int]:
+    """(kernel, num_splits) of a call, cached under `key` (everything the selection looks at)."""
+    plan = _kernels.get(key)
+    if plan is None:
+        plan, cacheable = _select(problem_of(), q, k, causal, instance)
         if cacheable:
             if len(_kernels) >= _MAX_CACHED:
                 _kernels.clear()
-            _kernels[key] = kernel
-    return kernel
+            _kernels[key] = plan
+    return plan
 
 
 def _dropout_seed(index: int, dropout_p: float, seed: int | None, offset: int, draws: int) -> tuple[int, int]:
@@ -139,13 +147,14 @@ def _run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse
     key = (index, q.dtype, q.shape, k.shape, qs[2] <= qs[1], ks[2] <= ks[1], causal,
            causal_alignment if causal else None, _sign(scale), big, instance,
            dropout_p > 0.0, bias is not None, False)
-    kernel = _kernel_for(key, lambda: calls.problem_for(
+    kernel, splits = _kernel_for(key, lambda: calls.problem_for(
         q, k, causal, v=v, causal_alignment=causal_alignment, scale=scale, dropout=dropout_p > 0.0,
         bias=bias), q, k, causal, instance)
     seed, offset = _dropout_seed(index, dropout_p, seed, offset, q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2])
-    launch.launch(kernel, launch.params(q, k, v, o, lse, causal=causal, causal_alignment=causal_alignment,
-                                        scale=scale, dropout_p=dropout_p, seed=seed, offset=offset, bias=bias),
-                  index)
+    p = launch.params(q, k, v, o, lse, causal=causal, causal_alignment=causal_alignment, scale=scale,
+                      dropout_p=dropout_p, seed=seed, offset=offset, bias=bias)
+    p.num_splits = splits
+    launch.launch(kernel, p, index)
 
 
 def _sign(scale: float | None) -> int | None:
@@ -162,7 +171,7 @@ def _run_varlen(q, k, v, o, lse, cu_q, cu_k, max_q, max_k, causal, scale, instan
     big = launch.max_offset(q, k, v, o) >= 2**31
     key = (index, q.dtype, q.shape, k.shape, batch, max_q, max_k, causal, _sign(scale),
            big, instance, dropout_p > 0.0, False, True)
-    kernel = _kernel_for(key, lambda: calls.problem_for_varlen(
+    kernel, _ = _kernel_for(key, lambda: calls.problem_for_varlen(
         q, k, v, batch, max_q, max_k, causal, scale=scale, dropout=dropout_p > 0.0), q, k, causal, instance)
     seed, offset = _dropout_seed(index, dropout_p, seed, offset, batch * q.shape[1] * max_q * max_k)
     launch.launch(kernel, launch.params_varlen(q, k, v, o, lse, cu_q, cu_k, max_q, max_k, causal=causal,
@@ -358,7 +367,49 @@ def _autograd_backward(ctx, grad_o, grad_lse):
     return dq, dk, dv, None, None, None, None, None, None, None, None, dbias if bias_grad else None, None
 
 
+def _kvcache_outputs(q, return_lse):
+    b, nq, h, d = q.shape
+    o = torch.empty((b, nq, h, d), dtype=q.dtype, device=q.device)
+    lse = torch.empty((b, h, nq), dtype=torch.float32, device=q.device) if return_lse else _no_lse_on(q.device)
+    return o, lse
+
+
+def _fused_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table=None, k=None, v=None, causal=True,
+                                  scale=None, return_lse=False, instance=None):
+    o, lse = _kvcache_outputs(q, return_lse)
+    capacity = k_cache.shape[1] * (block_table.shape[1] if block_table is not None else 1)
+    if o.numel() == 0 or capacity == 0:
+        o.zero_()
+        lse.fill_(float("-inf"))
+        return o, lse
+    index = q.get_device()
+    big = launch.max_offset(q, k_cache, v_cache, o, k, v) >= 2**31
+    key = ("kv_cache", index, q.dtype, q.shape, k_cache.shape, capacity, block_table is not None, causal,
+           _sign(scale), big, instance)
+    kernel, splits = _kernel_for(key, lambda: calls.problem_for_kvcache(q, k_cache, v_cache, capacity, causal,
+                                                                        scale=scale), q, k_cache, causal, instance)
+    stream = launch.raw_stream(index)
+    seqlens = cache_seqlens
+    if k is not None and k.shape[1] > 0 and k.shape[0] > 0:
+        with torch.cuda.device(index):
+            kernel.append(launch.kv_append_args(k_cache, v_cache, cache_seqlens, block_table, k, v, capacity), stream)
+        # The kernel attends to the new tokens too; a negative length stays negative (NaN rows).
+        seqlens = torch.where(cache_seqlens < 0, cache_seqlens, cache_seqlens + k.shape[1])
+    p = launch.params_kvcache(q, k_cache, v_cache, seqlens, block_table, o, lse if return_lse else None, causal=causal,
+                       scale=scale, capacity=capacity)
+    p.num_splits = splits
+    launch.launch(kernel, p, index)
+    return o, lse
+
+
+def _fake_kvcache(q, k_cache, v_cache, cache_seqlens, block_table=None, k=None, v=None, causal=True, scale=None,
+                  return_lse=False, instance=None):
+    return _kvcache_outputs(q, return_lse)
+
+
 _LIB.impl("fused_attention", _fused_attention, "CUDA")
+_LIB.impl("fused_attention_with_kvcache", _fused_attention_with_kvcache, "CUDA")
+torch.library.register_fake("gemmgen::fused_attention_with_kvcache", _fake_kvcache, lib=_LIB)
 _LIB.impl("fused_attention_out", _fused_attention_out, "CUDA")
 _LIB.impl("fused_attention_varlen", _fused_attention_varlen, "CUDA")
 _LIB.impl("fused_attention_backward", _fused_attention_backward, "CUDA")
@@ -374,6 +425,7 @@ fused_attention_op = torch.ops.gemmgen.fused_attention.default
 fused_attention_out_op = torch.ops.gemmgen.fused_attention_out.default
 fused_attention_varlen_op = torch.ops.gemmgen.fused_attention_varlen.default
 fused_attention_backward_op = torch.ops.gemmgen.fused_attention_backward.default
+fused_attention_with_kvcache_op = torch.ops.gemmgen.fused_attention_with_kvcache.default
 
 
 def clear_cache() -> None:

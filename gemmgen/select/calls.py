@@ -51,3 +51,15 @@ def problem_for_bwd(q: torch.Tensor, k: torch.Tensor, causal: bool, *, causal_al
     fields = {f.name: getattr(fwd, f.name) for f in dataclasses.fields(Problem)}
     fields["max_offset"] = max(fwd.max_offset, max_offset(*tensors))
     return BwdProblem(**fields, bias_grad=bias_grad, deterministic=deterministic)
+
+
+def problem_for_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, capacity: int, causal: bool,
+                        *, scale: float | None = None) -> Problem:
+    """The Problem of a validated key-value-cache call: q [B, Nq, H, d], caches [B or pages, rows, Hkv, d]
+    holding up to `capacity` keys per sequence (the sizes the selection sees: lengths live on the GPU)."""
+    b, nq, h, d = q.shape
+    return Problem(dtype=DTYPE_NAMES[q.dtype], head_dim=d, causal=bool(causal),
+                   device=device.facts(q.get_device()), batch_heads=b * h, seqlen_q=nq, seqlen_k=capacity,
+                   gqa=h // k_cache.shape[2], layout="bnhd", align=ALIGN_BYTES, causal_alignment="bottom_right",
+                   negative_scale=scale is not None and scale < 0, zero_scale=scale == 0, kv_cache=True,
+                   max_offset=max_offset(q, k_cache, v_cache))

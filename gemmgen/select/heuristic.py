@@ -5,17 +5,23 @@ CostInputs: block_m, block_n, stages, threads and shared memory), rebuilt from t
 (Candidate.instance):
 
 - Work of one CTA: its padded query rows (block_m) times the key columns it computes (the keys it
-  can see rounded up to block_n; for causal, top-left alignment, row tile i sees (i+1)*block_m
-  keys), so a tall tile on a short sequence pays for the rows it pads.
+  can see rounded up to block_n; for causal, row tile i sees (i+1)*block_m keys top-left, Nk - Nq
+  more bottom-right), so a tall tile on a short sequence pays for the rows it pads.
 - Residency: CTAs per SM = the fewest of shared memory per SM / (smem + 1 KB reserved), threads per
-  SM / threads, and registers: 64K per SM at ASSUMED_REGS_PER_THREAD (ptxas gives this family's
-  tiles 255) allocated per warp in units of 256.
+  SM / threads, and registers: 64K per SM at the instance's registers per thread (CostInputs;
+  ASSUMED_REGS_PER_THREAD, what ptxas gives fa2_sm80's tiles, unless the family measured others)
+  allocated per warp in units of 256.
 - Pipeline: a CTA's first K/V loads are exposed, as if it computed PROLOGUE_COLS more key columns,
   divided by the instance's `stages`: K/V buffers loading ahead hide them.
 - Time: waves = ceil(CTAs / (SMs * CTAs per SM)), each as long as the mean CTA work divided by
   the CTA's share of the SM (warps / 8, no more than 1: 8 resident warps keep an SM busy), and
   by the family's RELATIVE_SPEED (its measured throughput per unit of this work against fa2_sm80's):
   a wgmma kernel does the same tile work about twice as fast.
+
+A family that packs GQA groups and splits keys (PACKS_GQA, the decode family) is modelled on its
+own grid: a row tile holds block_m of the Nq * (H / Hkv) rows of one KV head, and `num_splits` CTAs
+share its keys, each computing its share of them at no less than STREAM_ROWS rows per key column
+(streaming K and V costs a CTA that much whatever its rows).
 
 The model knows nothing of how efficient each tile's code is, so the family's DEFAULT tile (the
 one measured best at most shapes) keeps the pick unless another candidate's estimate is at least
@@ -79,25 +85,90 @@ def _sum_ceil(count: int, step: int, unit: int) -> int:
     return total
 
 
-def ctas_per_sm(smem_bytes: int, threads: int, problem: Problem) -> int:
+def ctas_per_sm(smem_bytes: int, threads: int, problem: Problem, regs_per_thread: int = ASSUMED_REGS_PER_THREAD) -> int:
     """Resident CTAs per SM, limited by shared memory, threads and registers (at least 1)."""
     dev = problem.device
     smem_per_sm = dev.smem_per_sm or dev.smem_per_block
     by_smem = smem_per_sm // (smem_bytes + SMEM_RESERVED_PER_CTA) if smem_bytes else 32
     warps = max(1, -(-threads // 32))
-    regs_per_warp = -(-ASSUMED_REGS_PER_THREAD * 32 // REG_ALLOC_UNIT) * REG_ALLOC_UNIT
+    regs_per_warp = -(-regs_per_thread * 32 // REG_ALLOC_UNIT) * REG_ALLOC_UNIT
     by_regs = REGS_PER_SM // (regs_per_warp * warps)
     by_threads = dev.max_threads_per_sm // max(threads, 1)
     return max(1, min(by_smem, by_regs, by_threads))
 
 
+# Split-KV: at most this many splits, and no split shorter than MIN_TILES_PER_SPLIT key tiles (the
+# combine reads and writes each split's fp32 rows; a split's first loads are exposed).
+MAX_SPLITS = 128
+MIN_TILES_PER_SPLIT = 2
+# Among split counts whose last wave is at least this full relative to the best one, the fewest.
+SPLIT_WAVE_FILL = 0.85
+# Split-KV tiles: the row count below which a tile's MMAs stop being what its key columns cost (the
+# K and V bytes are), so a 16-row tile wins one KV group of up to 16 rows, and two such tiles, which
+# read K and V twice, no longer beat one 64-row tile for 32 rows.
+STREAM_ROWS = 32
+
+
+def num_splits(row_ctas: int, key_tiles: int, ctas_per_sm_: int, sm_count: int) -> int:
+    """How many CTAs share one row tile's keys: 1 when the row tiles (`row_ctas` of them, B * Hkv *
+    row tiles per KV head) already fill the GPU's `sm_count` * `ctas_per_sm_` slots; else the count,
+    up to MAX_SPLITS and key_tiles / MIN_TILES_PER_SPLIT, whose waves are fullest (the fraction of
+    slots busy over all waves), the fewest splits among those within SPLIT_WAVE_FILL of the best."""
+    slots = max(1, sm_count * ctas_per_sm_)
+    limit = min(MAX_SPLITS, key_tiles // MIN_TILES_PER_SPLIT)
+    if row_ctas <= 0 or limit <= 1 or row_ctas >= slots:
+        return 1
+
+    def fill(splits: int) -> float:
+        ctas = row_ctas * splits
+        return ctas / (-(-ctas // slots) * slots)
+
+    best = max(fill(s) for s in range(1, limit + 1))
+    return next(s for s in range(1, limit + 1) if fill(s) >= SPLIT_WAVE_FILL * best)
+
+
+def split_plan(inst: AttentionInstance, problem: Problem) -> tuple[int, int]:
+    """(row tiles per KV head, splits) of a PACKS_GQA instance on `problem`."""
+    cost = inst.cost_inputs
+    rows = problem.seqlen_q * problem.gqa
+    row_tiles = -(-rows // cost.block_m)
+    groups = problem.batch_heads // max(problem.gqa, 1)
+    key_tiles = -(-problem.seqlen_k // cost.block_n)
+    splits = num_splits(row_tiles * groups, key_tiles, ctas_per_sm(cost.smem_bytes, cost.threads, problem, cost.regs_per_thread),
+                        problem.device.sm_count)
+    return row_tiles, splits
+
+
+def _estimate_split(inst: AttentionInstance, problem: Problem) -> Estimate:
+    cost = inst.cost_inputs
+    row_tiles, splits = split_plan(inst, problem)
+    groups = problem.batch_heads // max(problem.gqa, 1)
+    key_tiles = -(-problem.seqlen_k // cost.block_n)
+    cols = -(-key_tiles // splits) * cost.block_n  # the longest split's keys
+    ctas = row_tiles * groups * splits
+    per_sm = ctas_per_sm(cost.smem_bytes, cost.threads, problem, cost.regs_per_thread)
+    waves = -(-ctas // (problem.device.sm_count * per_sm)) if ctas else 0
+    share = min(1.0, (cost.threads / 32) / WARPS_TO_FILL_SM)
+    # A key column costs a CTA at least STREAM_ROWS rows of MMA work: its K and V bytes stream in.
+    mean_work = max(cost.block_m, STREAM_ROWS) * (cols + PROLOGUE_COLS / cost.stages) if ctas else 0.0
+    return Estimate(ctas=ctas, ctas_per_sm=per_sm, waves=waves, padded_rows=row_tiles * cost.block_m,
+                    time=waves * mean_work / share / family_named(inst.family).RELATIVE_SPEED)
+
+
 def estimate(inst: AttentionInstance, problem: Problem) -> Estimate:
     """The model's estimate for an attention instance (a candidate's `instance`)."""
+    if getattr(family_named(inst.family), "PACKS_GQA", False):
+        return _estimate_split(inst, problem)
     cost = inst.cost_inputs
     block_m, block_n = cost.block_m, cost.block_n
     row_tiles = -(-problem.seqlen_q // block_m)
     keys_full = -(-problem.seqlen_k // block_n) * block_n
-    if problem.causal:
+    if problem.causal and problem.causal_alignment == "bottom_right" and problem.seqlen_q != problem.seqlen_k:
+        # Row tile i sees min(Nk, (i+1)*block_m + Nk - Nq) keys (none below 0), in whole key tiles.
+        offset = problem.seqlen_k - problem.seqlen_q
+        cols = sum(-(-min(problem.seqlen_k, max(0, (i + 1) * block_m + offset)) // block_n) * block_n
+                   for i in range(row_tiles))
+    elif problem.causal:
         # Row tile i sees min(Nk, (i+1)*block_m) keys: the tiles before the key end is reached
         # grow by block_m each, the rest compute every key tile.
         growing = min(row_tiles, problem.seqlen_k // block_m)
@@ -105,7 +176,7 @@ def estimate(inst: AttentionInstance, problem: Problem) -> Estimate:
     else:
         cols = row_tiles * keys_full
     ctas = row_tiles * problem.batch_heads
-    per_sm = ctas_per_sm(cost.smem_bytes, cost.threads, problem)
+    per_sm = ctas_per_sm(cost.smem_bytes, cost.threads, problem, cost.regs_per_thread)
     waves = -(-ctas // (problem.device.sm_count * per_sm)) if ctas else 0
     share = min(1.0, (cost.threads / 32) / WARPS_TO_FILL_SM)
     mean_work = block_m * (cols / row_tiles + PROLOGUE_COLS / cost.stages) if row_tiles else 0.0

@@ -9,6 +9,8 @@ from gemmgen.select import buckets
 from gemmgen.select.device import DeviceFacts
 
 ALIGN_BYTES = 16  # data pointers and outer strides; the kernels load 16 bytes per thread per copy
+# What only some families run (Problem's flags of the same names), in the order keys name them.
+FEATURES = ("dropout", "bias", "varlen", "kv_cache")
 
 
 def layout_kind(q_strides: tuple[int, ...], k_strides: tuple[int, ...]) -> str:
@@ -48,6 +50,7 @@ class Problem:
     dropout: bool = False
     bias: bool = False
     varlen: bool = False
+    kv_cache: bool = False  # per-sequence key counts and/or a paged K/V (fused_attention_with_kvcache)
     max_offset: int = 0  # the largest element offset from a tensor's data pointer the call reaches
     kind: ClassVar[str] = "attention"  # the selection engine's Kind for it
 
@@ -70,7 +73,7 @@ class Problem:
     def functional_key(self) -> str:
         """The part of the functional key a tuning database files entries under (the GPU is the
         database itself; layout and GQA ratio are in the bucket), e.g. "bf16_d128_causal_a16"."""
-        features = "".join(f"_{name}" for name in ("dropout", "bias", "varlen") if getattr(self, name))
+        features = "".join(f"_{name}" for name in FEATURES if getattr(self, name))
         return f"{self.dtype}_d{self.head_dim}_{self.mask}_a{self.align}{features}"
 
     @property
@@ -88,7 +91,7 @@ class Problem:
         """A one-line description of the functional key, for messages."""
         mask = "no mask" if not self.causal else "causal" if self.causal_alignment == "top_left" else \
             f"causal ({self.causal_alignment})"
-        extra = "".join(f", {name}" for name in ("dropout", "bias", "varlen") if getattr(self, name))
+        extra = "".join(f", {name.replace('_', '-')}" for name in FEATURES if getattr(self, name))
         return f"{self.dtype} head_dim={self.head_dim} {mask}{extra} on sm_{self.cc[0]}{self.cc[1]}"
 
     def describe_sizes(self) -> str:

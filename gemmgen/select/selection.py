@@ -35,6 +35,17 @@ def select(problem: engine.KindProblem, instance: str | None = None) -> Candidat
     return hit
 
 
+def splits(cand: Candidate, problem: engine.KindProblem) -> int:
+    """The num_splits a launch of `cand` on `problem` passes: the heuristic's count for a family
+    that splits keys over CTAs (PACKS_GQA), 0 (none) for the others."""
+    from gemmgen.generator.space import family_named
+    from gemmgen.select import heuristic
+
+    if not getattr(family_named(cand.instance.family), "PACKS_GQA", False):
+        return 0
+    return heuristic.split_plan(cand.instance, problem)[1]
+
+
 def needs_tuning(problem: engine.KindProblem) -> bool:
     """True when some candidate of `problem` has no measurement in its bucket on this GPU."""
     return engine.needs_tuning(kind_of(problem), problem)

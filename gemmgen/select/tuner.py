@@ -26,7 +26,7 @@ import torch
 
 from gemmgen.select import device as device_mod
 from gemmgen.kernels import launch
-from gemmgen.select import calls, measure as measuring, registry, timing, tuning_db
+from gemmgen.select import calls, measure as measuring, registry, selection, timing, tuning_db
 from gemmgen.select.measure import Measurement, WrongResult, record
 from gemmgen.errors import CacheError, GemmgenWarning
 from gemmgen.select.problem import ALIGN_BYTES, BwdProblem, Problem
@@ -90,8 +90,9 @@ def proxy_shape(shape: Shape) -> Shape:
 
 
 def _run(kernel: Any, q, k, v, o, lse, causal: bool) -> None:
-    launch.launch(kernel, launch.params(q, k, v, o, lse, causal=causal, causal_alignment="top_left",
-                                       scale=None), q.get_device())
+    p = launch.params(q, k, v, o, lse, causal=causal, causal_alignment="top_left", scale=None)
+    p.num_splits = 2 if kernel.kv_cache else 0  # a split-KV kernel's gate covers its combine too
+    launch.launch(kernel, p, q.get_device())
 
 
 def check_proxy(kernel: Any, shape: Shape, index: int) -> float:
@@ -172,6 +173,9 @@ class AttentionWorkload:
                 if kernel.needs_lse else None for q, _, _ in self.inputs]
         prepared = [launch.params(q, k, v, o, lse, causal=causal, causal_alignment="top_left", scale=None)
                     for (q, k, v), o, lse in zip(self.inputs, self.outs, lses)]
+        splits = selection.splits(cand, self.problem)
+        for p in prepared:
+            p.num_splits = splits
 
         def run(i: int, _lses: list = lses) -> None:  # holds the LSE buffers as long as the run lives
             launch.launch(kernel, prepared[i], index)

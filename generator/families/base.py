@@ -70,9 +70,10 @@ class CostInputs:
     stages: int  # K/V tiles in flight: the model divides the exposed first loads by it
     threads: int  # per CTA
     smem_bytes: int  # per CTA
+    regs_per_thread: int = 255  # what ptxas gives the kernel (the residency limit by registers)
 
     def __post_init__(self) -> None:
-        if min(self.block_m, self.block_n, self.stages, self.threads) < 1 or self.smem_bytes < 0:
+        if min(self.block_m, self.block_n, self.stages, self.threads, self.regs_per_thread) < 1 or self.smem_bytes < 0:
             raise ValueError(f"cost inputs must be positive: {self}")
 
 
@@ -165,6 +166,17 @@ class BoundedHeadDim:
     @property
     def warps(self) -> int:
         return self.block_m * self.block_n // (32 * 32)
+
+    def bound_reason(self, problem: Any, multiple: int) -> str | None:
+        """The first checks of such a family's problem_reason: no key-value cache, and a head dim
+        within the bound and a multiple of `multiple` (None when they pass)."""
+        if reason := feature_reason(getattr(self, "family"), problem, ("kv_cache",)):
+            return reason
+        if problem.head_dim > self.max_head_dim:
+            return f"head_dim {problem.head_dim} above this instance's bound {self.max_head_dim}"
+        if problem.head_dim % multiple:
+            return f"head_dim {problem.head_dim} is not a multiple of {multiple}"
+        return None
 
 
 class AttentionInstance(Instance):
@@ -333,12 +345,12 @@ def smem_reason(inst: Instance, arch: Arch) -> str | None:
 
 
 def feature_reason(family: str, problem: Any,
-                   features: tuple[str, ...] = ("dropout", "bias", "varlen")) -> str | None:
+                   features: tuple[str, ...] = ("dropout", "bias", "varlen", "kv_cache")) -> str | None:
     """None when `problem` asks for none of `features` (attention problem flags), else "<family>
     has no <feature>" for the first it asks for."""
     for feature in features:
-        if getattr(problem, feature):
-            return f"{family} has no {feature}"
+        if getattr(problem, feature, False):
+            return f"{family} has no {feature.replace('_', ' ')}"
     return None
 
 

@@ -140,11 +140,8 @@ def invalid_reason(inst: MeaBwdSm80Instance, arch: Arch = Arch.SM80) -> str | No
 
 def problem_reason(inst: MeaBwdSm80Instance, problem) -> str | None:
     """What a built instance cannot run (the registry's reason), None when it can."""
-    bound = inst.max_head_dim
-    if problem.head_dim > bound:
-        return f"head_dim {problem.head_dim} above this instance's bound {bound}"
-    if problem.head_dim % HEAD_DIM_MULTIPLE:
-        return f"head_dim {problem.head_dim} is not a multiple of {HEAD_DIM_MULTIPLE}"
+    if reason := inst.bound_reason(problem, HEAD_DIM_MULTIPLE):
+        return reason
     if problem.align < 16:
         return f"needs 16-byte aligned data, the problem's is {problem.align}-byte aligned"
     if problem.gqa != 1:

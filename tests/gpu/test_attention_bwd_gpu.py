@@ -328,6 +328,10 @@ def test_compiled_training_step_and_cuda_graph():
     for a, b in zip(eager, [p.grad for p in model.parameters()]):
         assert rel_diff(a, b) <= 5e-2
 
+    # A model torch.compile has run cannot be captured afterwards (torch SDPA's fails the same way on
+    # torch 2.11): the graph captures a fresh copy of the same weights.
+    model = make_model(gemmgen_attend, layers=2)
+
     def step():
         model.zero_grad(set_to_none=False)
         out = loss_of(model, tokens)
@@ -355,8 +359,9 @@ def test_compiled_training_step_and_cuda_graph():
 def test_small_transformer_trains_like_sdpa():
     """The same initialization and batches trained 50 steps with each attention (3 layers, width 256,
     bf16, AdamW). The task, sequences repeating with period 7, needs attention to learn. bf16
-    training noise lets the curves drift apart a little: the first losses agree within 0.5%, both
-    curves fall below 80% of their start, and their last 10 steps agree within 5% on average."""
+    training noise lets the curves drift apart a little: the first losses agree within 0.5%, every
+    step within 3%, both curves fall (below 97% of their start in 50 steps: the H200 run fell 6%),
+    and their last 10 steps agree within 2% on average."""
     curves = {}
     for label, attend in (("gemmgen", gemmgen_attend), ("sdpa", sdpa_attend)):
         model = make_model(attend)
@@ -376,9 +381,10 @@ def test_small_transformer_trains_like_sdpa():
     print("\nloss gemmgen:", " ".join(f"{x:.3f}" for x in g[::5]))
     print("loss sdpa:   ", " ".join(f"{x:.3f}" for x in s[::5]))
     assert abs(g[0] - s[0]) / s[0] < 5e-3
-    assert g[-1] < 0.8 * g[0] and s[-1] < 0.8 * s[0]
+    assert all(abs(a - b) / b < 0.03 for a, b in zip(g, s)), (g, s)
+    assert g[-1] < 0.97 * g[0] and s[-1] < 0.97 * s[0]
     tail_g, tail_s = sum(g[-10:]) / 10, sum(s[-10:]) / 10
-    assert abs(tail_g - tail_s) / tail_s < 0.05, (tail_g, tail_s)
+    assert abs(tail_g - tail_s) / tail_s < 0.02, (tail_g, tail_s)
 
 
 def test_backward_autotune_profile_and_explain(tmp_path):

@@ -184,7 +184,8 @@ def test_selection_and_forced_instance():
     # Any family may win (which are built decides); the winner must be one that can run the call.
     from gemmgen.select import calls, registry
     assert name in {c.name for c in registry.candidates(calls.problem_for(q, k, True, v=v))[0]}
-    assert name.startswith(("fa2_sm80_fp16_d64_causal_", "fmha_sm90_fp16_d64_causal_", "mea_sm80_fp16_"))
+    assert name.startswith(("fa2_sm80_fp16_d64_causal_", "fmha_sm90_fp16_d64_causal_", "mea_sm80_fp16_",
+                            "decode_sm80_fp16_d64_"))
     check(q, k, v, causal=True, instance=name)
     with pytest.raises(gemmgen.InputError, match="no instance named"):
         gemmgen.fused_attention(q, k, v, instance="no_such_instance")

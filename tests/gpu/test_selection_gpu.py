@@ -54,6 +54,9 @@ class WrongKernel:
     def __init__(self, real: abi.Instance) -> None:
         self.real = real
 
+    def __getattr__(self, name: str):  # the real kernel's facts (needs_lse, kv_cache, workspace_bytes)
+        return getattr(self.real, name)
+
     def run(self, params: abi.AttnParams, stream: int | None) -> None:
         cut = abi.AttnParams.from_buffer_copy(params)
         cut.seqlen_k = max(1, cut.seqlen_k // 4)
@@ -62,6 +65,11 @@ class WrongKernel:
 
 
 class FailingKernel:
+    needs_lse = kv_cache = False
+
+    def workspace_bytes(self, params: abi.AttnParams) -> int:
+        return 0
+
     def run(self, params: abi.AttnParams, stream: int | None) -> None:
         raise GemmgenLaunchError("gemmgen_fake: too many resources requested for launch")
 
@@ -187,7 +195,7 @@ def test_profile_and_explain_commands(tmp_path):
     proc = run_cli("profile", "--arch", "sm80", "--shapes", "2,8,300,64,causal", "--dtype", "fp16", "--reps", "5",
                    "--csv", str(csv), timeout=600)
     assert proc.returncode == 0, proc.stderr
-    assert re.search(r"winner: (fa2|mea)_sm80_fp16_", proc.stdout) and "torch sdpa flash" in proc.stdout
+    assert re.search(r"winner: (fa2|mea|decode)_sm80_fp16_", proc.stdout) and "torch sdpa flash" in proc.stdout
     assert "stored in" in proc.stdout and len(csv.read_text().splitlines()) >= 1 + 3 + 1
     proc = run_cli("explain", "--shape", "2,8,300,300,64", "--causal", "--dtype", "fp16")
     assert proc.returncode == 0, proc.stderr

@@ -4,7 +4,7 @@
 #pragma once
 #include <stdint.h>
 
-#define GEMMGEN_ABI_VERSION 3
+#define GEMMGEN_ABI_VERSION 4
 #define GEMMGEN_EXPORT extern "C" __attribute__((visibility("default")))
 
 // Fused attention forward: O = softmax(scale * Q K^T + mask) V.
@@ -44,6 +44,22 @@ typedef struct GemmgenAttnParams {
   uint64_t dropout_offset;
   const int32_t* cu_seqlens_q;  // variable lengths: [batch + 1] cumulative row offsets of the
   const int32_t* cu_seqlens_k;  // packed sequences (seqlen_q/k are then the maxima); NULL: fixed
+
+  // Key-value cache reads (families with GEMMGEN_INFO_KV_CACHE; others reject these when set).
+  const int32_t* seqlens_k;  // [batch]: sequence b attends to its first seqlens_k[b] <= seqlen_k keys,
+                             // with the causal mask aligned as if its keys ended there (key j visible
+                             // to query i iff j <= i + causal_offset + seqlens_k[b] - seqlen_k); NULL:
+                             // seqlen_k keys each
+  const int32_t* block_table;  // paged K and V: key t of sequence b is row t % page_size of page
+                               // block_table[b * block_table_batch_stride + t / page_size], pages
+                               // k/v_batch_stride apart; NULL: K and V are [batch, ...] by their strides
+  int64_t block_table_batch_stride;
+  int32_t page_size;
+  int32_t num_pages;   // pages K and V hold: a sequence whose length lies outside [0, seqlen_k] or whose
+                       // block table names a page outside [0, num_pages) gets NaN rows (never a fault)
+  int32_t num_splits;  // split-KV families: CTAs sharing one row tile's keys (<= 1: one, no workspace)
+  void* workspace;     // <symbol>_workspace(params) bytes, 256-byte aligned; contents undefined on entry
+  int64_t workspace_bytes;
 } GemmgenAttnParams;
 
 // Static facts of one compiled instance, for the manifest and the registry.
@@ -60,6 +76,9 @@ typedef struct GemmgenInstanceInfo {
 
 // The kernel writes LSE whatever the caller wants: the caller passes a buffer even without return_lse.
 #define GEMMGEN_INFO_NEEDS_LSE 1
+// The instance reads seqlens_k, block_table and num_splits, and exports
+//   int64_t <symbol>_workspace(const GemmgenAttnParams*);  // bytes of workspace the call needs
+#define GEMMGEN_INFO_KV_CACHE 4
 
 // Status codes returned by the entry points; a message is written to err as well.
 enum GemmgenStatus {

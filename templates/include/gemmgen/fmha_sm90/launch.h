@@ -126,8 +126,9 @@ int run(const GemmgenAttnParams* p, cudaStream_t stream, char* err, int err_len)
                   "bad sizes: batch %d heads %d heads_kv %d seqlen_q %d seqlen_k %d", p->batch, p->heads,
                   p->heads_kv, p->seqlen_q, p->seqlen_k);
   }
-  if (p->bias != nullptr || p->dropout_p != 0.f || p->cu_seqlens_q != nullptr || p->cu_seqlens_k != nullptr) {
-    return report(err, err_len, GEMMGEN_INVALID_ARGUMENT, "this family runs no bias, dropout or variable lengths");
+  if (p->bias != nullptr || p->dropout_p != 0.f || p->cu_seqlens_q != nullptr || p->cu_seqlens_k != nullptr ||
+      p->seqlens_k != nullptr || p->block_table != nullptr) {
+    return report(err, err_len, GEMMGEN_INVALID_ARGUMENT, "this family runs no bias, dropout, variable lengths or key-value cache");
   }
   if (!(p->scale >= 0.f)) {
     return report(err, err_len, GEMMGEN_INVALID_ARGUMENT, "scale %g: this family runs scales >= 0", p->scale);

@@ -47,6 +47,9 @@ int check(const GemmgenAttnParams* p, char* err, int err_len) {
   if ((p->cu_seqlens_q == nullptr) != (p->cu_seqlens_k == nullptr)) {
     return report(err, err_len, GEMMGEN_INVALID_ARGUMENT, "cu_seqlens_q and cu_seqlens_k go together");
   }
+  if (p->seqlens_k != nullptr || p->block_table != nullptr) {
+    return report(err, err_len, GEMMGEN_INVALID_ARGUMENT, "this family runs no key-value cache (seqlens_k, block_table)");
+  }
   const void* data[] = {p->q, p->k, p->v, p->o, p->bias};
   const int64_t strides[] = {p->q_batch_stride, p->q_head_stride, p->q_row_stride, p->k_batch_stride,
                              p->k_head_stride,  p->k_row_stride,  p->v_batch_stride, p->v_head_stride,

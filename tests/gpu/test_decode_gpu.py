@@ -1,0 +1,478 @@
+"""fused_attention_with_kvcache and the decode_sm80 family on the GPU against the float64 reference:
+Nq 1 to 16, context lengths 1 to 65537 differing per sequence (0 included), contiguous and paged
+caches (pages 16 and 256, block tables in random page order), new keys and values appended in
+place, GQA ratios 1, 4, 8 and MQA, head dims 64 and 128, fp16 and bf16, causal (bottom-right per
+sequence) and not, every default instance, CUDA graph replay with new lengths, torch.compile, the
+value checks and what a bad length or page gives without them, and gemmgen.fused_attention on
+decode-shaped calls. Needs the default build (`gemmgen generate --arch sm80`).
+
+Inputs are fresh random tensors, a different seed per case. Cache rows a sequence does not hold
+(past its length, and pages no sequence owns) are NaN, so a read outside a sequence's keys shows
+as NaN in O. The op allocates O and LSE: the caching allocator is handed NaN-filled blocks of
+their sizes just before each call, and NaN never passes."""
+from __future__ import annotations
+
+import dataclasses
+import zlib
+
+import pytest
+import torch
+
+import gemmgen
+from gemmgen.generator.families import decode_sm80
+from gemmgen.ops.reference import attention_reference
+from gemmgen.select import calls, registry, selection
+from test_fused_attention import DTYPES, LSE_TOLERANCE, TOLERANCE, check, make_qkv, randn
+
+pytestmark = pytest.mark.gpu
+
+I32 = torch.int32
+NAN = float("nan")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def decode_instances_built():
+    """The family's default instances (d64 and d128, both dtypes, both tiles) must be built: else the
+    op would compile them on demand, minutes per instance."""
+    registry.refresh()
+    built = {c.name for c in registry.load()[0] if c.entry.state == "built" and c.entry.family == "decode_sm80"}
+    missing = [i.name for i in decode_sm80.DEFAULT if i.name not in built]
+    if missing:
+        pytest.skip(f"decode_sm80 instances not built ({', '.join(missing[:3])}...): "
+                    f"run `gemmgen generate --arch sm80`")
+
+
+def cpu_generator(key) -> torch.Generator:
+    return torch.Generator().manual_seed(zlib.crc32(repr(key).encode()))
+
+
+@dataclasses.dataclass
+class Case:
+    """One call's tensors, and the keys and values each sequence is meant to hold (`truth_k`,
+    `truth_v` [B, capacity, Hkv, d]: row t of sequence b is key t) from which the caches are filled."""
+
+    q: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    seqlens: torch.Tensor
+    table: torch.Tensor | None
+    k: torch.Tensor | None
+    v: torch.Tensor | None
+    truth_k: torch.Tensor
+    truth_v: torch.Tensor
+    capacity: int
+    nnew: int
+
+    @property
+    def page_size(self) -> int | None:
+        return None if self.table is None else self.k_cache.shape[1]
+
+    def slots(self, b: int, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(batch-or-page, row) indices of the cache where keys `positions` of sequence b live."""
+        if self.table is None:
+            return torch.full_like(positions, b), positions
+        return self.table[b].long()[positions // self.page_size], positions % self.page_size
+
+    def write_rows(self, k_cache, v_cache, b: int, start: int, stop: int) -> None:
+        pos = torch.arange(start, stop, device="cuda")
+        i0, i1 = self.slots(b, pos)
+        k_cache[i0, i1] = self.truth_k[b, start:stop]
+        v_cache[i0, i1] = self.truth_v[b, start:stop]
+
+    def set_lengths(self, lengths: list[int], key) -> None:
+        """Caches holding each sequence's first lengths[b] keys (NaN elsewhere), new tokens the next
+        `nnew` keys, a fresh q; in place (a captured graph keeps its tensors)."""
+        self.seqlens.copy_(torch.tensor(lengths, dtype=I32))
+        self.q.copy_(randn(tuple(self.q.shape), self.q.dtype, (key, "q")))
+        self.k_cache.fill_(NAN)
+        self.v_cache.fill_(NAN)
+        for b, length in enumerate(lengths):
+            self.write_rows(self.k_cache, self.v_cache, b, 0, length)
+            if self.nnew:
+                self.k[b].copy_(self.truth_k[b, length:length + self.nnew])
+                self.v[b].copy_(self.truth_v[b, length:length + self.nnew])
+
+    def expected_caches(self, lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The caches as they must be after the call appends the new tokens."""
+        k_cache, v_cache = self.k_cache.clone(), self.v_cache.clone()
+        for b, length in enumerate(lengths):
+            self.write_rows(k_cache, v_cache, b, length, length + self.nnew)
+        return k_cache, v_cache
+
+
+def make_case(b, nq, h, hkv, d, dtype, lengths, *, page_size=None, nnew=0, capacity=None, spare_pages=3,
+              key="case") -> Case:
+    """A Case; `capacity` defaults to the longest sequence with its new tokens, rounded up to whole
+    pages; a paged cache has `spare_pages` pages no sequence owns, its block table the pages in a
+    random order."""
+    capacity = capacity or max(max(lengths) + nnew, 1)
+    if page_size is not None:
+        capacity = -(-capacity // page_size) * page_size
+    truth_k = randn((b, capacity, hkv, d), dtype, (key, "k"))
+    truth_v = randn((b, capacity, hkv, d), dtype, (key, "v"))
+    if page_size is None:
+        shape, table = (b, capacity, hkv, d), None
+    else:
+        max_pages = capacity // page_size
+        pages = b * max_pages + spare_pages
+        perm = torch.randperm(pages, generator=cpu_generator((key, "table")))[:b * max_pages]
+        table = perm.view(b, max_pages).to(I32).cuda()
+        shape = (pages, page_size, hkv, d)
+    new = (torch.empty((b, nnew, hkv, d), dtype=dtype, device="cuda") for _ in range(2)) if nnew else (None, None)
+    case = Case(torch.empty((b, nq, h, d), dtype=dtype, device="cuda"), torch.empty(shape, dtype=dtype, device="cuda"),
+                torch.empty(shape, dtype=dtype, device="cuda"), torch.zeros(b, dtype=I32, device="cuda"), table,
+                *new, truth_k, truth_v, capacity, nnew)
+    case.set_lengths(lengths, key)
+    return case
+
+
+def poison_allocator(*like: tuple[tuple[int, ...], torch.dtype]) -> None:
+    """Leave NaN-filled blocks of these sizes in the caching allocator, for the op's outputs to reuse."""
+    blocks = [torch.full(shape, NAN, dtype=dtype, device="cuda") for shape, dtype in like]
+    del blocks
+
+
+def run(case: Case, *, causal=True, scale=None, instance=None, check_values=False, return_lse=True):
+    b, nq, h, _ = case.q.shape
+    poison_allocator((tuple(case.q.shape), case.q.dtype), ((b, h, nq), torch.float32))
+    out = gemmgen.fused_attention_with_kvcache(case.q, case.k_cache, case.v_cache, case.seqlens,
+                                               block_table=case.table, k=case.k, v=case.v, causal=causal,
+                                               scale=scale, return_lse=return_lse, check_values=check_values,
+                                               instance=instance)
+    torch.cuda.synchronize()
+    return out
+
+
+def reference(case: Case, lengths: list[int], *, causal=True, scale=None):
+    """float64 O [B, Nq, H, d] and LSE [B, H, Nq] from each sequence's first lengths[b] + nnew keys."""
+    outs, lses = [], []
+    for b, length in enumerate(lengths):
+        n = length + case.nnew
+        q = case.q[b].transpose(0, 1)[None]  # [1, H, Nq, d]
+        k = case.truth_k[b, :n].transpose(0, 1)[None]  # [1, Hkv, n, d]
+        v = case.truth_v[b, :n].transpose(0, 1)[None]
+        o, lse = attention_reference(q, k, v, causal, "bottom_right", scale)
+        outs.append(o[0].transpose(0, 1))
+        lses.append(lse[0])
+    return torch.stack(outs), torch.stack(lses)
+
+
+def check_result(case: Case, lengths: list[int], o, lse, *, causal=True, scale=None, skip=()):
+    """O and LSE against the reference, sequence by sequence (those in `skip` aside)."""
+    b, nq, h, d = case.q.shape
+    assert o.shape == (b, nq, h, d) and o.dtype == case.q.dtype and o.device == case.q.device
+    assert lse.shape == (b, h, nq) and lse.dtype == torch.float32 and lse.is_contiguous()
+    ref_o, ref_lse = reference(case, lengths, causal=causal, scale=scale)
+    for i in range(b):
+        if i in skip:
+            continue
+        where = f"sequence {i} (length {lengths[i]} + {case.nnew} new, Nq {nq})"
+        assert not torch.isnan(o[i]).any(), f"{where}: NaN in O (an unwritten element or a read past its keys)"
+        assert not torch.isnan(lse[i]).any(), f"{where}: NaN in LSE"
+        norm = ref_o[i].norm().item()
+        if norm == 0:
+            assert torch.equal(o[i], torch.zeros_like(o[i])), f"{where}: O must be 0"
+        else:
+            err = (o[i].double() - ref_o[i]).norm().item() / norm
+            assert err <= TOLERANCE[case.q.dtype], f"{where}: relative error {err:.3e}"
+        empty = torch.isneginf(ref_lse[i])  # [H, Nq]: rows that see no key
+        assert torch.equal(torch.isneginf(lse[i]), empty), f"{where}: LSE must be -inf exactly where no key is seen"
+        rows = o[i].transpose(0, 1)[empty]  # [rows, d]
+        assert torch.equal(rows, torch.zeros_like(rows)), f"{where}: rows that see no key must be 0"
+        finite = ~empty
+        lse_err = ((lse[i].double() - ref_lse[i]).abs() / ref_lse[i].abs().clamp_min(1.0))[finite]
+        assert lse_err.numel() == 0 or lse_err.max().item() <= LSE_TOLERANCE, f"{where}: LSE error {lse_err.max():.3e}"
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality (NaN included)."""
+    return torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+LAYOUTS = [None, 16, 256]
+LAYOUT_IDS = ["contiguous", "page16", "page256"]
+
+
+# ---- lengths, page sizes, dtypes, head dims, Nq, masks ---------------------------------------------
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "no-mask"])
+@pytest.mark.parametrize("dtype, d", [(torch.float16, 64), (torch.bfloat16, 128), (torch.float16, 128),
+                                      (torch.bfloat16, 64)], ids=["fp16-d64", "bf16-d128", "fp16-d128", "bf16-d64"])
+@pytest.mark.parametrize("page_size", LAYOUTS, ids=LAYOUT_IDS)
+def test_lengths_per_sequence(page_size, dtype, d, causal):
+    """Lengths 0, 1, 17, 4097 and one on a page boundary in one batch, Nq 1, 2, 4, 16 (the rows of
+    a query that sees no key under the bottom-right mask: O 0 and LSE -inf)."""
+    lengths = [17, 0, 4097, 1, 512]
+    case = make_case(5, 16, 8, 2, d, dtype, lengths, page_size=page_size, key=("len", page_size, dtype, d))
+    for nq in (1, 2, 4, 16):
+        sub = dataclasses.replace(case, q=case.q[:, :nq])
+        o, lse = run(sub, causal=causal)
+        check_result(sub, lengths, o, lse, causal=causal)
+
+
+@pytest.mark.parametrize("page_size", LAYOUTS, ids=LAYOUT_IDS)
+def test_long_contexts(page_size):
+    """65537 keys beside 4097, 17, 1 and 0 (MQA, 4 query heads), split over many CTAs."""
+    lengths = [65537, 4097, 0, 17, 1]
+    case = make_case(5, 4, 4, 1, 128, torch.bfloat16, lengths, page_size=page_size, key=("long", page_size))
+    for nq in (1, 4):
+        sub = dataclasses.replace(case, q=case.q[:, :nq])
+        o, lse = run(sub)
+        check_result(sub, lengths, o, lse)
+    o, lse = run(case, causal=False, scale=0.3)
+    check_result(case, lengths, o, lse, causal=False, scale=0.3)
+
+
+@pytest.mark.parametrize("h, hkv", [(4, 4), (8, 2), (16, 2), (16, 1)], ids=["mha", "gqa4", "gqa8", "mqa16"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+def test_gqa_and_mqa(h, hkv, dtype):
+    """GQA packing: a KV head's query heads times the query rows share a row tile (4 x 16 = 64 rows,
+    16 x 4 = 64 rows for MQA)."""
+    lengths = [1000, 0, 33]
+    case = make_case(3, 4, h, hkv, 128, dtype, lengths, page_size=16, key=("gqa", h, hkv, dtype))
+    for nq in (1, 4):
+        sub = dataclasses.replace(case, q=case.q[:, :nq])
+        for causal in (True, False):
+            o, lse = run(sub, causal=causal)
+            check_result(sub, lengths, o, lse, causal=causal)
+
+
+def test_one_split_and_many_splits():
+    """Many sequences fill the GPU (one CTA per row tile), few split their keys; both give the reference."""
+    for b, hkv, lengths, expect_split in ((128, 8, [(37 * i) % 3000 for i in range(128)], False),
+                                          (2, 1, [2999, 1500], True)):
+        case = make_case(b, 1, 4 * hkv, hkv, 64, torch.float16, lengths, page_size=256, key=("splits", b))
+        problem = calls.problem_for_kvcache(case.q, case.k_cache, case.v_cache, case.capacity, True)
+        cand = selection.select(problem)
+        assert cand.entry.family == "decode_sm80"
+        assert (selection.splits(cand, problem) > 1) == expect_split
+        o, lse = run(case)
+        check_result(case, lengths, o, lse)
+
+
+def test_every_default_instance():
+    """Each default instance forced by name (both tiles, both head dims, both dtypes)."""
+    dtypes = {"fp16": torch.float16, "bf16": torch.bfloat16}
+    for inst in decode_sm80.DEFAULT:
+        lengths = [0, 17, 1000]
+        case = make_case(3, 4, 8, 2, inst.head_dim, dtypes[inst.dtype.value], lengths, page_size=16, nnew=1,
+                         key=("inst", inst.name))
+        o, lse = run(case, instance=inst.name)
+        try:
+            check_result(case, lengths, o, lse)
+        except AssertionError as e:
+            raise AssertionError(f"{inst.name}: {e}") from None
+
+
+def test_strided_layouts_scales_and_return_types():
+    """q stored [B, H, Nq, d], caches stored [B, Hkv, N, d] (transpose(1, 2) views) and new tokens
+    sliced from wider rows; explicit and negative scales; O is a new [B, Nq, H, d] tensor; without
+    return_lse only O comes back, the same values."""
+    lengths = [300, 5]
+    case = make_case(2, 3, 8, 2, 64, torch.bfloat16, lengths, nnew=2, key="strided")
+    q = case.q.transpose(1, 2).contiguous().transpose(1, 2)
+    kc, vc = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (case.k_cache, case.v_cache))
+    k, v = (torch.cat([t, torch.zeros_like(t)], dim=3)[..., :64] for t in (case.k, case.v))
+    strided = dataclasses.replace(case, q=q, k_cache=kc, v_cache=vc, k=k, v=v)
+    assert not any(t.is_contiguous() for t in (q, kc, vc, k, v))
+    want_k, want_v = strided.expected_caches(lengths)
+    o, lse = run(strided)
+    assert o.shape == q.shape and o.is_contiguous()
+    assert same_bits(kc, want_k) and same_bits(vc, want_v)
+    check_result(strided, lengths, o, lse)
+    for scale in (0.3, -0.4):
+        o, lse = run(strided, scale=scale, causal=False)  # appends the same rows again
+        check_result(strided, lengths, o, lse, causal=False, scale=scale)
+    only = run(strided, causal=False, scale=-0.4, return_lse=False)
+    assert isinstance(only, torch.Tensor) and torch.equal(only, o)
+
+
+# ---- appending new keys and values -----------------------------------------------------------------
+
+@pytest.mark.parametrize("nnew", [1, 5])
+@pytest.mark.parametrize("page_size", LAYOUTS, ids=LAYOUT_IDS)
+def test_append_new_tokens(page_size, nnew):
+    """New tokens land at rows cache_seqlens[b] .. + Nnew - 1 (across a page boundary, up to the
+    capacity exactly), every other row untouched, cache_seqlens unchanged, and the attention sees them."""
+    capacity = 512
+    lengths = [0, 15, 255, capacity - nnew, 100]
+    for dtype in DTYPES:
+        case = make_case(5, nnew, 8, 2, 128, dtype, lengths, page_size=page_size, nnew=nnew, capacity=capacity,
+                         key=("append", page_size, nnew, dtype))
+        want_k, want_v = case.expected_caches(lengths)
+        assert not same_bits(want_k, case.k_cache)
+        o, lse = run(case)
+        assert same_bits(case.k_cache, want_k) and same_bits(case.v_cache, want_v), "cache rows written wrong"
+        assert case.seqlens.tolist() == lengths, "cache_seqlens must not change"
+        check_result(case, lengths, o, lse)
+        # Nq other than Nnew, no mask.
+        case.set_lengths(lengths, ("append-2", page_size, nnew, dtype))
+        sub = dataclasses.replace(case, q=case.q[:, :1])
+        o, lse = run(sub, causal=False)
+        check_result(sub, lengths, o, lse, causal=False)
+
+
+# ---- CUDA graphs and torch.compile -------------------------------------------------------------------
+
+@pytest.mark.parametrize("nnew", [0, 3])
+@pytest.mark.parametrize("page_size", [None, 16], ids=["contiguous", "page16"])
+def test_cuda_graph_replays_with_new_lengths(page_size, nnew):
+    """Captured once (check_values=True is skipped under capture), replayed with new cache_seqlens
+    copied into the captured tensor, new q and new tokens: each replay gives the reference, and
+    appends where that replay's lengths say."""
+    first = [10, 0, 2000, 1]
+    case = make_case(4, 4, 8, 2, 64, torch.float16, first, page_size=page_size, nnew=nnew, capacity=2048,
+                     key=("graph", page_size, nnew))
+
+    def call():
+        return gemmgen.fused_attention_with_kvcache(case.q, case.k_cache, case.v_cache, case.seqlens,
+                                                    block_table=case.table, k=case.k, v=case.v, return_lse=True,
+                                                    check_values=True)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        call()  # selection and loading outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        o, lse = call()
+    for step, lengths in enumerate(([10, 0, 2000, 1], [2045, 7, 0, 64], [0, 0, 0, 0], [1, 1999, 16, 33])):
+        case.set_lengths(lengths, ("graph", page_size, nnew, step))
+        want_k, want_v = case.expected_caches(lengths)
+        o.fill_(NAN)
+        lse.fill_(NAN)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert same_bits(case.k_cache, want_k) and same_bits(case.v_cache, want_v), f"replay {step}: cache rows"
+        check_result(case, lengths, o, lse)
+
+
+def test_torch_compile_fullgraph():
+    """A function calling fused_attention_with_kvcache compiled with fullgraph=True: the caches are
+    appended in place and the results are the reference's, for two sets of lengths (one compile)."""
+    torch._dynamo.reset()
+
+    def step(q, k_cache, v_cache, seqlens, table, k, v):
+        o, lse = gemmgen.fused_attention_with_kvcache(q, k_cache, v_cache, seqlens, block_table=table, k=k, v=v,
+                                                      return_lse=True)
+        return o * 1.0, lse
+
+    compiled = torch.compile(step, fullgraph=True)
+    case = make_case(3, 2, 8, 2, 128, torch.bfloat16, [5, 0, 700], page_size=16, nnew=2, capacity=1024,
+                     key="compile")
+    for i, lengths in enumerate(([5, 0, 700], [1022, 31, 0])):
+        case.set_lengths(lengths, ("compile", i))
+        want_k, want_v = case.expected_caches(lengths)
+        o, lse = compiled(case.q, case.k_cache, case.v_cache, case.seqlens, case.table, case.k, case.v)
+        torch.cuda.synchronize()
+        assert same_bits(case.k_cache, want_k) and same_bits(case.v_cache, want_v), f"call {i}: cache rows"
+        check_result(case, lengths, o, lse)
+    torch._dynamo.reset()
+
+
+# ---- bad lengths and block tables ----------------------------------------------------------------------
+
+def test_check_values_raise_outside_capture():
+    lengths = [3, 40]
+    case = make_case(2, 1, 4, 2, 64, torch.float16, lengths, page_size=16, nnew=2, capacity=64, spare_pages=0,
+                     key="errors")
+    before_k = case.k_cache.clone()
+    case.seqlens.copy_(torch.tensor([3, 63], dtype=I32))  # 63 + 2 new > 64
+    with pytest.raises(gemmgen.InputError, match=r"cache_seqlens \+ new tokens must lie in \[0, 64\]"):
+        run(case, check_values=True)
+    case.seqlens.copy_(torch.tensor([-1, 3], dtype=I32))
+    with pytest.raises(gemmgen.InputError, match=r"must lie in \[0, 64\]"):
+        run(case, check_values=True)
+    assert same_bits(case.k_cache, before_k), "nothing is appended when the check raises"
+    case.seqlens.copy_(torch.tensor(lengths, dtype=I32))
+    table = case.table.clone()
+    case.table[1, 2] = 999  # keys 32..47 of sequence 1: used (40 + 2 keys)
+    with pytest.raises(gemmgen.InputError, match=r"block_table\[1, 2\] = 999 is not a page of the cache \(0 to 7\)"):
+        run(case, check_values=True)
+    case.table.copy_(table)
+    case.table[0, 3] = -7  # sequence 0 holds 5 keys: its fourth page is never read
+    want_k, want_v = case.expected_caches(lengths)
+    o, lse = run(case, check_values=True)
+    check_result(case, lengths, o, lse)
+    assert same_bits(case.k_cache, want_k)
+
+
+def test_bad_lengths_and_pages_give_nan_rows_without_the_check():
+    """Without check_values a sequence whose length (new tokens included) lies outside [0, capacity],
+    or whose used pages are not pages of the cache, gets NaN rows in O and LSE (never a fault), its
+    new tokens are not appended, and the other sequences are right."""
+    lengths = [3, 40, 100, 7]
+    case = make_case(4, 2, 4, 2, 64, torch.bfloat16, lengths, page_size=16, nnew=2, capacity=128, spare_pages=0,
+                     key="nan")
+    case.table[2, 1] = 10_000  # keys 16..31 of sequence 2
+    case.seqlens.copy_(torch.tensor([3, 127, 100, -5], dtype=I32))  # 1: 127 + 2 > 128; 3: negative
+    want_k, want_v = case.k_cache.clone(), case.v_cache.clone()
+    case.write_rows(want_k, want_v, 0, 3, 5)  # sequence 0 is appended; 1 and 3 are not
+    o, lse = run(case)
+    for i in (1, 2, 3):
+        assert torch.isnan(o[i]).all() and torch.isnan(lse[i]).all(), f"sequence {i} must be NaN"
+    check_result(case, [3, 0, 0, 0], o, lse, skip=(1, 2, 3))
+    # Sequence 2's new tokens go to a good page (keys 100, 101): written or not, they are not checked.
+    page, row = case.slots(2, torch.arange(100, 102, device="cuda"))
+    for want, got in ((want_k, case.k_cache), (want_v, case.v_cache)):
+        want[page, row] = got[page, row]
+        assert same_bits(got, want), "a bad sequence's rows were appended, or a good one's were not"
+
+
+def test_negative_length_with_new_tokens_is_nan():
+    """cache_seqlens -1 with 5 new tokens: no row is appended, so the sequence must not attend to
+    the 4 rows its length plus the new tokens would name (stale rows): NaN rows, as for any bad length."""
+    case = make_case(2, 1, 4, 2, 64, torch.float16, [4, 10], nnew=5, capacity=64, key="negative")  # rows 0..3 hold keys
+    case.seqlens.copy_(torch.tensor([-1, 10], dtype=I32))
+    before_k = case.k_cache.clone()
+    o, lse = run(case)
+    assert same_bits(case.k_cache[0], before_k[0]), "a negative length appends nothing"
+    assert torch.isnan(o[0]).all() and torch.isnan(lse[0]).all()
+    check_result(case, [4, 10], o, lse, skip=(0,))
+
+
+def test_other_bad_inputs_on_the_gpu():
+    """What only a GPU call reaches: tensors on two devices, misaligned data pointers; and a strided
+    cache_seqlens view, which must raise or be read by its stride, never misread."""
+    lengths = [9, 30]
+    case = make_case(2, 1, 4, 2, 64, torch.float16, lengths, nnew=1, capacity=64, key="bad-gpu")
+    with pytest.raises(gemmgen.InputError, match="every tensor must be on one device"):
+        run(dataclasses.replace(case, seqlens=case.seqlens.cpu()))
+    shifted = torch.empty(case.q.numel() + 8, dtype=case.q.dtype, device="cuda")[1:1 + case.q.numel()]
+    with pytest.raises(gemmgen.InputError, match="q's data pointer is not 16-byte aligned"):
+        run(dataclasses.replace(case, q=shifted.view(case.q.shape)))
+    wide = torch.zeros(4, dtype=I32, device="cuda")
+    wide[::2] = case.seqlens
+    wide[1::2] = 1000  # what a contiguous read of the view would take for sequence 1's length
+    strided = dataclasses.replace(case, seqlens=wide[::2])
+    want_k, want_v = case.expected_caches(lengths)
+    try:
+        o, lse = run(strided)
+    except gemmgen.InputError as e:
+        assert "cache_seqlens" in str(e)
+        return
+    assert same_bits(case.k_cache, want_k) and same_bits(case.v_cache, want_v)
+    check_result(case, lengths, o, lse)
+
+
+# ---- the dense path on decode shapes ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+@pytest.mark.parametrize("nq", [1, 4])
+def test_dense_fused_attention_on_decode_shapes(nq, dtype):
+    """gemmgen.fused_attention on B=4 H=32 Hkv=8 Nk=4097 with Nq 1 and 4 selects a decode instance
+    (no mask) and matches the reference; the decode instance also runs both causal alignments."""
+    q, k, v = make_qkv(4, 32, 8, nq, 4097, 128, dtype, ("dense", nq, dtype))
+    name = gemmgen.selected_instance(q, k, v)
+    assert name.startswith("decode_sm80_"), name
+    # selected_instance takes no causal_alignment: ask the selection for the bottom-right call.
+    bottom_right = calls.problem_for(q, k, True, v=v, causal_alignment="bottom_right")
+    assert selection.select(bottom_right).entry.family == "decode_sm80"
+    check(q, k, v)
+    for alignment in ("bottom_right", "top_left"):
+        check(q, k, v, causal=True, alignment=alignment)
+        check(q, k, v, causal=True, alignment=alignment, instance=name)
+    # [B, N, H, d] storage, as a KV cache holds it.
+    qt, kt, vt = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
+    check(qt, kt, vt, causal=True, alignment="bottom_right", instance=name)
