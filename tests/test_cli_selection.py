@@ -179,3 +179,25 @@ def test_explain_and_profile_take_op_gemm():
     new, old = run_cli("explain", "--op", "gemm", *shape), run_cli("explain-gemm", *shape)
     assert (new.returncode, new.stdout, new.stderr) == (old.returncode, old.stdout, old.stderr)
     assert "batched GEMM A*B^T" in new.stdout + new.stderr
+
+
+def test_explain_sends_decode_shapes_to_the_decode_family(tmp_path):
+    """With a causal prefill tile and the decode family's default tiles built, one query row against a
+    long cache (bottom-right) goes to the 16-row decode tile, a chunk of 1024 rows to the prefill
+    tile; top-left, the one row sees one key and the prefill tile wins."""
+    from gemmgen.generator.families import decode_sm80
+
+    causal = Fa2Sm80Instance(DType.BF16, 128, Mask.CAUSAL, 128, 64, 4)
+    decode = [i for i in decode_sm80.DEFAULT if i.dtype is DType.BF16 and i.head_dim == 128]
+    build = write_build_dir(tmp_path / "build", [make_entry(i) for i in (causal, *decode)])
+    small = next(i for i in decode if i.block_m == 16)
+
+    def winner(shape, *extra):
+        proc = cli("explain", "--shape", shape, "--heads-kv", "8", "--causal", *extra, "--build-dir", str(build),
+                   *H200, cache=tmp_path)
+        assert proc.returncode == 0, proc.stderr
+        return next(line.split()[1] for line in proc.stdout.splitlines() if line.startswith("winner:"))
+
+    assert winner("4,32,1,65536,128", "--causal-alignment", "bottom_right") == small.name
+    assert winner("1,32,1024,8192,128", "--causal-alignment", "bottom_right") == causal.name
+    assert winner("4,32,1,65536,128") == causal.name

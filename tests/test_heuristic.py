@@ -1,6 +1,7 @@
 """The heuristic's cost model, and its picks on the committed H200 measurements of every tile."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import re
 import statistics
@@ -101,3 +102,28 @@ def test_every_head_dim_has_an_estimate(d):
     for inst in fam.DEFAULT:
         if inst.head_dim == d:
             assert heuristic.estimate(inst, problem(bh=4, nq=100, nk=300, d=d)).time > 0
+
+
+def test_bottom_right_causal_counts_the_keys_each_row_tile_sees():
+    inst = Fa2Sm80Instance(DType.FP16, 64, Mask.CAUSAL, 128, 64, 4)
+    full = heuristic.estimate(Fa2Sm80Instance(DType.FP16, 64, Mask.NONE, 128, 64, 4), problem(bh=32, nq=1, nk=65536))
+    top_left = heuristic.estimate(inst, problem(True, bh=32, nq=1, nk=65536))
+    bottom_right = heuristic.estimate(inst, dataclasses.replace(problem(True, bh=32, nq=1, nk=65536),
+                                                                causal_alignment="bottom_right"))
+    # One query row: top-left it sees one key, bottom-right every key (as without a mask).
+    assert top_left.time < full.time / 100 and bottom_right.time == full.time
+    # Nq = 1000 against Nk = 4000: row tile i sees min(Nk, 128 (i + 1) + 3000) keys, in 64-key tiles.
+    p = dataclasses.replace(problem(True, bh=8, nq=1000, nk=4000), causal_alignment="bottom_right")
+    est = heuristic.estimate(inst, p)
+    cols = sum(-(-min(4000, 128 * (i + 1) + 3000) // 64) * 64 for i in range(8))
+    assert est.time == pytest.approx(est.waves * 128 * (cols / 8 + heuristic.PROLOGUE_COLS) / 0.5)
+
+
+def test_split_count_fills_the_waves():
+    # Full grids need no split; few row CTAs on long keys split up to the caps.
+    assert heuristic.num_splits(400, 1000, 3, 132) == 1
+    assert heuristic.num_splits(32, 1024, 3, 132) == 11  # 352 of 396 slots
+    assert heuristic.num_splits(8, 2048, 3, 132) == 43
+    assert heuristic.num_splits(8, 6, 3, 132) == 3  # at least two key tiles per split
+    # One row CTA: at most MAX_SPLITS (128 fill 128 of 396 slots); the fewest within 85% of that.
+    assert heuristic.num_splits(1, 10**6, 3, 132) == 109 and heuristic.MAX_SPLITS == 128
