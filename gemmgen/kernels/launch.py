@@ -224,7 +224,7 @@ def launch(kernel: Any, p: abi.AttnParams, index: int) -> None:
 
 # Key-value caches (fused_attention_with_kvcache): q, o [B, Nq, H, d]; caches [B or pages, rows, Hkv, d].
 def kv_append_args(k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: torch.Tensor,
-                block_table: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor, capacity: int) -> abi.KvAppendArgs:
+                   block_table: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor, capacity: int) -> abi.KvAppendArgs:
     """The append entry point's args: k, v [B, Nnew, Hkv, d] go to each sequence's rows
     cache_seqlens[b] .. + Nnew - 1 (indices stay on the GPU: no host sync, CUDA graphs capture it)."""
     a = abi.KvAppendArgs(k.data_ptr(), v.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), cache_seqlens.data_ptr(),
@@ -242,7 +242,7 @@ def kv_append_args(k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: 
 
 
 def params_kvcache(q, k_cache, v_cache, seqlens, block_table, o, lse, *, causal: bool, scale: float | None,
-           capacity: int):
+                   capacity: int) -> abi.AttnParams:
     """The C ABI params of a key-value-cache call (q, o [B, Nq, H, d]; seqlens the keys of each
     sequence, new tokens included)."""
     qt, ot = q.transpose(1, 2), o.transpose(1, 2)  # [B, H, Nq, d] views for the ABI

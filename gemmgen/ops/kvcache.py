@@ -4,8 +4,6 @@ appended in place first. Validates, then calls the gemmgen::fused_attention_with
 which selects a key-value-cache instance (the decode family) and launches it."""
 from __future__ import annotations
 
-import math
-
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
@@ -16,7 +14,6 @@ from gemmgen.ops.attention import ALIGN_ELEMENTS, DTYPES, INT32_MAX, _check_devi
 from gemmgen.ops.checks import check_bool, check_finite, check_instance
 from gemmgen.ops.grad import check_no_grad
 from gemmgen.select.problem import ALIGN_BYTES
-
 
 
 def kv_cache_head_dims() -> tuple[int, ...]:
