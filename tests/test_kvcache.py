@@ -637,3 +637,66 @@ def test_decode_instances_render(tmp_path):
     assert "KernelTraits<cutlass::half_t, /*HeadDim=*/64," in text and f"/*Stages=*/{chosen[0].stages}>" in text
     for suffix in ("", "_workspace", "_info"):
         assert f"{chosen[0].symbol}{suffix}(" in text
+
+
+class RecordingKernel:
+    """Stands in for a decode instance: records what the op hands its two entry points."""
+
+    kv_cache, needs_lse = True, False
+
+    def __init__(self):
+        self.appends, self.runs = [], []
+
+    def workspace_bytes(self, params):
+        return 0
+
+    def append(self, args, stream):
+        self.appends.append(args)
+
+    def run(self, params, stream):
+        self.runs.append(params)
+
+
+@pytest.fixture
+def recording(monkeypatch):
+    from gemmgen.ops import torch_op
+
+    kernel = RecordingKernel()
+    monkeypatch.setattr(torch_op, "_kernel_for", lambda key, problem_of, *rest: (kernel, 0))
+    monkeypatch.setattr(launch, "raw_stream", lambda index: 0)
+    return kernel
+
+
+def test_new_tokens_are_appended_without_query_rows(recording):
+    """Nq = 0 (or batch of queries empty): nothing to attend, but the new keys and values still go in."""
+    from gemmgen.ops import torch_op
+
+    q = torch.empty(2, 0, 8, 64, dtype=torch.float16)
+    cache = torch.zeros(2, 32, 2, 64, dtype=torch.float16)
+    k = torch.randn(2, 3, 2, 64, dtype=torch.float16)
+    o, lse = torch_op._fused_attention_with_kvcache(q, cache, cache.clone(), torch.tensor([4, 0], dtype=I32),
+                                                   None, k, k.clone(), True, None, True, None)
+    assert o.shape == (2, 0, 8, 64) and lse.shape == (2, 8, 0)
+    assert len(recording.appends) == 1 and recording.runs == []
+    a = recording.appends[0]
+    assert (a.batch, a.new_tokens, a.heads_kv, a.head_dim, a.capacity) == (2, 3, 2, 64, 32)
+    recording.appends.clear()
+    torch_op._fused_attention_with_kvcache(q, cache, cache.clone(), torch.tensor([4, 0], dtype=I32), None,
+                                           None, None, True, None, False, None)
+    assert recording.appends == [] and recording.runs == []
+
+
+def test_a_cache_without_rows_gives_nan_rows_to_sequences_that_claim_keys(recording):
+    from gemmgen.ops import torch_op
+
+    q = torch.randn(3, 2, 4, 64, dtype=torch.bfloat16)
+    cache = torch.zeros(3, 0, 1, 64, dtype=torch.bfloat16)
+    o, lse = torch_op._fused_attention_with_kvcache(q, cache, cache.clone(), torch.tensor([0, 5, 0], dtype=I32),
+                                                   None, None, None, True, None, True, None)
+    assert torch.equal(o[0], torch.zeros_like(o[0])) and torch.isneginf(lse[0]).all()
+    assert o[1].isnan().all() and lse[1].isnan().all()
+    assert recording.appends == [] and recording.runs == []
+    new = torch.randn(3, 1, 1, 64, dtype=torch.bfloat16)
+    o, lse = torch_op._fused_attention_with_kvcache(q, cache, cache.clone(), torch.tensor([0, 0, 0], dtype=I32),
+                                                   None, new, new.clone(), True, None, True, None)
+    assert o.isnan().all() and lse.isnan().all()  # one new token each, and no row to hold it

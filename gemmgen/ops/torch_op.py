@@ -374,29 +374,46 @@ def _kvcache_outputs(q, return_lse):
     return o, lse
 
 
+def _no_kv_to_read(o, lse, cache_seqlens, new: int, capacity: int):
+    """O = 0 and LSE = -inf, with a cache that holds no key: a sequence that claims keys (new ones
+    included) lies outside the cache and gets NaN rows, as the kernels do for it."""
+    o.zero_()
+    lse.fill_(float("-inf"))
+    if o.numel() and capacity == 0:
+        bad = (cache_seqlens.to(torch.int64) + new) != 0
+        o.masked_fill_(bad.view(-1, 1, 1, 1), float("nan"))
+        if lse.numel():
+            lse.masked_fill_(bad.view(-1, 1, 1), float("nan"))
+    return o, lse
+
+
 def _fused_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table=None, k=None, v=None, causal=True,
                                   scale=None, return_lse=False, instance=None):
     o, lse = _kvcache_outputs(q, return_lse)
     capacity = k_cache.shape[1] * (block_table.shape[1] if block_table is not None else 1)
-    if o.numel() == 0 or capacity == 0:
-        o.zero_()
-        lse.fill_(float("-inf"))
-        return o, lse
+    new = k.shape[1] if k is not None and k.shape[0] > 0 else 0
+    if (o.numel() == 0 and not new) or capacity == 0:
+        return _no_kv_to_read(o, lse, cache_seqlens, new, capacity)
+    # New tokens are appended even when there is no query row: selection then sees one.
+    b, nq, h, d = q.shape
+    probe = q if q.numel() else q.new_empty((max(b, 1), 1, max(h, k_cache.shape[2]), d))
     index = q.get_device()
     big = launch.max_offset(q, k_cache, v_cache, o, k, v) >= 2**31
-    key = ("kv_cache", index, q.dtype, q.shape, k_cache.shape, capacity, block_table is not None, causal,
+    key = ("kv_cache", index, q.dtype, probe.shape, k_cache.shape, capacity, block_table is not None, causal,
            _sign(scale), big, instance)
-    kernel, splits = _kernel_for(key, lambda: calls.problem_for_kvcache(q, k_cache, v_cache, capacity, causal,
-                                                                        scale=scale), q, k_cache, causal, instance)
-    stream = launch.raw_stream(index)
+    kernel, splits = _kernel_for(key, lambda: calls.problem_for_kvcache(probe, k_cache, v_cache, capacity, causal,
+                                                                        scale=scale), probe, k_cache, causal, instance)
     seqlens = cache_seqlens
-    if k is not None and k.shape[1] > 0 and k.shape[0] > 0:
+    if new:
         with torch.cuda.device(index):
-            kernel.append(launch.kv_append_args(k_cache, v_cache, cache_seqlens, block_table, k, v, capacity), stream)
+            kernel.append(launch.kv_append_args(k_cache, v_cache, cache_seqlens, block_table, k, v, capacity),
+                          launch.raw_stream(index))
         # The kernel attends to the new tokens too; a negative length stays negative (NaN rows).
-        seqlens = torch.where(cache_seqlens < 0, cache_seqlens, cache_seqlens + k.shape[1])
+        seqlens = torch.where(cache_seqlens < 0, cache_seqlens, cache_seqlens + new)
+    if o.numel() == 0:
+        return o, lse
     p = launch.params_kvcache(q, k_cache, v_cache, seqlens, block_table, o, lse if return_lse else None, causal=causal,
-                       scale=scale, capacity=capacity)
+                              scale=scale, capacity=capacity)
     p.num_splits = splits
     launch.launch(kernel, p, index)
     return o, lse
