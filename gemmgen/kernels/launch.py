@@ -172,7 +172,12 @@ def bwd_workspace(kernel: Any, p: abi.AttnBwdParams, index: int) -> torch.Tensor
     """A workspace of the size the backward instance asks for, from torch's caching allocator
     (freed in stream order; captured like any allocation inside a CUDA graph), set in `p`; the
     caller keeps the tensor alive while `p` is launched."""
-    size = kernel.workspace_bytes(p)
+    return _set_workspace(p, kernel.workspace_bytes(p), index)
+
+
+def _set_workspace(p: Any, size: int, index: int) -> torch.Tensor:
+    """`size` bytes from torch's caching allocator on device `index`, 256-byte aligned, set as
+    p.workspace / p.workspace_bytes; the caller holds the returned tensor while `p` is launched."""
     workspace = torch.empty(max(size, 1) + 256, dtype=torch.uint8, device=f"cuda:{index}")
     base = workspace.data_ptr()
     p.workspace, p.workspace_bytes = base + (-base % 256), size
@@ -211,10 +216,8 @@ def launch(kernel: Any, p: abi.AttnParams, index: int) -> None:
         p.lse = scratch.data_ptr()  # the caching allocator reuses it only after this stream's work
     workspace_bytes = kernel.workspace_bytes(p)
     if workspace_bytes > 0:  # split-KV partial rows: allocated per call, freed after this stream's work
-        workspace = torch.empty(workspace_bytes + 256, dtype=torch.uint8, device=f"cuda:{index}")
         p = type(p).from_buffer_copy(p)
-        base = workspace.data_ptr()
-        p.workspace, p.workspace_bytes = base + (-base % 256), workspace_bytes
+        workspace = _set_workspace(p, workspace_bytes, index)  # noqa: F841 (alive until the launch)
     if torch.cuda.current_device() == index:
         kernel.run(p, _raw_stream(index))
     else:
@@ -256,6 +259,4 @@ def params_kvcache(q, k_cache, v_cache, seqlens, block_table, o, lse, *, causal:
         p.block_table_batch_stride = block_table.stride(0)
         p.page_size = k_cache.shape[1]
         p.num_pages = k_cache.shape[0]
-    if scale is None:
-        p.scale = 1.0 / math.sqrt(q.shape[3])
     return p

@@ -3,7 +3,9 @@ problem's `kind` names its Kind (attention forward and backward, batched GEMM, r
 caches the winner per problem and instance name. refresh() of the registry forgets the cache."""
 from __future__ import annotations
 
-from gemmgen.select import attention_bwd_select, attention_select, engine, gemm_select, registry, softmax_select
+from gemmgen.generator.space import family_named
+from gemmgen.select import (attention_bwd_select, attention_select, engine, gemm_select, heuristic, registry,
+                            softmax_select)
 from gemmgen.select.engine import NEAREST_MAX_DISTANCE, SOURCES, WRONG_RESULT, Decision  # noqa: F401 (the engine's names, for callers of this module)
 from gemmgen.select.registry import Candidate
 
@@ -38,9 +40,6 @@ def select(problem: engine.KindProblem, instance: str | None = None) -> Candidat
 def splits(cand: Candidate, problem: engine.KindProblem) -> int:
     """The num_splits a launch of `cand` on `problem` passes: the heuristic's count for a family
     that splits keys over CTAs (PACKS_GQA), 0 (none) for the others."""
-    from gemmgen.generator.space import family_named
-    from gemmgen.select import heuristic
-
     if not getattr(family_named(cand.instance.family), "PACKS_GQA", False):
         return 0
     return heuristic.split_plan(cand.instance, problem)[1]
