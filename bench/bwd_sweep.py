@@ -12,7 +12,7 @@ flash (FlashAttention-2), efficient and cuDNN backends, all in the same process 
 inputs, timed in --rounds rounds whose order alternates (gemmgen.select.timing.rounds_ms), each
 round the median of --reps CUDA-event timings, reported as the median over the rounds.
 
-    python bench/bwd_sweep.py [--dtype bf16 fp16] [--head-dim 64 128] [--seq-len 512 ...] [--out FILE.md]
+    python bench/bwd_sweep.py [--dtype bf16 fp16] [--head-dim 64 128] [--seq-len 512 ...] [--deterministic] [--out FILE.md]
 
 Prints one markdown table per mode and summary lines: at how many shapes with N >= 1024 gemmgen's
 backward is at or above the fastest SDPA backend's, and which shapes fall below.
@@ -28,7 +28,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import gemmgen
 from common import DTYPES, fa_shapes, header
-from gemmgen.select import timing
+from gemmgen.select import calls, selection, timing
 from gemmgen.select.shapes import SEQLENS
 
 BACKENDS = {"FA2": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
@@ -37,10 +37,10 @@ MODES = ("bwd", "fwd+bwd")
 BAR_MIN_N = 1024
 
 
-def attend(backend):
-    """The attention of one side: gemmgen's, or SDPA restricted to `backend`."""
+def attend(backend, deterministic=False):
+    """The attention of one side: gemmgen's (with `deterministic`), or SDPA restricted to `backend`."""
     if backend is None:
-        return lambda q, k, v, causal: gemmgen.fused_attention(q, k, v, causal=causal)
+        return lambda q, k, v, causal: gemmgen.fused_attention(q, k, v, causal=causal, deterministic=deterministic)
 
     def run(q, k, v, causal):
         with sdpa_kernel([backend]):
@@ -48,11 +48,19 @@ def attend(backend):
     return run
 
 
-def sides_for(q, k, v, do, causal, mode):
+def backward_instance(q, k, causal, deterministic=False) -> str:
+    """The backward instance the registry picks for this call (what the gemmgen column ran)."""
+    try:
+        return selection.select(calls.problem_for_bwd(q, k, causal, deterministic=deterministic)).name
+    except gemmgen.GemmgenError:
+        return "-"
+
+
+def sides_for(q, k, v, do, causal, mode, deterministic=False):
     """{label: callable} of the sides that run this shape (a backend that cannot is left out)."""
     sides = {}
     for label, backend in {"gemmgen": None, **BACKENDS}.items():
-        fn = attend(backend)
+        fn = attend(backend, deterministic)
         try:
             if mode == "bwd":
                 o = fn(q, k, v, causal)
@@ -78,23 +86,26 @@ def main() -> int:
     ap.add_argument("--mode", nargs="+", default=list(MODES), choices=MODES)
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--deterministic", action="store_true",
+                    help="gemmgen's side with deterministic=True (SDPA's sides unchanged)")
     ap.add_argument("--out", help="also write the tables to this markdown file")
     args = ap.parse_args()
 
     head = header(f"eager calls with the host path, default build untuned; each side the median over "
                   f"{args.rounds} rounds in alternating order of the median of {args.reps} CUDA-event timings; "
-                  f"TFLOP/s = 2.5 (bwd) or 3.5 (fwd+bwd) x 4*B*H*N^2*d/t, halved for causal")
+                  f"TFLOP/s = 2.5 (bwd) or 3.5 (fwd+bwd) x 4*B*H*N^2*d/t, halved for causal"
+                  + ("; gemmgen with deterministic=True" if args.deterministic else ""))
     print(head, flush=True)
     tables, summary = [], []
     for mode in args.mode:
-        rows = [f"### {mode}", "", "| dtype | d | causal | N | gemmgen | FA2 | efficient | cuDNN | gemmgen/best |",
-                "|---|---|---|---|---|---|---|---|---|"]
+        rows = [f"### {mode}", "", "| dtype | d | causal | N | gemmgen | FA2 | efficient | cuDNN | gemmgen/best | backward instance |",
+                "|---|---|---|---|---|---|---|---|---|---|"]
         ratios = []
         for dname, dtype, d, causal, n, b, h, fwd_flops in fa_shapes(args.dtype, args.head_dim, args.seq_len):
             q, k, v, do = (torch.randn(b, h, n, d, device="cuda", dtype=dtype) for _ in range(4))
             for t in (q, k, v):
                 t.requires_grad_()
-            sides = sides_for(q, k, v, do, causal, mode)
+            sides = sides_for(q, k, v, do, causal, mode, args.deterministic)
             ms = timing.rounds_ms(sides, rounds=args.rounds, reps=args.reps, warmup=2) if sides else {}
             flops = (2.5 if mode == "bwd" else 3.5) * fwd_flops
             tf = {label: flops / t / 1e9 for label, t in ms.items()}
@@ -105,7 +116,7 @@ def main() -> int:
             fmt = lambda x: "-" if x is None else f"{x:.0f}"  # noqa: E731
             row = (f"| {dname} | {d} | {'Y' if causal else 'N'} | {n} | {fmt(tf.get('gemmgen'))} | "
                    f"{fmt(tf.get('FA2'))} | {fmt(tf.get('efficient'))} | {fmt(tf.get('cuDNN'))} | "
-                   f"{'-' if ratio is None else f'{ratio:.2f}'} |")
+                   f"{'-' if ratio is None else f'{ratio:.2f}'} | {backward_instance(q, k, causal, args.deterministic)} |")
             rows.append(row)
             print(f"{mode} {row}", flush=True)
             del q, k, v, do, sides

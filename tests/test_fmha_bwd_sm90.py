@@ -26,7 +26,7 @@ BUILD_ONE = "fmha_bwd_sm90_fp16_d32_none_m64n128"  # the quickest to compile
 
 def test_family_keeps_the_contract_and_is_registered():
     base.check_family(fam)
-    assert fam.KIND == "attention_bwd" and not fam.BUILT_BY_DEFAULT and fam.ARCHS == (Arch.SM90,)
+    assert fam.KIND == "attention_bwd" and fam.BUILT_BY_DEFAULT and fam.ARCHS == (Arch.SM90,)
     assert space.family_named(fam.FAMILY) is fam
     assert fam.INSTANCE.from_params(fam.DEFAULT[0].params()) == fam.DEFAULT[0]
 
@@ -48,8 +48,8 @@ def test_default_covers_every_dtype_head_dim_mask_once():
     assert set(fam.DEFAULT) <= set(fam.SPACE)
 
 
-def test_built_only_for_sm90_and_only_when_named():
-    assert not any(i.family == fam.FAMILY for i in space.select_instances(Arch.SM90))
+def test_built_by_default_for_sm90_only():
+    assert [i for i in space.select_instances(Arch.SM90) if i.family == fam.FAMILY] == list(fam.DEFAULT)
     assert space.select_instances(Arch.SM90, families={fam.FAMILY}) == list(fam.DEFAULT)
     assert space.select_instances(Arch.SM90, families={fam.FAMILY}, all_instances=True) == list(fam.SPACE)
     assert not any(i.family == fam.FAMILY for i in space.select_instances(Arch.SM80, all_instances=True))
