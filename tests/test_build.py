@@ -68,12 +68,16 @@ def test_lock_serializes_generates(tmp_path):
         proc = subprocess.Popen([sys.executable, "-m", "gemmgen", "generate", "--arch", "sm80", "--no-compile",
                                  "--filter", SMALL, "--out", str(tmp_path)], cwd=ROOT,
                                 env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE, text=True)
-        time.sleep(3)
+        # The first line the child prints is the wait (it cannot render before it holds the lock);
+        # reading it, however long the child takes to start, proves it waited.
+        first = proc.stdout.readline()
+        assert "waiting for another gemmgen generate" in first
+        time.sleep(0.5)
         assert proc.poll() is None  # still waiting for the lock
         assert not (tmp_path / "sm80" / "manifest.json").exists()
     stdout, _ = proc.communicate(timeout=120)
     assert proc.returncode == 0
-    assert "waiting for another gemmgen generate" in stdout
+    assert "rendered 2 instances" in stdout
 
 
 def test_jobs_and_ninja_text():

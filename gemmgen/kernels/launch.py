@@ -127,10 +127,7 @@ def params_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tenso
     heads; LSE the forward's [B, H, Nq] float32); the workspace is set by bwd_workspace."""
     b, h, nq, d = q.shape
     nk = k.shape[2]
-    p = abi.AttnBwdParams()
-    for name, t in (("q", q), ("k", k), ("v", v), ("o", o), ("d_o", d_o), ("lse", lse), ("dq", dq), ("dk", dk),
-                    ("dv", dv)):
-        setattr(p, name, t.data_ptr())
+    p = _bwd_pointers(q, k, v, o, d_o, lse, dq, dk, dv)
     p.batch, p.heads, p.heads_kv, p.seqlen_q, p.seqlen_k, p.head_dim = b, h, k.shape[1], nq, nk, d
     for name, t in (("q", q), ("k", k), ("v", v), ("o", o), ("do", d_o), ("dq", dq), ("dk", dk), ("dv", dv)):
         for dim, stride in zip(("batch", "head", "row"), _triple(t)):
@@ -145,6 +142,39 @@ def params_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tenso
         p.dbias_batch_stride, p.dbias_head_stride, p.dbias_row_stride = _triple(dbias)
     _set_features(p, dropout_p, seed, offset)
     p.deterministic = int(deterministic)
+    return p
+
+
+def params_bwd_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, d_o: torch.Tensor,
+                      lse: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
+                      cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
+                      *, causal: bool, scale: float | None, dropout_p: float = 0.0, seed: int = 0,
+                      offset: int = 0) -> abi.AttnBwdParams:
+    """The C ABI params of a variable-length backward call: packed q, o, d_o, dq [Tq, H, d] and k, v,
+    dk, dv [Tk, H, d] (K and V with Q's heads), sequence b at rows cu_seqlens_q[b] (cu_seqlens_k[b])
+    on; LSE the forward's [B, H, max_seqlen_q] float32; causal is top-left within each sequence.
+    Batch strides stay 0: with cu_seqlens the kernel places a sequence by its first row, as the
+    forward (params_varlen) does. dropout_p, seed and offset are the forward's."""
+    p = _bwd_pointers(q, k, v, o, d_o, lse, dq, dk, dv)
+    d = q.shape[2]
+    p.batch, p.heads, p.heads_kv = cu_seqlens_q.shape[0] - 1, q.shape[1], k.shape[1]
+    p.seqlen_q, p.seqlen_k, p.head_dim = max_seqlen_q, max_seqlen_k, d
+    for name, t in (("q", q), ("k", k), ("v", v), ("o", o), ("do", d_o), ("dq", dq), ("dk", dk), ("dv", dv)):
+        setattr(p, f"{name}_head_stride", t.stride(1))
+        setattr(p, f"{name}_row_stride", t.stride(0))
+    p.scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    p.causal_offset = 0 if causal else NO_MASK_OFFSET
+    _set_features(p, dropout_p, seed, offset)
+    p.cu_seqlens_q, p.cu_seqlens_k = cu_seqlens_q.data_ptr(), cu_seqlens_k.data_ptr()
+    return p
+
+
+def _bwd_pointers(q, k, v, o, d_o, lse, dq, dk, dv) -> abi.AttnBwdParams:
+    """Backward params with the tensors' data pointers set (everything else zero)."""
+    p = abi.AttnBwdParams()
+    for name, t in (("q", q), ("k", k), ("v", v), ("o", o), ("d_o", d_o), ("lse", lse), ("dq", dq), ("dk", dk),
+                    ("dv", dv)):
+        setattr(p, name, t.data_ptr())
     return p
 
 

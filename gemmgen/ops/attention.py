@@ -282,9 +282,17 @@ def fused_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
     offset as in fused_attention. The cu_seqlens values are checked (a device-to-host copy) outside
     torch.compile and CUDA graph capture; a non-contiguous cu_seqlens view is copied to a contiguous
     one (the kernel reads the offsets as an array).
+
+    Differentiable: when q, k or v require grad (grad mode on), autograd gets dQ, dK and dV (summed
+    over each group for GQA/MQA; zero for rows of sequences without keys, and for keys of sequences
+    without queries) from a backward instance
+    (gemmgen.ops.torch_op.fused_attention_varlen_backward), packed like the inputs and in their dim
+    order; the forward saves LSE and the cu_seqlens for it. With dropout the backward regenerates
+    the forward's mask from the same seed and offset (seed=None draws one at the forward). The
+    forward checks at once that a backward instance serves the call, and raises NoInstanceError
+    with every instance's reason if none does. The returned LSE has no gradient of its own; double
+    backward raises.
     """
-    check_no_grad("fused_attention_varlen", q=q, k=k, v=v,
-                  hint="gemmgen.fused_attention (fixed lengths, or padded batches with attn_mask) has one")
     check_bool("causal", causal)
     check_bool("return_lse", return_lse)
     check_instance(instance)
@@ -305,8 +313,14 @@ def fused_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
         raise InputError(f"cu_seqlens_q and cu_seqlens_k must have the same length; got "
                          f"{cu_seqlens_q.shape[0]} and {cu_seqlens_k.shape[0]}")
     _check_device(*views, None)
+    training = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    if training and dropout_p > 0.0 and seed is None:  # the backward regenerates the forward's mask
+        draws = (cu_seqlens_q.shape[0] - 1) * q.shape[1] * max_seqlen_q * max_seqlen_k
+        seed, base = launch.draw_seed(q.get_device(), draws)
+        offset += base
     o, lse = torch_op.fused_attention_varlen_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                                bool(causal), scale, return_lse, instance, dropout_p, seed, offset)
+                                                bool(causal), scale, return_lse or training, instance, dropout_p,
+                                                seed, offset)
     return (o, lse) if return_lse else o
 
 

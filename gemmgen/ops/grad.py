@@ -1,6 +1,7 @@
 """The guard against silently missing gradients: an operation without a backward pass (batched
-GEMM, fused_attention_varlen, fused_attention with out=) raises at the forward when its inputs
-require grad (with grad mode on) instead of returning an output that autograd cannot differentiate."""
+GEMMs, fused_attention with out=, fused_attention_with_kvcache) raises at the forward when its
+inputs require grad (with grad mode on) instead of returning an output that autograd cannot
+differentiate."""
 from __future__ import annotations
 
 import torch

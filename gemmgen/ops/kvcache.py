@@ -4,6 +4,8 @@ appended in place first. Validates, then calls the gemmgen::fused_attention_with
 which selects a key-value-cache instance (the decode family) and launches it."""
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
@@ -16,8 +18,10 @@ from gemmgen.ops.grad import check_no_grad
 from gemmgen.select.problem import ALIGN_BYTES
 
 
+@functools.cache
 def kv_cache_head_dims() -> tuple[int, ...]:
-    """The head dims some family with a key-value cache (PACKS_GQA) serves."""
+    """The head dims some family with a key-value cache (PACKS_GQA) serves (the family list is fixed
+    at import: computed once, not on every call)."""
     return tuple(sorted({d for f in FAMILIES if getattr(f, "PACKS_GQA", False) for d in f.HEAD_DIMS}))
 
 
@@ -26,14 +30,16 @@ def _check_bnhd(name: str, t: torch.Tensor) -> None:
     of 8 elements (16 bytes)."""
     if not isinstance(t, torch.Tensor):
         raise InputError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dim() != 4:
-        raise InputError(f"{name} must be 4-D; got shape {tuple(t.shape)}")
-    if t.shape[3] > 1 and t.stride(3) != 1:
-        raise InputError(f"{name} must be contiguous in its last dim (head_dim); its strides are {tuple(t.stride())}")
-    if any(n > 1 and s % ALIGN_ELEMENTS for n, s in zip(t.shape[:3], t.stride()[:3])):
-        raise InputError(f"{name}'s strides {tuple(t.stride())} must be multiples of {ALIGN_ELEMENTS} elements "
-                         f"(16 bytes) outside the last dim")
-    if max(t.shape) > INT32_MAX:
+    shape, stride = t.shape, t.stride()  # read once: this runs on every decode step
+    if len(shape) != 4:
+        raise InputError(f"{name} must be 4-D; got shape {tuple(shape)}")
+    if shape[3] > 1 and stride[3] != 1:
+        raise InputError(f"{name} must be contiguous in its last dim (head_dim); its strides are {stride}")
+    for n, st in zip(shape[:3], stride[:3]):
+        if n > 1 and st % ALIGN_ELEMENTS:
+            raise InputError(f"{name}'s strides {stride} must be multiples of {ALIGN_ELEMENTS} elements "
+                             f"(16 bytes) outside the last dim")
+    if max(shape) > INT32_MAX:
         raise InputError(f"{name}'s sizes must fit in int32; got {tuple(t.shape)}")
 
 

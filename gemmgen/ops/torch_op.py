@@ -14,17 +14,22 @@ torch.compile traces them without a graph break and CUDA graphs capture them:
                                              max_seqlen_k, causal, scale, return_lse, instance,
                                              dropout_p, seed, offset)
         -> (O [Tq, H, d], LSE [B, H, max_seqlen_q] float32 or an empty tensor)
+    torch.ops.gemmgen.fused_attention_varlen_backward(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+                                                      max_seqlen_q, max_seqlen_k, causal, scale, dropout_p,
+                                                      seed, offset)
+        -> (dQ like q, dK like k, dV like v), all packed [T, heads, d]
     torch.ops.gemmgen.fused_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, k, v,
                                                    causal, scale, return_lse, instance)
         -> (O [B, Nq, H, d], LSE [B, H, Nq] float32 or an empty tensor); k, v appended into the caches
 
-fused_attention and fused_attention_backward are joined by torch.library.register_autograd: a
-forward whose inputs require grad saves q, k, v, O, LSE and the mask, and the backward op computes
-the gradients from them (LSE is saved, not recomputed; it is returned without a gradient of its
-own). Such a forward needs return_lse=True (gemmgen.fused_attention passes it) and, with dropout,
-an explicit seed (gemmgen.fused_attention draws one), and it checks at once that a backward
-instance can run the call. fused_attention_out and fused_attention_varlen have no backward: they
-refuse inputs that require grad (check_no_grad). Double backward raises.
+fused_attention and fused_attention_backward are joined by torch.library.register_autograd, and so
+are fused_attention_varlen and fused_attention_varlen_backward: a forward whose inputs require grad
+saves q, k, v, O, LSE and the mask (varlen: the cu_seqlens), and the backward op computes the
+gradients from them (LSE is saved, not recomputed; it is returned without a gradient of its own).
+Such a forward needs return_lse=True (the gemmgen functions pass it) and, with dropout, an explicit
+seed (the gemmgen functions draw one), and it checks at once that a backward instance can run the
+call. fused_attention_out has no backward: it refuses inputs that require grad (check_no_grad).
+Double backward raises.
 
 bias is the additive mask as [B, H, Nq, Nk] by its strides (gemmgen.ops.attention broadcasts and pads it).
 A seed of None draws one from torch's CUDA generator when the op runs (not when it is traced).
@@ -62,6 +67,9 @@ _LIB.define(f"fused_attention_out(Tensor q, Tensor k, Tensor v, Tensor(a!) out, 
 _LIB.define("fused_attention_varlen(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
             "int max_seqlen_q, int max_seqlen_k, bool causal=False, float? scale=None, bool return_lse=False, "
             f"str? instance=None, {_FEATURES}) -> (Tensor, Tensor)")
+_LIB.define("fused_attention_varlen_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
+            "Tensor cu_seqlens_q, Tensor cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, bool causal, "
+            "float? scale, float dropout_p, int seed, int offset) -> (Tensor, Tensor, Tensor)")
 
 _LIB.define("fused_attention_with_kvcache(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor cache_seqlens, "
             "Tensor? block_table=None, Tensor? k=None, Tensor? v=None, bool causal=True, float? scale=None, "
@@ -224,7 +232,6 @@ def _varlen_outputs(q, cu_seqlens_q, max_seqlen_q, return_lse):
 
 def _fused_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=False,
                             scale=None, return_lse=False, instance=None, dropout_p=0.0, seed=None, offset=0):
-    check_no_grad("torch.ops.gemmgen.fused_attention_varlen", q=q, k=k, v=v)
     o, lse = _varlen_outputs(q, cu_seqlens_q, max_seqlen_q, return_lse)
     # The kernel reads the offsets from data_ptr() as an int32 array: a strided view is copied.
     cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
@@ -277,23 +284,39 @@ def _bwd_kernel(q, k, causal, causal_alignment, scale, dropout_p, bias, bias_gra
     key = ("bwd", q.get_device(), q.dtype, q.shape, k.shape, qs[2] <= qs[1], ks[2] <= ks[1], causal,
            causal_alignment if causal else None, _sign(scale), big, dropout_p > 0.0, bias is not None,
            bias_grad, deterministic)
+    return _cached_bwd_kernel(key, lambda: _bwd_problem(q, k, causal, causal_alignment, scale, dropout_p, bias,
+                                                        bias_grad, deterministic, tensors))
+
+
+def _cached_bwd_kernel(key: tuple, problem_of: Callable[[], Problem]) -> Any:
+    """The backward kernel cached under `key`, else the one selected (or compiled on demand) for
+    problem_of()."""
     kernel = _kernels.get(key)
     if kernel is None:
-        problem = _bwd_problem(q, k, causal, causal_alignment, scale, dropout_p, bias, bias_grad, deterministic,
-                               tensors)
-        kernel = jit.select_or_build(problem).kernel
+        kernel = jit.select_or_build(problem_of()).kernel
         if len(_kernels) >= _MAX_CACHED:
             _kernels.clear()
         _kernels[key] = kernel
     return kernel
 
 
+def _refuse_double_backward(op: str, tensors: tuple[torch.Tensor, ...]) -> None:
+    """The backward ops have no backward of their own: building a graph through them raises."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        raise InputError(f"double backward through gemmgen.{op} is not supported: its backward "
+                         f"(torch.ops.gemmgen.{op}_backward) has no backward of its own; "
+                         "call backward without create_graph=True")
+
+
+def _sum_groups(dst: torch.Tensor, grads: torch.Tensor, heads_kv: int, group: int) -> None:
+    """GQA/MQA: dst (dK or dV of heads_kv heads, dim 1) = grads (one per query head) summed over the
+    query heads of each key/value head, in float32."""
+    dst.copy_(grads.unflatten(1, (heads_kv, group)).sum(2, dtype=torch.float32))
+
+
 def _fused_attention_backward(grad_out, q, k, v, out, lse, causal, causal_alignment, scale, dropout_p, seed,
                               offset, bias, bias_grad, deterministic):
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (grad_out, q, k, v, out)):
-        raise InputError("double backward through gemmgen.fused_attention is not supported: its backward "
-                         "(torch.ops.gemmgen.fused_attention_backward) has no backward of its own; "
-                         "call backward without create_graph=True")
+    _refuse_double_backward("fused_attention", (grad_out, q, k, v, out))
     b, h, nq, d = q.shape
     hkv, nk = k.shape[1], k.shape[2]
     dq, dk, dv = launch.empty_like_layout(q), launch.empty_like_layout(k), launch.empty_like_layout(v)
@@ -320,8 +343,8 @@ def _fused_attention_backward(grad_out, q, k, v, out, lse, causal, causal_alignm
                           dbias=dbias if bias_grad else None, deterministic=deterministic)
     launch.run_bwd(kernel, p, index)
     if group > 1:  # GQA/MQA: dK and dV summed over the query heads of each key/value head
-        dk.copy_(dkk.unflatten(1, (hkv, group)).sum(2, dtype=torch.float32))
-        dv.copy_(dvv.unflatten(1, (hkv, group)).sum(2, dtype=torch.float32))
+        _sum_groups(dk, dkk, hkv, group)
+        _sum_groups(dv, dvv, hkv, group)
     return dq, dk, dv, dbias
 
 
@@ -343,13 +366,7 @@ def _setup_context(ctx, inputs, output) -> None:
     dropout_p, seed, offset, bias, deterministic = (inputs[_DROPOUT], inputs[_SEED], inputs[_OFFSET], inputs[_BIAS],
                                                     inputs[_DET])
     o, lse = output
-    if not inputs[_RETURN_LSE]:
-        raise InputError("torch.ops.gemmgen.fused_attention needs return_lse=True when its inputs require grad: "
-                         "the backward reads the forward's LSE (gemmgen.fused_attention passes it)")
-    if dropout_p > 0.0 and seed is None:
-        raise InputError("torch.ops.gemmgen.fused_attention with dropout needs an explicit seed when its inputs "
-                         "require grad: the backward regenerates the forward's mask (gemmgen.fused_attention "
-                         "draws one)")
+    _check_saves("fused_attention", inputs[_RETURN_LSE], dropout_p, seed)
     bias_grad = bias is not None and bias.requires_grad
     if not isinstance(q, FakeTensor) and not torch.compiler.is_compiling() and q.numel() and k.shape[2]:
         kk = launch.expanded_layout(k, q.shape[1] // k.shape[1], "meta")
@@ -359,12 +376,120 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.mark_non_differentiable(lse)
 
 
+def _check_saves(op: str, return_lse: bool, dropout_p: float, seed: int | None) -> None:
+    """What a forward of torch.ops.gemmgen.<op> whose inputs require grad must hand its backward:
+    the LSE, and with dropout the seed that regenerates the mask."""
+    if not return_lse:
+        raise InputError(f"torch.ops.gemmgen.{op} needs return_lse=True when its inputs require grad: "
+                         f"the backward reads the forward's LSE (gemmgen.{op} passes it)")
+    if dropout_p > 0.0 and seed is None:
+        raise InputError(f"torch.ops.gemmgen.{op} with dropout needs an explicit seed when its inputs "
+                         f"require grad: the backward regenerates the forward's mask (gemmgen.{op} "
+                         "draws one)")
+
+
 def _autograd_backward(ctx, grad_o, grad_lse):
     q, k, v, o, lse, bias = ctx.saved_tensors
     causal, alignment, scale, dropout_p, seed, offset, bias_grad, deterministic = ctx.args
     dq, dk, dv, dbias = fused_attention_backward_op(grad_o, q, k, v, o, lse, causal, alignment, scale, dropout_p,
                                                     seed, offset, bias, bias_grad, deterministic)
     return dq, dk, dv, None, None, None, None, None, None, None, None, dbias if bias_grad else None, None
+
+
+# ---- variable-length backward: packed q [Tq, H, d], k, v [Tk, Hkv, d] -----------------------------
+
+def _bhnd(t: torch.Tensor) -> torch.Tensor:
+    """A packed [T, H, d] tensor as the [1, H, T, d] view the 4-D helpers take."""
+    return t.unsqueeze(0).transpose(1, 2)
+
+
+def _packed(t: torch.Tensor) -> torch.Tensor:
+    """The packed [T, H, d] view of a [1, H, T, d] tensor (the inverse of _bhnd)."""
+    return t.transpose(1, 2).squeeze(0)
+
+
+def _packed_like(t: torch.Tensor) -> torch.Tensor:
+    """An uninitialized packed tensor in t's dim order, made dense (as empty_like_layout does for
+    the fixed-length ops): the real op and its fake implementation agree on the strides."""
+    return _packed(launch.empty_like_layout(_bhnd(t)))
+
+
+def _readable(t: torch.Tensor) -> torch.Tensor:
+    """t, or a dense copy of it where a backward kernel cannot read it as it is (_kernel_ready)."""
+    return t if _kernel_ready(_bhnd(t)) else _packed_like(t).copy_(t)
+
+
+def _varlen_bwd_kernel(q, k, batch, max_seqlen_q, max_seqlen_k, causal, scale, dropout_p, tensors=()) -> Any:
+    """The backward kernel of a variable-length call (packed q, K with Q's heads), selected once per
+    key and cached, compiled on demand if missing. The key leaves out the total rows, which change
+    from batch to batch: the selection sees the lengths only through the maxima, and the totals
+    only through whether element offsets pass int32."""
+    big = launch.max_offset(q, k, *tensors) >= 2**31
+    key = ("bwd_varlen", q.get_device(), q.dtype, tuple(q.shape[1:]), tuple(k.shape[1:]), batch, max_seqlen_q,
+           max_seqlen_k, causal, _sign(scale), big, dropout_p > 0.0)
+    return _cached_bwd_kernel(key, lambda: calls.problem_for_bwd_varlen(
+        q, k, batch, max_seqlen_q, max_seqlen_k, causal, scale=scale, dropout=dropout_p > 0.0, tensors=tensors))
+
+
+def _nothing_to_differentiate(q, k, max_seqlen_q: int, max_seqlen_k: int) -> bool:
+    """True when no query row sees a key: no rows, no heads or a zero maximum length."""
+    return q.numel() == 0 or k.numel() == 0 or max_seqlen_q == 0 or max_seqlen_k == 0
+
+
+def _fused_attention_varlen_backward(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                     max_seqlen_k, causal, scale, dropout_p, seed, offset):
+    _refuse_double_backward("fused_attention_varlen", (grad_out, q, k, v, out))
+    dq, dk, dv = _packed_like(q), _packed_like(k), _packed_like(v)
+    if _nothing_to_differentiate(q, k, max_seqlen_q, max_seqlen_k):  # no score: every gradient is zero
+        for t in (dq, dk, dv):
+            t.zero_()
+        return dq, dk, dv
+    batch, h, hkv = cu_seqlens_q.shape[0] - 1, q.shape[1], k.shape[1]
+    if lse.shape != (batch, h, max_seqlen_q):
+        raise InputError(f"the backward needs the forward's LSE [B, H, max_seqlen_q] = {[batch, h, max_seqlen_q]}; "
+                         f"got {tuple(lse.shape)} (call the forward with return_lse=True)")
+    group = h // hkv
+    kk, vv = (_packed(launch.expand_heads(_bhnd(t), group)) for t in (k, v))
+    dkk, dvv = (dk, dv) if group == 1 else (_packed_like(kk), _packed_like(vv))
+    q, kk, vv, out = (_readable(t) for t in (q, kk, vv, out))
+    d_o = grad_out if _kernel_ready(_bhnd(grad_out)) else _packed_like(out).copy_(grad_out)
+    # The kernel reads the offsets and the LSE as plain arrays.
+    cu_q, cu_k, lse = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), lse.contiguous()
+    kernel = _varlen_bwd_kernel(q, kk, batch, max_seqlen_q, max_seqlen_k, causal, scale, dropout_p,
+                                (vv, out, d_o, dq, dkk, dvv))
+    p = launch.params_bwd_varlen(q, kk, vv, out, d_o, lse, dq, dkk, dvv, cu_q, cu_k, max_seqlen_q, max_seqlen_k,
+                                 causal=causal, scale=scale, dropout_p=dropout_p, seed=seed, offset=offset)
+    launch.run_bwd(kernel, p, q.get_device())
+    if group > 1:
+        _sum_groups(dk, dkk, hkv, group)
+        _sum_groups(dv, dvv, hkv, group)
+    return dq, dk, dv
+
+
+def _fake_varlen_backward(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                          causal, scale, dropout_p, seed, offset):
+    return _packed_like(q), _packed_like(k), _packed_like(v)
+
+
+def _setup_context_varlen(ctx, inputs, output) -> None:
+    """Save what the varlen backward needs, and refuse at the forward what it could not differentiate
+    (no LSE, dropout without a seed, no backward instance for the call)."""
+    q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, return_lse, _instance, dropout_p, seed, offset = inputs
+    o, lse = output
+    _check_saves("fused_attention_varlen", return_lse, dropout_p, seed)
+    if not isinstance(q, FakeTensor) and not torch.compiler.is_compiling() and \
+            not _nothing_to_differentiate(q, k, max_q, max_k):
+        kk = launch.expanded_layout(_bhnd(k), q.shape[1] // k.shape[1], "meta")
+        _varlen_bwd_kernel(q, _packed(kk), cu_q.shape[0] - 1, max_q, max_k, causal, scale, dropout_p)
+    ctx.save_for_backward(q, k, v, o, lse, cu_q, cu_k)
+    ctx.args = (max_q, max_k, causal, scale, dropout_p, 0 if seed is None else seed, offset)
+    ctx.mark_non_differentiable(lse)
+
+
+def _autograd_backward_varlen(ctx, grad_o, grad_lse):
+    q, k, v, o, lse, cu_q, cu_k = ctx.saved_tensors
+    dq, dk, dv = fused_attention_varlen_backward_op(grad_o, q, k, v, o, lse, cu_q, cu_k, *ctx.args)
+    return (dq, dk, dv) + (None,) * 11  # the offsets, sizes and flags have no gradient
 
 
 def _kvcache_outputs(q, return_lse):
@@ -430,18 +555,23 @@ torch.library.register_fake("gemmgen::fused_attention_with_kvcache", _fake_kvcac
 _LIB.impl("fused_attention_out", _fused_attention_out, "CUDA")
 _LIB.impl("fused_attention_varlen", _fused_attention_varlen, "CUDA")
 _LIB.impl("fused_attention_backward", _fused_attention_backward, "CUDA")
+_LIB.impl("fused_attention_varlen_backward", _fused_attention_varlen_backward, "CUDA")
 torch.library.register_fake("gemmgen::fused_attention", _fake, lib=_LIB)
 torch.library.register_fake("gemmgen::fused_attention_out", _fake_out, lib=_LIB)
 torch.library.register_fake("gemmgen::fused_attention_varlen", _fake_varlen, lib=_LIB)
 torch.library.register_fake("gemmgen::fused_attention_backward", _fake_backward, lib=_LIB)
+torch.library.register_fake("gemmgen::fused_attention_varlen_backward", _fake_varlen_backward, lib=_LIB)
 torch.library.register_autograd("gemmgen::fused_attention", _autograd_backward, setup_context=_setup_context,
                                 lib=_LIB)
+torch.library.register_autograd("gemmgen::fused_attention_varlen", _autograd_backward_varlen,
+                                setup_context=_setup_context_varlen, lib=_LIB)
 
 
 fused_attention_op = torch.ops.gemmgen.fused_attention.default
 fused_attention_out_op = torch.ops.gemmgen.fused_attention_out.default
 fused_attention_varlen_op = torch.ops.gemmgen.fused_attention_varlen.default
 fused_attention_backward_op = torch.ops.gemmgen.fused_attention_backward.default
+fused_attention_varlen_backward_op = torch.ops.gemmgen.fused_attention_varlen_backward.default
 fused_attention_with_kvcache_op = torch.ops.gemmgen.fused_attention_with_kvcache.default
 
 

@@ -48,6 +48,23 @@ def problem_for_bwd(q: torch.Tensor, k: torch.Tensor, causal: bool, *, causal_al
     """The BwdProblem of a backward call on validated tensors: q and k as the kernel reads them (K
     with as many heads as Q), `tensors` the others whose extent counts in max_offset."""
     fwd = problem_for(q, k, causal, causal_alignment=causal_alignment, scale=scale, dropout=dropout, bias=bias)
+    return _backward_of(fwd, tensors, bias_grad=bias_grad, deterministic=deterministic)
+
+
+def problem_for_bwd_varlen(q: torch.Tensor, k: torch.Tensor, batch: int, max_seqlen_q: int, max_seqlen_k: int,
+                           causal: bool, *, scale: float | None = None, dropout: bool = False,
+                           tensors: tuple[torch.Tensor | None, ...] = ()) -> BwdProblem:
+    """The BwdProblem of a variable-length backward call: packed q [Tq, H, d] and k [Tk, H, d] as the
+    kernel reads them (K with Q's heads), causal top-left within each sequence, `tensors` the
+    others whose extent counts in max_offset. Its `varlen` flag keeps out the families that cannot
+    run it (their reasons say so)."""
+    fwd = problem_for_varlen(q, k, k, batch, max_seqlen_q, max_seqlen_k, causal, scale=scale, dropout=dropout)
+    return _backward_of(fwd, tensors)
+
+
+def _backward_of(fwd: Problem, tensors: tuple[torch.Tensor | None, ...], *, bias_grad: bool = False,
+                 deterministic: bool = False) -> BwdProblem:
+    """The forward problem as a backward one, max_offset covering `tensors` too."""
     fields = {f.name: getattr(fwd, f.name) for f in dataclasses.fields(Problem)}
     fields["max_offset"] = max(fwd.max_offset, max_offset(*tensors))
     return BwdProblem(**fields, bias_grad=bias_grad, deterministic=deterministic)

@@ -1,7 +1,8 @@
 """The attention backward on the GPU: dQ, dK, dV (and dBias) of every built backward instance and of
 gemmgen.fused_attention's autograd against float64 autograd on fresh random inputs, gradient
 buffers poisoned with NaN first (NaN never passes); GQA/MQA, both causal alignments, BNHD views,
-empty and odd lengths, dropout (the backward's mask is the forward's), the mask's gradient,
+empty and odd lengths, packed variable lengths (fused_attention_varlen, empty sequences included),
+dropout (the backward's mask is the forward's), the mask's gradient,
 determinism, torch.compile of a training step, CUDA graph replay, double backward, and a small
 transformer trained 50 steps beside torch SDPA. Needs the default build (`gemmgen generate
 --arch sm80 --arch sm90`)."""
@@ -251,6 +252,152 @@ def test_double_backward_raises_and_lse_has_no_gradient():
     q, k, v, do = make(1, 2, 2, 64, 64, 64, torch.bfloat16, "double")
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]
     o, lse = gemmgen.fused_attention(*leaves, return_lse=True)
+    assert not lse.requires_grad
+    with pytest.raises(gemmgen.InputError, match="double backward"):
+        torch.autograd.grad(o, leaves, do, create_graph=True)
+
+
+# Variable lengths: fused_attention_varlen's backward against float64 autograd of each sequence alone.
+# Query and key lengths differ per sequence; a sequence with keys but no query (its dK, dV are
+# zero) and one with a query but no key (its dQ is zero).
+VARLEN_Q = [0, 1, 17, 129, 300]
+VARLEN_K = [5, 0, 33, 129, 257]
+
+
+def offsets(lengths) -> torch.Tensor:
+    """cu_seqlens of `lengths`: int32 [B + 1] on the GPU."""
+    return torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
+
+
+def packed_randn(rows, heads, d, dtype, key, layout="packed"):
+    """[rows, heads, d]: contiguous, or head-major storage ([heads, rows, d] transposed)."""
+    if layout == "head_major":
+        return randn((heads, rows, d), dtype, key).transpose(0, 1)
+    return randn((rows, heads, d), dtype, key)
+
+
+def make_varlen(h, hkv, d, dtype, key, layout="packed", lens_q=VARLEN_Q, lens_k=VARLEN_K):
+    """Fresh packed q, dO [Tq, H, d] and k, v [Tk, Hkv, d]."""
+    q, do = (packed_randn(sum(lens_q), h, d, dtype, (key, n), layout) for n in ("q", "do"))
+    k, v = (packed_randn(sum(lens_k), hkv, d, dtype, (key, n), layout) for n in ("k", "v"))
+    return q, k, v, do
+
+
+def varlen_reference(q, k, v, lens_q, lens_k, *, causal=False, scale=None, keeps=None, p=0.0):
+    """float64 packed O of each sequence alone (`reference`, top-left causal; with dropout the kept
+    weights `keeps[b]` [H, Lq, Lk] of sequence b), differentiable."""
+    outs, oq, ok = [], offsets(lens_q).tolist(), offsets(lens_k).tolist()
+    for b in range(len(lens_q)):
+        seq = [t[a:z].transpose(0, 1).unsqueeze(0) for t, a, z in ((q, oq[b], oq[b + 1]), (k, ok[b], ok[b + 1]),
+                                                                  (v, ok[b], ok[b + 1]))]
+        keep = keeps[b].unsqueeze(0) if keeps is not None else None
+        outs.append(reference(*seq, causal=causal, scale=scale, keep=keep, p=p)[0].transpose(0, 1))
+    return torch.cat(outs)
+
+
+def varlen_ref_grads(q, k, v, do, lens_q, lens_k, **kw):
+    """float64 (dQ, dK, dV) of sum(O * dO) over the packed sequences."""
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    out = varlen_reference(*leaves, lens_q, lens_k, **kw)
+    return torch.autograd.grad(out, leaves, do.double(), materialize_grads=True)
+
+
+def varlen_train_grads(q, k, v, do, lens_q, lens_k, **kw):
+    """(dQ, dK, dV) through gemmgen.fused_attention_varlen's autograd."""
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    o = gemmgen.fused_attention_varlen(*leaves, offsets(lens_q), offsets(lens_k), max(lens_q), max(lens_k), **kw)
+    o.backward(do)
+    return [t.grad for t in leaves]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+@pytest.mark.parametrize("causal", [False, True], ids=["none", "causal"])
+def test_varlen_backward_instance_into_poisoned_buffers(dtype, causal):
+    """The selected backward instance on packed sequences, dQ, dK, dV buffers filled with NaN first:
+    every row is written, the rows of sequences without keys or queries with zeros."""
+    from gemmgen.ops import torch_op
+
+    q, k, v, do = make_varlen(3, 3, 64, dtype, ("varlen-instance", dtype, causal))
+    cu_q, cu_k, max_q, max_k = offsets(VARLEN_Q), offsets(VARLEN_K), max(VARLEN_Q), max(VARLEN_K)
+    with torch.no_grad():
+        o, lse = gemmgen.fused_attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal=causal, return_lse=True)
+    kernel = torch_op._varlen_bwd_kernel(q, k, len(VARLEN_Q), max_q, max_k, causal, None, 0.0)
+    dq, dk, dv = (torch.full_like(t, float("nan")) for t in (q, k, v))
+    p = launch.params_bwd_varlen(q, k, v, o, do, lse, dq, dk, dv, cu_q, cu_k, max_q, max_k, causal=causal,
+                                 scale=None)
+    launch.run_bwd(kernel, p, q.get_device())
+    torch.cuda.synchronize()
+    want = varlen_ref_grads(q, k, v, do, VARLEN_Q, VARLEN_K, causal=causal)
+    for name, g, w in zip(("dQ", "dK", "dV"), (dq, dk, dv), want):
+        assert_close(f"varlen instance causal={causal} {name}", g, w, dtype)
+    # Sequence 0 has keys but no query, sequence 1 a query but no key.
+    oq, ok = cu_q.tolist(), cu_k.tolist()
+    assert (dk[ok[0]:ok[1]] == 0).all() and (dv[ok[0]:ok[1]] == 0).all(), "keys no query sees"
+    assert (dq[oq[1]:oq[2]] == 0).all(), "a query without keys"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+@pytest.mark.parametrize("h, hkv", [(4, 4), (8, 2), (4, 1)], ids=["mha", "gqa4", "mqa"])
+@pytest.mark.parametrize("causal", [False, True], ids=["none", "causal"])
+def test_varlen_autograd(dtype, h, hkv, causal):
+    """GQA/MQA, both masks, packed (fp16) and head-major (bf16) storage: the gradients in the inputs'
+    layouts."""
+    layout = "head_major" if dtype == torch.bfloat16 else "packed"
+    q, k, v, do = make_varlen(h, hkv, 128, dtype, ("varlen", dtype, h, hkv, causal), layout)
+    got = varlen_train_grads(q, k, v, do, VARLEN_Q, VARLEN_K, causal=causal, scale=0.3)
+    want = varlen_ref_grads(q, k, v, do, VARLEN_Q, VARLEN_K, causal=causal, scale=0.3)
+    for name, g, w, x in zip(("dQ", "dK", "dV"), got, want, (q, k, v)):
+        assert_close(f"varlen {h}:{hkv} {layout} causal={causal} {name}", g, w, dtype)
+        assert g.stride() == x.stride() or x.shape[1] == 1, f"{name} is not in its input's layout"
+
+
+def varlen_keep_masks(q, k, lens_q, lens_k, *, p, seed, offset, causal):
+    """The varlen forward's kept-weight masks, one [H, Lq, Lk] per sequence, read back as
+    keep_mask (tests/gpu/test_mea_gpu.py) does: V of identity columns within each sequence, so
+    O[i, t] is the dropped weight of key c + t of the row's sequence, zero exactly where dropped."""
+    d, h = q.shape[2], q.shape[1]
+    oq, ok = offsets(lens_q).tolist(), offsets(lens_k).tolist()
+    keeps = [torch.zeros(h, lq, lk, dtype=torch.bool, device="cuda") for lq, lk in zip(lens_q, lens_k)]
+    for c in range(0, max(lens_k), d):
+        v = torch.zeros_like(k)
+        for b, lk in enumerate(lens_k):
+            cols = torch.arange(max(0, min(d, lk - c)), device="cuda")
+            v[ok[b] + c + cols, :, cols] = 1
+        o = gemmgen.fused_attention_varlen(q, k, v, offsets(lens_q), offsets(lens_k), max(lens_q), max(lens_k),
+                                           scale=1e-3, dropout_p=p, seed=seed, offset=offset, causal=causal)
+        for b, (lq, lk) in enumerate(zip(lens_q, lens_k)):
+            cols = max(0, min(d, lk - c))
+            keeps[b][:, :, c:c + cols] = o[oq[b]:oq[b] + lq, :, :cols].transpose(0, 1) != 0
+    return keeps
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+@pytest.mark.parametrize("causal", [False, True], ids=["none", "causal"])
+def test_varlen_dropout_backward_uses_the_forward_mask(dtype, causal):
+    p, seed, offset = 0.2, 11, 3
+    q, k, v, do = make_varlen(4, 2, 64, dtype, ("varlen-drop", dtype, causal))
+    try:
+        got = varlen_train_grads(q, k, v, do, VARLEN_Q, VARLEN_K, causal=causal, dropout_p=p, seed=seed,
+                                 offset=offset)
+    except NoInstanceError as exc:
+        pytest.skip(f"no backward instance with dropout is built: {exc}")
+    keeps = varlen_keep_masks(q, k, VARLEN_Q, VARLEN_K, p=p, seed=seed, offset=offset, causal=causal)
+    assert not all(bool(m.all()) for m in keeps if m.numel()), "some weights must be dropped"
+    want = varlen_ref_grads(q, k, v, do, VARLEN_Q, VARLEN_K, causal=causal, keeps=keeps, p=p)
+    for name, g, w in zip(("dQ", "dK", "dV"), got, want):
+        assert_close(f"varlen dropout causal={causal} {name}", g, w, dtype)
+
+
+def test_varlen_empty_totals_double_backward_and_lse():
+    for lens_q, lens_k in (([0, 0], [17, 5]), ([17, 5], [0, 0])):
+        q, k, v, do = make_varlen(4, 2, 64, torch.bfloat16, ("varlen-empty", str(lens_q)), lens_q=lens_q,
+                                  lens_k=lens_k)
+        for g, x in zip(varlen_train_grads(q, k, v, do, lens_q, lens_k, causal=True), (q, k, v)):
+            assert g.shape == x.shape and torch.equal(g, torch.zeros_like(g))
+    q, k, v, do = make_varlen(4, 2, 64, torch.bfloat16, "varlen-double")
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    o, lse = gemmgen.fused_attention_varlen(*leaves, offsets(VARLEN_Q), offsets(VARLEN_K), max(VARLEN_Q),
+                                            max(VARLEN_K), return_lse=True)
     assert not lse.requires_grad
     with pytest.raises(gemmgen.InputError, match="double backward"):
         torch.autograd.grad(o, leaves, do, create_graph=True)

@@ -158,21 +158,15 @@ def test_side_stream_and_cuda_graph():
 
 
 def test_calls_without_backward_refuse_inputs_that_require_grad():
-    """fused_attention_varlen and fused_attention(out=) have no backward: they refuse inputs that
-    require grad at the forward (the public functions and the torch ops called directly) instead of
-    leaving their gradients None, and run under no_grad."""
+    """fused_attention(out=) has no backward: it refuses inputs that require grad at the forward (the
+    public function and the torch op called directly) instead of leaving their gradients None, and
+    runs under no_grad."""
     q, k, v = (t.requires_grad_() for t in make_qkv(1, 2, 2, 64, 64, 64, torch.bfloat16, "grad"))
     with pytest.raises(gemmgen.InputError, match="out= has no backward pass: q, k, v require grad"):
         gemmgen.fused_attention(q, k, v, out=torch.empty_like(q))
     with pytest.raises(gemmgen.InputError, match="no backward pass: q, k, v require grad"):
         torch.ops.gemmgen.fused_attention_out(q, k, v, torch.empty_like(q))
     assert q.grad is None
-    cu = torch.tensor([0, 64], dtype=torch.int32, device="cuda")
-    packed = [t[0].transpose(0, 1) for t in (q, k, v)]
-    with pytest.raises(gemmgen.InputError, match="no backward pass"):
-        gemmgen.fused_attention_varlen(*packed, cu, cu, 64, 64)
-    with pytest.raises(gemmgen.InputError, match="no backward pass"):
-        torch.ops.gemmgen.fused_attention_varlen(*packed, cu, cu, 64, 64)
     with torch.no_grad():
         check(q.detach(), k, v)
     check(q.detach(), k.detach(), v.detach())
