@@ -43,7 +43,7 @@ _LAZY_ATTRS = {
     "unfused_attention": "gemmgen.ops.unfused",
 }
 # The subpackages: the code generator, and the runtime's selection, operations, kernels and CLI.
-_SUBMODULES = {"arch", "cache", "errors", "generator", "select", "ops", "kernels", "cli"}
+_SUBMODULES = {"arch", "cache", "errors", "generator", "select", "ops", "kernels", "cli", "distributed"}
 
 __all__ = ["fused_attention", "fused_attention_varlen", "fused_attention_with_kvcache", "selected_instance", "explain", "autotune", "attention_reference",
            "set_build_dirs", "refresh", "cache_dir", "Shape", "parse_shape",
@@ -54,9 +54,11 @@ __all__ = ["fused_attention", "fused_attention_varlen", "fused_attention_with_kv
 
 
 def __getattr__(name: str) -> Any:
-    """Import the torch-facing API on first use."""
+    """Import the torch-facing API on first use, and bind it here: later lookups (every
+    `gemmgen.fused_attention(...)` call) find it in the module without coming back."""
     if name in _LAZY_ATTRS:
-        return getattr(importlib.import_module(_LAZY_ATTRS[name]), name)
+        value = globals()[name] = getattr(importlib.import_module(_LAZY_ATTRS[name]), name)
+        return value
     if name in _SUBMODULES:
         return importlib.import_module(f"gemmgen.{name}")
     raise AttributeError(f"module 'gemmgen' has no attribute {name!r}")
