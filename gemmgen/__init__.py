@@ -15,6 +15,7 @@ from typing import Any
 
 from gemmgen.errors import (CacheError, DeviceError, GemmgenError, GemmgenLaunchError, GemmgenWarning,
                             InputError, ManifestError, NoInstanceError, ToolchainError, TuningDatabaseError)
+from gemmgen.integrations import activate, deactivate  # noqa: F401 (exported; registers torch SDPA's "gemmgen" impl)
 
 __version__ = "0.1.0"
 

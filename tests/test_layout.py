@@ -9,7 +9,9 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-FOUNDATION = {"gemmgen", "gemmgen.errors", "gemmgen.arch", "gemmgen.cache"}
+# gemmgen.integrations: importing gemmgen registers it with torch's SDPA registry; the package itself
+# imports only the standard library (its torch_sdpa module loads when torch does).
+FOUNDATION = {"gemmgen", "gemmgen.errors", "gemmgen.arch", "gemmgen.cache", "gemmgen.integrations"}
 # What the runtime may import of the generator: the family contract and instance spaces, the
 # manifest schema, and the on-demand compile. `gemmgen generate` (the CLI) also drives the build.
 GENERATOR_API = {"gemmgen.generator", "gemmgen.generator.space", "gemmgen.generator.families",
