@@ -7,7 +7,7 @@ import re
 import sys
 import warnings
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from gemmgen import __version__
 from gemmgen.generator import manifest, space
@@ -231,6 +231,16 @@ def _command(sub: argparse._SubParsersAction, name: str, help: str, description:
     return sub.add_parser(name, help=help, description=description or help[0].upper() + help[1:] + ".")
 
 
+def _module_command(sub: argparse._SubParsersAction, module: Any, name: str, help: str,
+                    description: str | None = None) -> argparse.ArgumentParser:
+    """A sub-command (as `_command`) served by a module of gemmgen.cli: its arguments from
+    `module.add_arguments`, its handler `module.run`, guarded."""
+    p = _command(sub, name, help, description)
+    module.add_arguments(p)
+    p.set_defaults(func=_guarded(module.run))
+    return p
+
+
 def parser() -> argparse.ArgumentParser:
     """The argument parser of the `gemmgen` command."""
     top = argparse.ArgumentParser(
@@ -257,7 +267,7 @@ def parser() -> argparse.ArgumentParser:
     gen.add_argument("--family", action="append",
                      help="build this family (repeatable; 'all' for every family; default: "
                           f"{', '.join(f.FAMILY for f in space.FAMILIES if space.built_by_default(f))}). "
-                          "Dropout, masks and varlen need mea_sm80; the Hopper backward fmha_bwd_sm90; the "
+                          "Dropout, masks and varlen need mea_sm80; the "
                           "unfused path gemm_sm80 and softmax_sm80")
     gen.set_defaults(func=cmd_generate)
 
@@ -294,20 +304,14 @@ def parser() -> argparse.ArgumentParser:
 
     from gemmgen.cli import explain as cli_explain, profile as cli_profile, tune as cli_tune  # these import torch only when run
 
-    prof = _command(sub, "profile", "time every candidate per shape against torch SDPA",
-                    "Time every built candidate of each shape (checked against float64 first) next to "
-                    "torch SDPA's backends, print a table per shape and store the times in this GPU's "
-                    "tuning database.")
-    cli_profile.add_arguments(prof)
-    _add_op(prof, "profile")
-    prof.set_defaults(func=_guarded(cli_profile.run))
-    expl = _command(sub, "explain", "which instance runs a shape, and why",
-                    "Print the candidates for a shape, the reason every other instance is rejected, the "
-                    "winner and which step chose it; for a GPU that is not here, describe it with --cc "
-                    "and --sms.")
-    cli_explain.add_arguments(expl)
-    _add_op(expl, "explain")
-    expl.set_defaults(func=_guarded(cli_explain.run))
+    _add_op(_module_command(sub, cli_profile, "profile", "time every candidate per shape against torch SDPA",
+                            "Time every built candidate of each shape (checked against float64 first) next "
+                            "to torch SDPA's backends, print a table per shape and store the times in this "
+                            "GPU's tuning database."), "profile")
+    _add_op(_module_command(sub, cli_explain, "explain", "which instance runs a shape, and why",
+                            "Print the candidates for a shape, the reason every other instance is rejected, "
+                            "the winner and which step chose it; for a GPU that is not here, describe it "
+                            "with --cc and --sms."), "explain")
     from gemmgen.cli import gemm as cli_gemm
 
     expl_gemm = _command(sub, "explain-gemm", "which batched-GEMM instance runs a shape, and why "
@@ -318,9 +322,7 @@ def parser() -> argparse.ArgumentParser:
                          "(also: profile --op gemm)")
     cli_gemm.add_arguments(prof_gemm, profile=True)
     prof_gemm.set_defaults(func=_guarded(cli_profile.run), op="gemm")
-    tune = _command(sub, "tune", "the tuning databases: path, show, export, import")
-    cli_tune.add_arguments(tune)
-    tune.set_defaults(func=_guarded(cli_tune.run))
+    _module_command(sub, cli_tune, "tune", "the tuning databases: path, show, export, import")
     return top
 
 

@@ -26,41 +26,34 @@ def _err_buffer() -> ctypes.Array:
 STATUS_NAMES = {0: "GEMMGEN_OK", 1: "GEMMGEN_INVALID_ARGUMENT", 2: "GEMMGEN_CUDA_ERROR"}
 
 
+def _strides(*names: str) -> list[tuple[str, type]]:
+    """The batch, head and row strides (int64, in elements) of each named tensor, in abi.h's order."""
+    return [(f"{n}_{dim}_stride", ctypes.c_int64) for n in names for dim in ("batch", "head", "row")]
+
+
+# Fields that GemmgenAttnParams and GemmgenAttnBwdParams declare alike: the sizes, and dropout's
+# probability and Philox (seed, offset).
+_SIZES = [(n, ctypes.c_int32) for n in ("batch", "heads", "heads_kv", "seqlen_q", "seqlen_k", "head_dim")]
+_DROPOUT = [("dropout_p", ctypes.c_float), ("dropout_seed", ctypes.c_uint64), ("dropout_offset", ctypes.c_uint64)]
+
+
 class AttnParams(ctypes.Structure):
     """GemmgenAttnParams: pointers, sizes, strides in elements, scale, causal offset."""
 
     _fields_ = [
-        ("q", ctypes.c_void_p),
-        ("k", ctypes.c_void_p),
-        ("v", ctypes.c_void_p),
-        ("o", ctypes.c_void_p),
-        ("lse", ctypes.c_void_p),  # float*, may be NULL
-        ("batch", ctypes.c_int32),
-        ("heads", ctypes.c_int32),
-        ("heads_kv", ctypes.c_int32),
-        ("seqlen_q", ctypes.c_int32),
-        ("seqlen_k", ctypes.c_int32),
-        ("head_dim", ctypes.c_int32),
-        ("q_batch_stride", ctypes.c_int64), ("q_head_stride", ctypes.c_int64), ("q_row_stride", ctypes.c_int64),
-        ("k_batch_stride", ctypes.c_int64), ("k_head_stride", ctypes.c_int64), ("k_row_stride", ctypes.c_int64),
-        ("v_batch_stride", ctypes.c_int64), ("v_head_stride", ctypes.c_int64), ("v_row_stride", ctypes.c_int64),
-        ("o_batch_stride", ctypes.c_int64), ("o_head_stride", ctypes.c_int64), ("o_row_stride", ctypes.c_int64),
+        *[(n, ctypes.c_void_p) for n in ("q", "k", "v", "o", "lse")],  # lse: float*, may be NULL
+        *_SIZES,
+        *_strides("q", "k", "v", "o"),
         ("scale", ctypes.c_float),
         ("causal_offset", ctypes.c_int32),
-        ("bias", ctypes.c_void_p),  # NULL: no additive mask
-        ("bias_batch_stride", ctypes.c_int64), ("bias_head_stride", ctypes.c_int64),
-        ("bias_row_stride", ctypes.c_int64),
-        ("dropout_p", ctypes.c_float),
-        ("dropout_seed", ctypes.c_uint64),
-        ("dropout_offset", ctypes.c_uint64),
+        ("bias", ctypes.c_void_p), *_strides("bias"),  # bias NULL: no additive mask
+        *_DROPOUT,
         ("cu_seqlens_q", ctypes.c_void_p),  # int32*, NULL: fixed lengths
         ("cu_seqlens_k", ctypes.c_void_p),
         ("seqlens_k", ctypes.c_void_p),  # int32*, NULL: seqlen_k keys each
         ("block_table", ctypes.c_void_p),  # int32*, NULL: not paged
         ("block_table_batch_stride", ctypes.c_int64),
-        ("page_size", ctypes.c_int32),
-        ("num_pages", ctypes.c_int32),
-        ("num_splits", ctypes.c_int32),
+        *[(n, ctypes.c_int32) for n in ("page_size", "num_pages", "num_splits")],
         ("workspace", ctypes.c_void_p),
         ("workspace_bytes", ctypes.c_int64),
     ]
@@ -292,10 +285,6 @@ def bind_softmax(path: Path, symbol: str) -> Kernel:
 INFO_BACKWARD = 2  # GEMMGEN_INFO_BACKWARD
 
 
-def _strides(*names: str) -> list[tuple[str, type]]:
-    return [(f"{n}_{dim}_stride", ctypes.c_int64) for n in names for dim in ("batch", "head", "row")]
-
-
 class AttnBwdParams(ctypes.Structure):
     """GemmgenAttnBwdParams: the forward's tensors, dO, the gradients, a workspace, sizes, strides
     in elements, scale, causal offset, the forward's mask, dropout and lengths, determinism."""
@@ -303,15 +292,13 @@ class AttnBwdParams(ctypes.Structure):
     _fields_ = [
         *[(n, ctypes.c_void_p) for n in ("q", "k", "v", "o", "d_o", "lse", "dq", "dk", "dv", "workspace")],
         ("workspace_bytes", ctypes.c_int64),
-        *[(n, ctypes.c_int32) for n in ("batch", "heads", "heads_kv", "seqlen_q", "seqlen_k", "head_dim")],
+        *_SIZES,
         *_strides("q", "k", "v", "o", "do", "dq", "dk", "dv"),
         ("scale", ctypes.c_float),
         ("causal_offset", ctypes.c_int32),
         ("bias", ctypes.c_void_p), *_strides("bias"),
         ("dbias", ctypes.c_void_p), *_strides("dbias"),
-        ("dropout_p", ctypes.c_float),
-        ("dropout_seed", ctypes.c_uint64),
-        ("dropout_offset", ctypes.c_uint64),
+        *_DROPOUT,
         ("cu_seqlens_q", ctypes.c_void_p),
         ("cu_seqlens_k", ctypes.c_void_p),
         ("deterministic", ctypes.c_int32),

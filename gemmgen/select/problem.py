@@ -55,16 +55,6 @@ class Problem:
     kind: ClassVar[str] = "attention"  # the selection engine's Kind for it
 
     @property
-    def cc(self) -> tuple[int, int]:
-        """The GPU's compute capability."""
-        return self.device.cc
-
-    @property
-    def smem_limit(self) -> int:
-        """Shared memory one block may opt into on the GPU, bytes."""
-        return self.device.smem_per_block
-
-    @property
     def mask(self) -> str:
         """The instance-parameter spelling of the mask: "causal" or "none"."""
         return "causal" if self.causal else "none"
@@ -92,7 +82,7 @@ class Problem:
         mask = "no mask" if not self.causal else "causal" if self.causal_alignment == "top_left" else \
             f"causal ({self.causal_alignment})"
         extra = "".join(f", {name.replace('_', '-')}" for name in FEATURES if getattr(self, name))
-        return f"{self.dtype} head_dim={self.head_dim} {mask}{extra} on sm_{self.cc[0]}{self.cc[1]}"
+        return f"{self.dtype} head_dim={self.head_dim} {mask}{extra} on sm_{self.device.cc[0]}{self.device.cc[1]}"
 
     def describe_sizes(self) -> str:
         """The sizes and the rest of the key, for `gemmgen explain`."""

@@ -235,11 +235,12 @@ def reject_reason(cand: Candidate, problem: Problem) -> str | None:
     need = int(params.get("align_bytes", 16))
     if problem.align < need:
         return f"needs {need}-byte aligned data and strides, the problem's are {problem.align}-byte aligned"
-    reason = build_reason(cand, problem.cc)
+    reason = build_reason(cand, problem.device.cc)
     if reason is not None:
         return reason
-    if entry.smem_bytes > problem.smem_limit:
-        return f"needs {entry.smem_bytes} B of shared memory, this GPU allows {problem.smem_limit} B per block"
+    limit = problem.device.smem_per_block  # what one block may opt into
+    if entry.smem_bytes > limit:
+        return f"needs {entry.smem_bytes} B of shared memory, this GPU allows {limit} B per block"
     return None
 
 
@@ -275,14 +276,14 @@ def build_target(problem: Problem) -> tuple[Any, Any] | None:
     tile first), or None when no family supports it on this GPU."""
     for family in FAMILIES:
         for arch in family.ARCHS:
-            if not runs_on(arch.gencode, problem.cc):
+            if not runs_on(arch.gencode, problem.device.cc):
                 continue
             if family.KIND != problem.kind:
                 continue
             for pool in (family.DEFAULT, family.SPACE):
                 for inst in pool:
                     if (functional_reason(family, inst, problem) is None
-                            and inst.smem_bytes <= problem.smem_limit):
+                            and inst.smem_bytes <= problem.device.smem_per_block):
                         return arch, inst
     return None
 

@@ -8,7 +8,9 @@ members directly. Its instance type is a frozen dataclass of enums, ints and boo
 content hash and the way back from a manifest's params (`from_params`) from the fields.
 
 Besides the contract, the rules every family states the same way: an instance's threads from its
-warps (`Warps`), an axis value outside its axis (`axis_reason`), shared memory beyond the arch's
+warps (`Warps`), the shared memory of a Q tile and staged K/V tiles (`QKVStages`), both masks from
+a launch parameter (`BothMasks`), the head-dim bound and tiles of CUTLASS example 41's kernels
+(`BoundedHeadDim`), an axis value outside its axis (`axis_reason`), shared memory beyond the arch's
 (`smem_reason`), and an attention problem's features a family lacks (`feature_reason`).
 """
 from __future__ import annotations
@@ -143,11 +145,38 @@ class Warps:
         return 32 * self.warps
 
 
-class BoundedHeadDim:
+class QKVStages:
+    """Mixed into an attention instance whose shared memory holds a Q tile of `block_m` rows and,
+    per stage, a K and a V tile of `block_n` rows, all `head_dim` wide (fa2_sm80's kernel and
+    decode_sm80's, which reuse the space for their epilogues): its `smem_bytes` follow from them."""
+
+    block_m: int
+    block_n: int
+    stages: int
+    head_dim: int
+    dtype: DType
+
+    @property
+    def smem_bytes(self) -> int:
+        """The Q tile and the K and V tiles of every stage."""
+        return (self.block_m + 2 * self.stages * self.block_n) * self.head_dim * self.dtype.itemsize
+
+
+class BothMasks:
+    """Mixed into an attention instance that serves both masks because the causal offset is a
+    launch parameter: it fixes no mask (its family's problem_reason checks the problem's)."""
+
+    @property
+    def mask(self) -> None:
+        """None: the causal offset is a launch parameter."""
+        return None
+
+
+class BoundedHeadDim(BothMasks):
     """Mixed into an attention instance built on one of CUTLASS example 41's kernels: it serves
-    every head dim up to its `max_head_dim` and both masks (the causal offset is a launch
-    parameter), so it fixes neither (its family's problem_reason checks them), and its CTA holds one
-    32x32 warp tile per warp of its `block_m` x `block_n` block."""
+    every head dim up to its `max_head_dim` and both masks, so it fixes neither (its family's
+    problem_reason checks them), its CTA holds one 32x32 warp tile per warp of its `block_m` x
+    `block_n` block, and it loads each block's K and V before using them (one stage)."""
 
     max_head_dim: int
     block_m: int
@@ -159,13 +188,37 @@ class BoundedHeadDim:
         return None
 
     @property
-    def mask(self) -> None:
-        """None: the causal offset is a launch parameter."""
-        return None
-
-    @property
     def warps(self) -> int:
         return self.block_m * self.block_n // (32 * 32)
+
+    @property
+    def stages(self) -> int:
+        """1: the cost model counts a CTA's first K/V loads as fully exposed."""
+        return 1
+
+    @property
+    def tile_stem(self) -> str:
+        """The start of the name: name_stem, the bound (k<max_head_dim>) and the tile
+        (q<block_m>k<block_n>)."""
+        return f"{getattr(self, 'name_stem')}_k{self.max_head_dim}_q{self.block_m}k{self.block_n}"
+
+    def tile_reason(self, max_head_dims: tuple[int, ...], block_ms: tuple[int, ...],
+                    block_ns: tuple[int, ...]) -> str | None:
+        """The first checks of such a family's invalid_reason: the bound one of `max_head_dims` and
+        the tile one of `block_ms` x `block_ns` (None when they pass)."""
+        if reason := axis_reason("max_head_dim", self.max_head_dim, max_head_dims):
+            return reason
+        if self.block_m not in block_ms or self.block_n not in block_ns:
+            return f"tile {self.block_m}x{self.block_n} not in {block_ms} x {block_ns}"
+        return None
+
+    def measured_smem_reason(self, arch: Arch, what: str) -> str | None:
+        """The last check of such a family's invalid_reason: its shared memory comes from a table
+        of the sizes nvcc laid out (0 where the table lacks `what`: never built), and it must fit
+        `arch`'s (None when it does)."""
+        if getattr(self, "smem_bytes") == 0:
+            return f"{what}: shared memory size unknown"
+        return smem_reason(self, arch)
 
     def bound_reason(self, problem: Any, multiple: int) -> str | None:
         """The first checks of such a family's problem_reason: no key-value cache, and a head dim

@@ -16,8 +16,8 @@ import dataclasses
 import itertools
 
 from gemmgen.arch import Arch
-from gemmgen.generator.families.base import (AttentionInstance, CostInputs, DType, Warps, axis_reason,
-                                             feature_reason, smem_reason)
+from gemmgen.generator.families.base import (AttentionInstance, BothMasks, CostInputs, DType, QKVStages, Warps,
+                                             axis_reason, feature_reason, smem_reason)
 
 FAMILY = "decode_sm80"
 KIND = "attention"
@@ -44,10 +44,11 @@ MAX_ACC_REGS = 192  # as fa2_sm80: fp32 accumulators per thread above which nvcc
 
 
 @dataclasses.dataclass(frozen=True)
-class DecodeSm80Instance(Warps, AttentionInstance):
+class DecodeSm80Instance(BothMasks, QKVStages, Warps, AttentionInstance):
     """A CTA of warps_m x warps_n warps computes `block_m` = 16 * warps_m packed (query head, query
     row) rows of one KV head against one split of its keys, `block_n` keys per step shared out over
-    warps_n warps, `stages` K/V tile pairs in flight."""
+    warps_n warps, `stages` K/V tile pairs in flight (the merge's scratch reuses their shared
+    memory)."""
 
     family = FAMILY
 
@@ -57,11 +58,6 @@ class DecodeSm80Instance(Warps, AttentionInstance):
     warps_m: int
     warps_n: int
     stages: int
-
-    @property
-    def mask(self) -> None:
-        """None: both masks (the causal offset is a launch parameter)."""
-        return None
 
     @property
     def block_m(self) -> int:
@@ -75,11 +71,6 @@ class DecodeSm80Instance(Warps, AttentionInstance):
     @property
     def name(self) -> str:
         return f"{self.name_stem}_m{self.block_m}n{self.block_n}w{self.warps_m}x{self.warps_n}s{self.stages}"
-
-    @property
-    def smem_bytes(self) -> int:
-        """Q tile + a K and a V tile per stage (the merge's scratch reuses the stages)."""
-        return (self.block_m + 2 * self.stages * self.block_n) * self.head_dim * self.dtype.itemsize
 
     @property
     def cost_inputs(self) -> CostInputs:

@@ -10,8 +10,8 @@ import dataclasses
 import itertools
 
 from gemmgen.arch import Arch
-from gemmgen.generator.families.base import (AttentionInstance, DType, Mask, Warps, axis_reason, feature_reason,
-                                             smem_reason)
+from gemmgen.generator.families.base import (AttentionInstance, DType, Mask, QKVStages, Warps, axis_reason,
+                                             feature_reason, smem_reason)
 
 FAMILY = "fa2_sm80"
 KIND = "attention"
@@ -36,9 +36,10 @@ MAX_ACC_REGS = 192
 
 
 @dataclasses.dataclass(frozen=True)
-class Fa2Sm80Instance(Warps, AttentionInstance):
+class Fa2Sm80Instance(QKVStages, Warps, AttentionInstance):
     """One CTA of `warps` warps computes `block_m` query rows of one (batch, head) for one head dim
-    and mask, over key tiles of `block_n` keys with `stages` K/V buffers (STAGES)."""
+    and mask, over key tiles of `block_n` keys with `stages` K/V buffers (STAGES); O is staged
+    through the Q tile's shared memory."""
 
     family = FAMILY
 
@@ -53,11 +54,6 @@ class Fa2Sm80Instance(Warps, AttentionInstance):
     @property
     def name(self) -> str:
         return f"{self.name_stem}_m{self.block_m}n{self.block_n}w{self.warps}s{self.stages}"
-
-    @property
-    def smem_bytes(self) -> int:
-        """Q tile + a K and a V tile per stage (O is staged through the Q tile's space)."""
-        return (self.block_m + 2 * self.stages * self.block_n) * self.head_dim * self.dtype.itemsize
 
     def template_values(self) -> dict:
         return {**super().template_values(), "causal": self.causal}

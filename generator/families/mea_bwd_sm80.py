@@ -22,8 +22,7 @@ import dataclasses
 import itertools
 
 from gemmgen.arch import Arch
-from gemmgen.generator.families.base import (AttentionInstance, BoundedHeadDim, CostInputs, DType, Warps, axis_reason,
-                                             smem_reason)
+from gemmgen.generator.families.base import AttentionInstance, BoundedHeadDim, DType, Warps
 
 FAMILY = "mea_bwd_sm80"
 KIND = "attention_bwd"
@@ -64,8 +63,7 @@ class MeaBwdSm80Instance(BoundedHeadDim, Warps, AttentionInstance):
 
     @property
     def name(self) -> str:
-        return (f"{self.name_stem}_k{self.max_head_dim}_q{self.block_m}k{self.block_n}"
-                f"{'_preload' if self.preload else ''}{'_dropout' if self.dropout else ''}")
+        return f"{self.tile_stem}{'_preload' if self.preload else ''}{'_dropout' if self.dropout else ''}"
 
     @property
     def keeps_grads_in_registers(self) -> bool:
@@ -73,19 +71,10 @@ class MeaBwdSm80Instance(BoundedHeadDim, Warps, AttentionInstance):
         return self.max_head_dim <= self.block_m
 
     @property
-    def stages(self) -> int:
-        return 1
-
-    @property
     def smem_bytes(self) -> int:
         """Dynamic shared memory of a launch: the kernel's storage, and the dropout stream after it."""
         storage = SMEM_BYTES.get((self.block_m, self.block_n, self.max_head_dim, self.preload, self.dropout), 0)
         return storage + DROPOUT_STREAM_BYTES if storage and self.dropout else storage
-
-    @property
-    def cost_inputs(self) -> CostInputs:
-        # stages 1: nothing of a CTA's first loads is hidden.
-        return CostInputs(self.block_m, self.block_n, 1, self.threads, self.smem_bytes)
 
     def template_values(self) -> dict:
         return {**super().template_values(), "preload_cpp": "true" if self.preload else "false",
@@ -126,16 +115,12 @@ SMEM_BYTES: dict[tuple[int, int, int, bool, bool], int] = {
 
 def invalid_reason(inst: MeaBwdSm80Instance, arch: Arch = Arch.SM80) -> str | None:
     """The one validity rule of this family: None when valid, else why not."""
-    if reason := axis_reason("max_head_dim", inst.max_head_dim, MAX_HEAD_DIMS):
+    if reason := inst.tile_reason(MAX_HEAD_DIMS, BLOCK_MS, BLOCK_NS):
         return reason
-    if inst.block_m not in BLOCK_MS or inst.block_n not in BLOCK_NS:
-        return f"tile {inst.block_m}x{inst.block_n} not in {BLOCK_MS} x {BLOCK_NS}"
     if inst.preload and not inst.keeps_grads_in_registers:
         return (f"preload needs dK and dV in registers: max_head_dim {inst.max_head_dim} is above "
                 f"block_m {inst.block_m}")
-    if inst.smem_bytes == 0:
-        return f"{inst.name}: shared memory size unknown"
-    return smem_reason(inst, arch)
+    return inst.measured_smem_reason(arch, inst.name)
 
 
 def problem_reason(inst: MeaBwdSm80Instance, problem) -> str | None:

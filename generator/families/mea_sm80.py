@@ -17,8 +17,7 @@ import dataclasses
 import itertools
 
 from gemmgen.arch import Arch
-from gemmgen.generator.families.base import (AttentionInstance, BoundedHeadDim, CostInputs, DType, Warps, axis_reason,
-                                             smem_reason)
+from gemmgen.generator.families.base import AttentionInstance, BoundedHeadDim, DType, Warps
 
 FAMILY = "mea_sm80"
 KIND = "attention"
@@ -62,22 +61,11 @@ class MeaSm80Instance(BoundedHeadDim, Warps, AttentionInstance):
 
     @property
     def name(self) -> str:
-        return (f"{self.name_stem}_k{self.max_head_dim}_q{self.block_m}k{self.block_n}"
-                f"_{'aligned' if self.aligned else 'unaligned'}")
-
-    @property
-    def keeps_output_in_registers(self) -> bool:
-        """kSingleValueIteration: one key block covers the head dim, no float32 workspace."""
-        return self.max_head_dim <= self.block_n
+        return f"{self.tile_stem}_{'aligned' if self.aligned else 'unaligned'}"
 
     @property
     def smem_bytes(self) -> int:
         return SMEM_BYTES.get((self.block_m, self.block_n, self.max_head_dim), 0)
-
-    @property
-    def cost_inputs(self) -> CostInputs:
-        # stages 1: the cost model counts this kernel's first K/V loads of a CTA as fully exposed.
-        return CostInputs(self.block_m, self.block_n, 1, self.threads, self.smem_bytes)
 
     def template_values(self) -> dict:
         return {**super().template_values(), "aligned_cpp": "true" if self.aligned else "false"}
@@ -113,19 +101,15 @@ SMEM_BYTES: dict[tuple[int, int, int], int] = {
 
 def invalid_reason(inst: MeaSm80Instance, arch: Arch = Arch.SM80) -> str | None:
     """The one validity rule of this family: None when valid, else why not."""
-    if reason := axis_reason("max_head_dim", inst.max_head_dim, MAX_HEAD_DIMS):
+    if reason := inst.tile_reason(MAX_HEAD_DIMS, BLOCK_MS, BLOCK_NS):
         return reason
-    if inst.block_m not in BLOCK_MS or inst.block_n not in BLOCK_NS:
-        return f"tile {inst.block_m}x{inst.block_n} not in {BLOCK_MS} x {BLOCK_NS}"
     if inst.aligned not in ALIGNED:
         return "unaligned variant not built (gemmgen passes 16-byte aligned data only)"
     if inst.warps > MAX_WARPS:
         return f"{inst.warps} warps exceed {MAX_WARPS}"
     if inst.block_m % inst.warps:
         return f"block_m {inst.block_m} is not a multiple of its {inst.warps} warps (softmax rows per warp)"
-    if inst.smem_bytes == 0:
-        return f"tile {inst.block_m}x{inst.block_n}, bound {inst.max_head_dim}: shared memory size unknown"
-    return smem_reason(inst, arch)
+    return inst.measured_smem_reason(arch, f"tile {inst.block_m}x{inst.block_n}, bound {inst.max_head_dim}")
 
 
 def problem_reason(inst: MeaSm80Instance, problem) -> str | None:

@@ -9,6 +9,7 @@
 #include "gemmgen/abi.h"
 #include "gemmgen/report.h"
 #include "gemmgen/smem.h"
+#include "gemmgen/fa2_sm80/checks.h"
 #include "gemmgen/fa2_sm80/kernel.h"
 
 namespace gemmgen::fa2_sm80 {
@@ -18,17 +19,7 @@ constexpr int64_t kMaxGridYZ = 65535;
 
 template <class Traits, bool Causal>
 int run(const GemmgenAttnParams* p, cudaStream_t stream, char* err, int err_len) {
-  if (p == nullptr) return report(err, err_len, GEMMGEN_INVALID_ARGUMENT, "params is NULL");
-  if (p->head_dim != Traits::kHeadDim) {
-    return report(err, err_len, GEMMGEN_INVALID_ARGUMENT, "head_dim %d, this instance runs %d",
-                  p->head_dim, Traits::kHeadDim);
-  }
-  if (p->batch < 1 || p->heads < 1 || p->heads_kv < 1 || p->seqlen_q < 1 || p->seqlen_k < 1 ||
-      p->heads % p->heads_kv != 0) {
-    return report(err, err_len, GEMMGEN_INVALID_ARGUMENT,
-                  "bad sizes: batch %d heads %d heads_kv %d seqlen_q %d seqlen_k %d",
-                  p->batch, p->heads, p->heads_kv, p->seqlen_q, p->seqlen_k);
-  }
+  if (int status = check_sizes<Traits::kHeadDim>(p, 1, err, err_len)) return status;
   if (p->bias != nullptr || p->dropout_p != 0.f || p->cu_seqlens_q != nullptr || p->cu_seqlens_k != nullptr ||
       p->seqlens_k != nullptr || p->block_table != nullptr) {
     return report(err, err_len, GEMMGEN_INVALID_ARGUMENT,

@@ -105,6 +105,21 @@ int check_sizes(const Sizes& p, bool b_transposed, int align_ab, int align_c, ch
   return GEMMGEN_OK;
 }
 
+// The strided strategy's check beside check_sizes: the batch and head strides must be multiples of
+// the alignment too (A and B in input elements, C in output elements), or a matrix after the first
+// would start off it.
+inline int check_batch_strides(const GemmgenBatchedGemmStridedArgs& p, int64_t align_ab, int64_t align_c,
+                               char* err, int err_len) {
+  if (!multiple(p.stride_a_batch, align_ab) || !multiple(p.stride_a_head, align_ab) ||
+      !multiple(p.stride_b_batch, align_ab) || !multiple(p.stride_b_head, align_ab) ||
+      !multiple(p.stride_c_batch, align_c) || !multiple(p.stride_c_head, align_c)) {
+    return report(err, err_len, GEMMGEN_INVALID_ARGUMENT,
+                  "batch and head strides must be multiples of %lld (A, B) and %lld (C) elements",
+                  (long long)align_ab, (long long)align_c);
+  }
+  return GEMMGEN_OK;
+}
+
 inline int check_launch(cudaError_t e, const char* what, char* err, int err_len) {
   if (e == cudaSuccess) e = cudaGetLastError();
   if (e != cudaSuccess) {

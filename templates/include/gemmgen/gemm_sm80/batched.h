@@ -86,14 +86,7 @@ int run_strided(const GemmgenBatchedGemmStridedArgs* p, cudaStream_t stream, cha
   for (auto [ptr, name] : {std::pair<const void*, const char*>{p->A, "A"}, {p->B, "B"}, {p->C, "C"}}) {
     if (int s = check_pointer<Traits>(ptr, name, err, err_len)) return s;
   }
-  const int64_t a = Traits::kAlign, c = Traits::kAlignC;
-  if (!gemm::multiple(p->stride_a_batch, a) || !gemm::multiple(p->stride_a_head, a) ||
-      !gemm::multiple(p->stride_b_batch, a) || !gemm::multiple(p->stride_b_head, a) ||
-      !gemm::multiple(p->stride_c_batch, c) || !gemm::multiple(p->stride_c_head, c)) {
-    return report(err, err_len, GEMMGEN_INVALID_ARGUMENT,
-                  "batch and head strides must be multiples of %lld (A, B) and %lld (C) elements",
-                  (long long)a, (long long)c);
-  }
+  if (int s = gemm::check_batch_strides(*p, Traits::kAlign, Traits::kAlignC, err, err_len)) return s;
   using Element = typename Traits::Element;
   using ElementOut = typename Traits::ElementOut;
   return gemm::for_each_launch(*p, [&](const gemm::Launch& l) {

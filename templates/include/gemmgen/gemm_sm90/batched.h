@@ -214,14 +214,7 @@ int run_strided(const GemmgenBatchedGemmStridedArgs* p, cudaStream_t stream, cha
   if (p == nullptr) return report(err, err_len, GEMMGEN_INVALID_ARGUMENT, "args is NULL");
   if (int s = gemm::check_sizes(*p, Traits::kBTransposed, Traits::kAlign, Traits::kAlignC, err, err_len)) return s;
   if (int s = check_pointers<Traits>({p->A, p->B, p->C}, err, err_len)) return s;
-  const int64_t a = Traits::kAlign, c = Traits::kAlignC;
-  if (!gemm::multiple(p->stride_a_batch, a) || !gemm::multiple(p->stride_a_head, a) ||
-      !gemm::multiple(p->stride_b_batch, a) || !gemm::multiple(p->stride_b_head, a) ||
-      !gemm::multiple(p->stride_c_batch, c) || !gemm::multiple(p->stride_c_head, c)) {
-    return report(err, err_len, GEMMGEN_INVALID_ARGUMENT,
-                  "batch and head strides must be multiples of %lld (A, B) and %lld (C) elements",
-                  (long long)a, (long long)c);
-  }
+  if (int s = gemm::check_batch_strides(*p, Traits::kAlign, Traits::kAlignC, err, err_len)) return s;
   const auto hw = hardware();
   using Element = typename Traits::Element;
   using ElementOut = typename Traits::ElementOut;

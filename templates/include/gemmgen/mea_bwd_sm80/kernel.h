@@ -169,6 +169,22 @@ __device__ inline Sequence sequence_of(const GemmgenAttnBwdParams& a, int64_t b)
   return s;
 }
 
+// The (batch, head) a CTA of the prep, backward and copy-out kernels works on: batch b (grid.z, after
+// this launch's first batch), head h (grid.y), u = b * heads + h (its index among all of them), and
+// the lengths of sequence b on the mask.
+struct BlockHead {
+  int64_t b;
+  int h;
+  int64_t u;
+  Sequence s;
+};
+
+__device__ inline BlockHead block_head(const LaunchArgs& args) {
+  const int64_t b = int64_t(blockIdx.z) + args.batch_offset;
+  const int h = blockIdx.y;
+  return {b, h, b * args.p.heads + h, sequence_of(args.p, b)};
+}
+
 // Element offset of (batch b, head h)'s first row: packed rows from `first_row` with variable
 // lengths, else the batch stride.
 __device__ inline int64_t head_offset(const GemmgenAttnBwdParams& a, int64_t b, int h, int64_t first_row,
@@ -252,10 +268,7 @@ __global__ void __launch_bounds__(kAuxThreads) prep_kernel(const LaunchArgs args
   using Element = typename Traits::Kernel::scalar_t;
   const GemmgenAttnBwdParams& a = args.p;
   const Plan& plan = args.plan;
-  const int64_t b = int64_t(blockIdx.z) + args.batch_offset;
-  const int h = blockIdx.y;
-  const int64_t u = b * a.heads + h;
-  const Sequence s = sequence_of(a, b);
+  const auto [b, h, u, s] = block_head(args);
   const int r0 = blockIdx.x * kAuxRows, r1 = r0 + kAuxRows;
   const bool runs = s.runs();
 
@@ -297,9 +310,7 @@ template <class Traits>
 __global__ void __launch_bounds__(kAuxThreads) copy_out_kernel(const LaunchArgs args) {
   using Element = typename Traits::Kernel::scalar_t;
   const GemmgenAttnBwdParams& a = args.p;
-  const int64_t b = int64_t(blockIdx.z) + args.batch_offset;
-  const int h = blockIdx.y;
-  const Sequence s = sequence_of(args.p, b);
+  const auto [b, h, u, s] = block_head(args);
   const int r0 = blockIdx.x * kAuxRows, r1 = r0 + kAuxRows;
   const HeadTensors<Element> t = head_tensors<Element>(args, b, h);
   copy_rows<Element>(t.dq, t.dq_run.ptr, t.dq_run.row_stride, r0, min(r1, s.len_q), a.head_dim);
@@ -314,10 +325,7 @@ __global__ void __launch_bounds__(Traits::Kernel::kNumThreads, Traits::Kernel::k
   using Element = typename AK::scalar_t;
   const GemmgenAttnBwdParams& a = args.p;
   const Plan& plan = args.plan;
-  const int64_t b = int64_t(blockIdx.z) + args.batch_offset;
-  const int h = blockIdx.y;
-  const int64_t u = b * a.heads + h;
-  const Sequence s = sequence_of(a, b);
+  const auto [b, h, u, s] = block_head(args);
   if (!s.runs()) return;  // uniform across the CTA; prep zeroed this (batch, head)'s gradients
 
   const int64_t q0 = a.cu_seqlens_q != nullptr ? a.cu_seqlens_q[b] : 0;

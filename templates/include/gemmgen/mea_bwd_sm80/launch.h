@@ -14,22 +14,19 @@
 
 #include "gemmgen/abi.h"
 #include "gemmgen/mea_bwd_sm80/kernel.h"
+#include "gemmgen/mea_sm80/checks.h"
 #include "gemmgen/report.h"
 #include "gemmgen/smem.h"
 
 namespace gemmgen::mea_bwd_sm80 {
 
+using mea_sm80::kInt32Max;
+using mea_sm80::rows_fit_int32;
+
 constexpr int64_t kMaxGridYZ = 65535;  // CUDA's limit on grid.y (heads) and grid.z (batches)
-constexpr int64_t kInt32Max = 2147483647;
 constexpr int64_t kWorkspaceAlign = 256;  // the C ABI's workspace alignment; every part starts on it
 constexpr int kLseRows = 32;              // the kernel reads LSE in groups of 32 rows
 constexpr int kMaxGradMultiplier = 127;   // Params::gQKV_strideM_multiplier is an int8
-
-// The kernel multiplies row indices by row strides in 32 bits: rows * |stride| must fit.
-inline bool rows_fit_int32(int64_t rows, int64_t row_stride) {
-  const int64_t s = row_stride < 0 ? -row_stride : row_stride;
-  return s <= kInt32Max && (rows <= 1 || s <= kInt32Max / rows);
-}
 
 inline int64_t align_up(int64_t x, int64_t a) { return (x + a - 1) / a * a; }
 
@@ -50,12 +47,8 @@ inline int sm_count() {
 
 template <class Traits>
 int check(const GemmgenAttnBwdParams* p, char* err, int err_len) {
+  if (int status = mea_sm80::check_head_dim<Traits>(p->head_dim, err, err_len)) return status;
   constexpr int kAlign = Traits::kAlignment;
-  if (p->head_dim < 1 || p->head_dim > Traits::kMaxHeadDim || p->head_dim % kAlign) {
-    return report(err, err_len, GEMMGEN_INVALID_ARGUMENT,
-                  "head_dim %d, this instance runs multiples of %d up to %d", p->head_dim, kAlign,
-                  Traits::kMaxHeadDim);
-  }
   if (p->batch < 1 || p->heads < 1 || p->seqlen_q < 1 || p->seqlen_k < 1 || p->heads > kMaxGridYZ) {
     return report(err, err_len, GEMMGEN_INVALID_ARGUMENT,
                   "bad sizes: batch %d heads %d (at most %lld) seqlen_q %d seqlen_k %d", p->batch, p->heads,

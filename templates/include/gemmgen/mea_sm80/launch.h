@@ -14,27 +14,17 @@
 #include "gemmgen/abi.h"
 #include "gemmgen/report.h"
 #include "gemmgen/smem.h"
+#include "gemmgen/mea_sm80/checks.h"
 #include "gemmgen/mea_sm80/kernel.h"
 
 namespace gemmgen::mea_sm80 {
 
 constexpr int64_t kMaxGridYZ = 65535;  // CUDA's limit on grid.y (heads) and grid.z (batches)
-constexpr int64_t kInt32Max = 2147483647;
-
-// The kernel multiplies row indices by row strides in 32 bits: rows * |stride| must fit.
-inline bool rows_fit_int32(int64_t rows, int64_t row_stride) {
-  const int64_t s = row_stride < 0 ? -row_stride : row_stride;
-  return s <= kInt32Max && (rows <= 1 || s <= kInt32Max / rows);
-}
 
 template <class Traits>
 int check(const GemmgenAttnParams* p, char* err, int err_len) {
+  if (int status = check_head_dim<Traits>(p->head_dim, err, err_len)) return status;
   constexpr int kAlign = Traits::kAlignment;
-  if (p->head_dim < 1 || p->head_dim > Traits::kMaxHeadDim || p->head_dim % kAlign) {
-    return report(err, err_len, GEMMGEN_INVALID_ARGUMENT,
-                  "head_dim %d, this instance runs multiples of %d up to %d", p->head_dim, kAlign,
-                  Traits::kMaxHeadDim);
-  }
   if (p->batch < 1 || p->heads < 1 || p->heads_kv < 1 || p->seqlen_q < 1 || p->seqlen_k < 1 ||
       p->heads % p->heads_kv != 0 || p->heads > kMaxGridYZ) {
     return report(err, err_len, GEMMGEN_INVALID_ARGUMENT,

@@ -1,0 +1,29 @@
+// Host-side checks that every launch of a kernel on fa2_sm80's tiles starts with (fa2_sm80's own
+// and decode_sm80's): the params are there, hold the instance's head dim, and describe sizes the
+// kernels index. Errors come back as a status and a message.
+#pragma once
+
+#include "gemmgen/abi.h"
+#include "gemmgen/report.h"
+
+namespace gemmgen::fa2_sm80 {
+
+// `min_seqlen_k`: the fewest keys a call may have (decode_sm80 runs caches that hold none yet).
+// The query heads must be a whole number of groups per key/value head.
+template <int HeadDim>
+int check_sizes(const GemmgenAttnParams* p, int min_seqlen_k, char* err, int err_len) {
+  if (p == nullptr) return report(err, err_len, GEMMGEN_INVALID_ARGUMENT, "params is NULL");
+  if (p->head_dim != HeadDim) {
+    return report(err, err_len, GEMMGEN_INVALID_ARGUMENT, "head_dim %d, this instance runs %d", p->head_dim,
+                  HeadDim);
+  }
+  if (p->batch < 1 || p->heads < 1 || p->heads_kv < 1 || p->seqlen_q < 1 || p->seqlen_k < min_seqlen_k ||
+      p->heads % p->heads_kv != 0) {
+    return report(err, err_len, GEMMGEN_INVALID_ARGUMENT,
+                  "bad sizes: batch %d heads %d heads_kv %d seqlen_q %d seqlen_k %d",
+                  p->batch, p->heads, p->heads_kv, p->seqlen_q, p->seqlen_k);
+  }
+  return GEMMGEN_OK;
+}
+
+}  // namespace gemmgen::fa2_sm80
