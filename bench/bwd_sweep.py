@@ -27,9 +27,8 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import gemmgen
-from common import DTYPES, fa_shapes, header
+from common import add_sweep_args, fa_shapes, header, rounds_method
 from gemmgen.select import calls, selection, timing
-from gemmgen.select.shapes import SEQLENS
 
 BACKENDS = {"FA2": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
             "cuDNN": SDPBackend.CUDNN_ATTENTION}
@@ -80,21 +79,15 @@ def sides_for(q, k, v, do, causal, mode, deterministic=False):
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--dtype", nargs="+", default=["bf16", "fp16"], choices=list(DTYPES))
-    ap.add_argument("--head-dim", nargs="+", type=int, default=[64, 128])
-    ap.add_argument("--seq-len", nargs="+", type=int, default=list(SEQLENS))
+    add_sweep_args(ap, reps=10)
     ap.add_argument("--mode", nargs="+", default=list(MODES), choices=MODES)
-    ap.add_argument("--reps", type=int, default=10)
-    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--deterministic", action="store_true",
                     help="gemmgen's side with deterministic=True (SDPA's sides unchanged)")
-    ap.add_argument("--out", help="also write the tables to this markdown file")
     args = ap.parse_args()
 
-    head = header(f"eager calls with the host path, default build untuned; each side the median over "
-                  f"{args.rounds} rounds in alternating order of the median of {args.reps} CUDA-event timings; "
-                  f"TFLOP/s = 2.5 (bwd) or 3.5 (fwd+bwd) x 4*B*H*N^2*d/t, halved for causal"
-                  + ("; gemmgen with deterministic=True" if args.deterministic else ""))
+    deterministic = "; gemmgen with deterministic=True" if args.deterministic else ""
+    head = header(f"eager calls with the host path, default build untuned; {rounds_method(args)}; "
+                  f"TFLOP/s = 2.5 (bwd) or 3.5 (fwd+bwd) x 4*B*H*N^2*d/t, halved for causal{deterministic}")
     print(head, flush=True)
     tables, summary = [], []
     for mode in args.mode:

@@ -3,13 +3,14 @@ the date, and the FlashAttention sweep's shapes (16384 tokens, hidden 2048; benc
 this module from their own folder)."""
 from __future__ import annotations
 
+import argparse
 import datetime
 from typing import Iterator
 
 import torch
 
 import gemmgen
-from gemmgen.select.shapes import HIDDEN, TOKENS
+from gemmgen.select.shapes import HIDDEN, SEQLENS, TOKENS
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -30,3 +31,20 @@ def fa_shapes(dtypes: list[str], head_dims: list[int], seq_lens: list[int]) -> I
                 for n in seq_lens:
                     b, h = TOKENS // n, HIDDEN // d
                     yield dname, DTYPES[dname], d, causal, n, b, h, 4 * b * h * n * n * d / (2 if causal else 1)
+
+
+def add_sweep_args(ap: argparse.ArgumentParser, reps: int) -> None:
+    """The FlashAttention sweep's options: --dtype, --head-dim, --seq-len (fa_shapes' arguments),
+    --reps CUDA-event timings per round, --rounds in alternating order, --out FILE.md."""
+    ap.add_argument("--dtype", nargs="+", default=["bf16", "fp16"], choices=list(DTYPES))
+    ap.add_argument("--head-dim", nargs="+", type=int, default=[64, 128])
+    ap.add_argument("--seq-len", nargs="+", type=int, default=list(SEQLENS))
+    ap.add_argument("--reps", type=int, default=reps)
+    ap.add_argument("--rounds", type=int, default=3, help="rounds in alternating order per shape")
+    ap.add_argument("--out", help="also write the tables to this markdown file")
+
+
+def rounds_method(args: argparse.Namespace) -> str:
+    """How add_sweep_args' --rounds and --reps time each side, for the table's header."""
+    return (f"each side the median over {args.rounds} rounds in alternating order of the median of {args.reps} "
+            f"CUDA-event timings")

@@ -30,10 +30,9 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import gemmgen
-from common import DTYPES, fa_shapes, header
+from common import add_sweep_args, fa_shapes, header, rounds_method
 from gemmgen.select import calls, registry, timing
 from gemmgen.generator.space import FAMILIES
-from gemmgen.select.shapes import SEQLENS  # the sweep's lengths, shared with `gemmgen profile`
 
 BACKENDS = {"FA2": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
             "cuDNN": SDPBackend.CUDNN_ATTENTION}
@@ -82,20 +81,13 @@ def built_instances(q: torch.Tensor, k: torch.Tensor, causal: bool) -> list[str]
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--dtype", nargs="+", default=["bf16", "fp16"], choices=list(DTYPES))
-    ap.add_argument("--head-dim", nargs="+", type=int, default=[64, 128])
-    ap.add_argument("--seq-len", nargs="+", type=int, default=list(SEQLENS))
-    ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--rounds", type=int, default=3, help="rounds in alternating order per shape")
+    add_sweep_args(ap, reps=20)
     ap.add_argument("--kernels", action="store_true",
                     help="time the kernels alone: each call queued behind a spin kernel")
-    ap.add_argument("--out", help="also write the table to this markdown file")
     args = ap.parse_args()
 
-    head = header(f"each side the median over {args.rounds} rounds in alternating order of the median of "
-                  f"{args.reps} CUDA-event timings"
-                  f"{' of the kernels alone (each call behind a spin kernel)' if args.kernels else ''}; "
-                  f"TFLOP/s = 4*B*H*N^2*d/t (halved for causal)")
+    alone = " of the kernels alone (each call behind a spin kernel)" if args.kernels else ""
+    head = header(f"{rounds_method(args)}{alone}; TFLOP/s = 4*B*H*N^2*d/t (halved for causal)")
     families = [f.FAMILY for f in FAMILIES if getattr(f, "KIND", "attention") == "attention"]
     rows = ["| dtype | d | causal | N | " + " | ".join(families) + " | pick | picked instance | FA2 | efficient "
             "| cuDNN | pick/peer |", "|---" * (len(families) + 10) + "|"]

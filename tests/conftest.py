@@ -71,6 +71,25 @@ def _private_cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest
 GENCODE = ["-gencode=arch=compute_80,code=sm_80", "-gencode=arch=compute_90,code=sm_90"]
 
 
+@pytest.fixture
+def cpu_ops_library(monkeypatch: pytest.MonkeyPatch):
+    """register(**impls) gives gemmgen's ops CPU implementations for one test (removed after); the
+    backward's launch calls the stand-in kernel's run() directly and tensors report device 0, so
+    the real Python path from autograd to the C ABI params runs without a GPU."""
+    from gemmgen.kernels import launch
+
+    monkeypatch.setattr(launch, "run_bwd", lambda kernel, p, index: kernel.run(p, None))
+    monkeypatch.setattr(torch.Tensor, "get_device", lambda self: 0)
+    lib = torch.library.Library("gemmgen", "IMPL")
+
+    def register(**impls) -> None:
+        for op, fn in impls.items():
+            lib.impl(op, fn, "CPU")
+
+    yield register
+    lib._destroy()
+
+
 def make_entry(inst, state: str = "built", error: str | None = None, content_hash: str | None = None):
     """A manifest entry for a family instance (content hash: the instance's own, unless given)."""
     from gemmgen.generator import manifest

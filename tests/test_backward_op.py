@@ -70,7 +70,7 @@ class FakeKernel:
 
 
 @pytest.fixture
-def cpu_ops(monkeypatch):
+def cpu_ops(monkeypatch, cpu_ops_library):
     """CPU implementations of the forward (float64 reference) and the real backward implementation
     with FakeKernel behind it; removed afterwards."""
     def forward(q, k, v, causal=False, causal_alignment="top_left", scale=None, return_lse=False, instance=None,
@@ -89,15 +89,9 @@ def cpu_ops(monkeypatch):
         return p
 
     monkeypatch.setattr(launch, "params_bwd", params_bwd)
-    monkeypatch.setattr(launch, "run_bwd", lambda kernel, p, index: kernel.run(p, None))
     monkeypatch.setattr(torch_op, "_bwd_kernel", lambda *a, **kw: FakeKernel())
-    monkeypatch.setattr(torch.Tensor, "get_device", lambda self: 0)
     FakeKernel.calls = []
-    lib = torch.library.Library("gemmgen", "IMPL")
-    lib.impl("fused_attention", forward, "CPU")
-    lib.impl("fused_attention_backward", torch_op._fused_attention_backward, "CPU")
-    yield
-    lib._destroy()
+    cpu_ops_library(fused_attention=forward, fused_attention_backward=torch_op._fused_attention_backward)
 
 
 def grads_of(q, k, v, do, bias=None, **kw):

@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import math
-import threading
 import zlib
 from pathlib import Path
 
@@ -245,23 +244,7 @@ def run_case(case: Case, group, world: int) -> dict[str, float]:
 def run_local(case: Case, world: int) -> dict[str, float]:
     """run_case on every rank of an in-process ring (one thread per rank); rank 0's errors, after
     checking that every rank gathered the same."""
-    rings = cp.LocalRing.create(world, timeout=60)
-    results: list = [None] * world
-
-    def rank_main(r):
-        try:
-            results[r] = run_case(case, rings[r], world)
-        except BaseException as exc:  # re-raised by the main thread
-            results[r] = exc
-
-    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    for r in results:
-        if isinstance(r, BaseException):
-            raise r
+    results = cp.LocalRing.run(cp.LocalRing.create(world, timeout=60), lambda ring: run_case(case, ring, world))
     assert all(r == results[0] for r in results)
     return results[0]
 

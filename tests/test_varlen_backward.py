@@ -151,19 +151,14 @@ class VarlenKernel:
 
 
 @pytest.fixture
-def cpu_ops(monkeypatch):
+def cpu_ops(monkeypatch, cpu_ops_library):
     """CPU implementations of the varlen forward (the stand-in) and of its backward (the real one,
     with VarlenKernel behind the params); the public function's device check passes CPU tensors."""
-    monkeypatch.setattr(launch, "run_bwd", lambda kernel, p, index: kernel.run(p, None))
     monkeypatch.setattr(torch_op, "_varlen_bwd_kernel", lambda q, *a, **kw: VarlenKernel(q.dtype))
-    monkeypatch.setattr(torch.Tensor, "get_device", lambda self: 0)
     monkeypatch.setattr(attention, "_check_device", lambda *a: None)
     VarlenKernel.calls = []
-    lib = torch.library.Library("gemmgen", "IMPL")
-    lib.impl("fused_attention_varlen", forward_standin, "CPU")
-    lib.impl("fused_attention_varlen_backward", torch_op._fused_attention_varlen_backward, "CPU")
-    yield
-    lib._destroy()
+    cpu_ops_library(fused_attention_varlen=forward_standin,
+                    fused_attention_varlen_backward=torch_op._fused_attention_varlen_backward)
 
 
 # ---- inputs and the float64 reference ------------------------------------------------------------

@@ -9,17 +9,12 @@ from gemmgen.distributed.function import RingAttention
 from gemmgen.distributed.layouts import check_layout, check_local_length
 from gemmgen.distributed.schedule import RingConfig
 from gemmgen.errors import InputError
-from gemmgen.ops.checks import check_bool, check_finite
+from gemmgen.ops.checks import check_4d, check_bool, check_finite
 
 
 def _check_tensors(q: object, k: object, v: object) -> None:
     """Shapes, dtypes and devices that one shard of attention needs."""
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise InputError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != 4:
-            raise InputError(f"{name} must be 4-D ([batch, heads, local seqlen, head_dim]); got shape "
-                             f"{tuple(t.shape)}")
+    check_4d("batch, heads, local seqlen, head_dim", q=q, k=k, v=v)
     if not q.dtype == k.dtype == v.dtype:
         raise InputError(f"q, k, v must share one dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
     if not q.device == k.device == v.device:

@@ -165,6 +165,28 @@ class LocalRing:
         boxes = _Mailboxes(world, timeout)
         return [cls(r, boxes) for r in range(world)]
 
+    @staticmethod
+    def run(rings: list["LocalRing"], fn) -> list:
+        """fn(ring) for each ring of `rings` (from create), each on its own thread; the results in
+        rank order. The first exception a rank raised is raised here, after every thread ended."""
+        results: list = [None] * len(rings)
+
+        def rank_main(r: int) -> None:
+            try:
+                results[r] = fn(rings[r])
+            except BaseException as exc:  # noqa: B902 (handed to the caller's thread)
+                results[r] = exc
+
+        threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(len(rings))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+        return results
+
     def check_device(self, device: torch.device) -> None:
         """Any device: a transfer is a copy."""
 

@@ -9,7 +9,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from gemmgen.kernels import launch
 from gemmgen.select import calls, selection
 from gemmgen.ops import torch_op
-from gemmgen.ops.checks import check_bool, check_dense, check_finite, check_instance, check_no_overlap
+from gemmgen.ops.checks import check_4d, check_bool, check_dense, check_finite, check_instance, check_no_overlap
 from gemmgen.ops.grad import check_no_grad
 from gemmgen.errors import DeviceError, InputError
 from gemmgen.select.problem import ALIGN_BYTES
@@ -47,12 +47,7 @@ def _check_out(out: torch.Tensor, q: torch.Tensor) -> None:
 def _validate(q, k, v, out, *, device: bool = True) -> None:
     """Every check that needs only the tensors' metadata (so torch.compile traces it), and the data
     pointers' alignment outside of tracing; the device checks last unless device=False."""
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise InputError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != 4:
-            raise InputError(f"{name} must be 4-D ([batch, heads, seqlen, head_dim]); got shape "
-                             f"{tuple(t.shape)}")
+    check_4d("batch, heads, seqlen, head_dim", q=q, k=k, v=v)
     if not q.dtype == k.dtype == v.dtype or q.dtype not in DTYPES:
         raise InputError(f"q, k, v must share one dtype among torch.float16, torch.bfloat16; got "
                          f"{q.dtype}, {k.dtype}, {v.dtype}")

@@ -47,6 +47,15 @@ def check_tensor_list(name: str, value: object) -> list[torch.Tensor]:
     return list(value)
 
 
+def check_4d(dims: str, **tensors: object) -> None:
+    """Each of `tensors` a 4-D torch.Tensor; `dims` names the four dims in the message."""
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor):
+            raise InputError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise InputError(f"{name} must be 4-D ([{dims}]); got shape {tuple(t.shape)}")
+
+
 def check_dense(name: str, t: torch.Tensor) -> None:
     """A strided (dense) tensor: the kernels read memory through strides."""
     if t.layout != torch.strided:

@@ -29,7 +29,7 @@ FAMILY = "fmha_bwd_sm90"
 KIND = "attention_bwd"
 BUILT_BY_DEFAULT = True
 TEMPLATE = "fmha_bwd_sm90.cu.jinja"
-HEADER_DIRS = ("fmha_bwd_sm90",)
+HEADER_DIRS = ("fmha_bwd_sm90", "fmha_sm90")  # fmha_sm90/cutlass_launch.h: the shared launch
 ARCHS = (Arch.SM90,)
 
 # Axes.

@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import math
-import threading
 import zlib
 from pathlib import Path
 
@@ -139,31 +138,20 @@ def run_simulated(case: Case, world: int) -> dict[str, float]:
     blocks = cp.GemmgenBlocks()
     warm_up(blocks, shards[0], case, world)
     rings = cp.LocalRing.create(world, timeout=300)
-    got: list = [None] * world
 
-    def rank_main(r: int) -> None:
-        try:
-            s = shards[r]
-            config = RingConfig(ring=rings[r], blocks=blocks, layout=case.layout, causal=case.causal,
-                                scale=1 / math.sqrt(case.d))
-            with torch.no_grad():
-                out_acc, lse = ring_forward(s["q"], s["k"], s["v"], config)
-                out = out_acc.to(case.dtype)
-                dq, dk, dv = ring_backward(s["do"], s["q"], s["k"], s["v"], out, lse, config)
-            got[r] = {"out": out, "lse": lse, "dq": dq, "dk": dk, "dv": dv}
-        except BaseException as exc:  # re-raised by the main thread
-            got[r] = exc
+    def rank_main(ring) -> dict:
+        s = shards[ring.rank]
+        config = RingConfig(ring=ring, blocks=blocks, layout=case.layout, causal=case.causal,
+                            scale=1 / math.sqrt(case.d))
+        with torch.no_grad():
+            out_acc, lse = ring_forward(s["q"], s["k"], s["v"], config)
+            out = out_acc.to(case.dtype)
+            dq, dk, dv = ring_backward(s["do"], s["q"], s["k"], s["v"], out, lse, config)
+        return {"out": out, "lse": lse, "dq": dq, "dk": dk, "dv": dv}
 
     poison_allocator(case, world)
-    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    got = cp.LocalRing.run(rings, rank_main)
     torch.cuda.synchronize()
-    for g in got:
-        if isinstance(g, BaseException):
-            raise g
     joined = {name: cp.join_shards([g[name] for g in got], 2, case.layout) for name in got[0]}
     return errors(joined, reference(full, case.causal))
 
@@ -190,24 +178,14 @@ def test_ring_attention_forward_on_a_simulated_world():
     rings = cp.LocalRing.create(world, timeout=300)
     shards = [{x: cp.take_shard(t, 2, r, world, case.layout) for x, t in full.items()} for r in range(world)]
     warm_up(cp.GemmgenBlocks(), shards[0], case, world)
-    got: list = [None] * world
 
-    def rank_main(r: int) -> None:
-        try:
-            with torch.no_grad():
-                got[r] = cp.ring_attention(shards[r]["q"], shards[r]["k"], shards[r]["v"], group=rings[r],
-                                           causal=True, layout="zigzag", return_lse=True)
-        except BaseException as exc:  # re-raised by the main thread
-            got[r] = exc
+    def rank_main(ring):
+        with torch.no_grad():
+            s = shards[ring.rank]
+            return cp.ring_attention(s["q"], s["k"], s["v"], group=ring, causal=True, layout="zigzag",
+                                     return_lse=True)
 
-    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    for g in got:
-        if isinstance(g, BaseException):
-            raise g
+    got = cp.LocalRing.run(rings, rank_main)
     joined = {"out": cp.join_shards([g[0] for g in got], 2, "zigzag"),
               "lse": cp.join_shards([g[1] for g in got], 2, "zigzag")}
     want = reference(full, True)

@@ -22,6 +22,7 @@ import gemmgen
 from gemmgen.errors import NoInstanceError
 from gemmgen.integrations import torch_sdpa
 from gemmgen.ops import attention as gemmgen_attention
+from test_attention_bwd_gpu import assert_close  # the backward tests' relative-error check and tolerances
 
 pytestmark = pytest.mark.gpu
 
@@ -29,7 +30,6 @@ SDPA = "_scaled_dot_product_flash_attention"
 SDPA_BWD = "_scaled_dot_product_flash_attention_backward"
 DTYPES = (torch.float16, torch.bfloat16)
 # ||X - ref|| / ||ref||: the kernels round P and dS to the input dtype.
-TOLERANCE = {torch.float16: 1e-2, torch.bfloat16: 3e-2}
 LENGTHS = [(17, 17), (129, 129), (17, 129), (129, 17)]
 
 
@@ -79,12 +79,12 @@ def reference(q, k, v, do, *, causal=False, scale=None, keep=None, p=0.0):
     return o.detach(), [t.grad for t in leaves]
 
 
-def assert_close(name, got, want, dtype):
-    assert got.shape == want.shape, f"{name}: shape {tuple(got.shape)}, want {tuple(want.shape)}"
-    assert not torch.isnan(got).any(), f"{name}: NaN"
-    norm = want.norm().item()
-    err = (got.double() - want).norm().item() / norm if norm else got.double().norm().item()
-    assert err <= TOLERANCE[dtype], f"{name}: relative error {err:.3e} (tolerance {TOLERANCE[dtype]:.0e})"
+def assert_matches_reference(o, q, k, v, do, dtype, **ref):
+    """O and q, k, v's gradients (after o.backward(do)) against the float64 reference(..., **ref)."""
+    want_o, want_grads = reference(q, k, v, do, **ref)
+    assert_close("O", o, want_o, dtype)
+    for name, got, want in zip(("dQ", "dK", "dV"), (q.grad, k.grad, v.grad), want_grads):
+        assert_close(name, got, want, dtype)
 
 
 def require_gemmgen(q, k, v, *, causal=False, dropout_p=0.0):
@@ -122,10 +122,7 @@ def test_sdpa_runs_gemmgen_forward_and_backward(active, dtype, causal, heads, d,
         with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
             o = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
     o.backward(do)
-    want_o, want_grads = reference(q, k, v, do, causal=causal)
-    assert_close("O", o, want_o, dtype)
-    for name, got, want in zip(("dQ", "dK", "dV"), (q.grad, k.grad, v.grad), want_grads):
-        assert_close(name, got, want, dtype)
+    assert_matches_reference(o, q, k, v, do, dtype, causal=causal)
     assert served(SDPA) == (1, 0) and served(SDPA_BWD) == (1, 0), torch_sdpa.fallback_reasons()
 
 
@@ -138,10 +135,7 @@ def test_layouts_and_scale(active, layout):
     meta = [torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta") for t in (q, k, v)]
     assert o.stride() == torch.ops.aten._scaled_dot_product_flash_attention(*meta, scale=0.2)[0].stride()
     o.backward(do)
-    want_o, want_grads = reference(q, k, v, do, scale=0.2)
-    assert_close("O", o, want_o, torch.bfloat16)
-    for name, got, want in zip(("dQ", "dK", "dV"), (q.grad, k.grad, v.grad), want_grads):
-        assert_close(name, got, want, torch.bfloat16)
+    assert_matches_reference(o, q, k, v, do, torch.bfloat16, scale=0.2)
     assert served(SDPA) == (1, 0) and served(SDPA_BWD) == (1, 0), torch_sdpa.fallback_reasons()
 
 
@@ -180,10 +174,7 @@ def test_a_call_gemmgen_cannot_run_falls_back_and_still_matches(active, monkeypa
         for _ in range(2):
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     o.backward(do)
-    want_o, want_grads = reference(q, k, v, do, causal=True)
-    assert_close("O", o, want_o, dtype)
-    for name, got, want in zip(("dQ", "dK", "dV"), (q.grad, k.grad, v.grad), want_grads):
-        assert_close(name, got, want, dtype)
+    assert_matches_reference(o, q, k, v, do, dtype, causal=True)
     assert served(SDPA) == (0, 2)
     assert len([r for r in caplog.records if r.name == "gemmgen.sdpa"]) == 1
     assert torch_sdpa.fallback_reasons() == [f"aten::{SDPA}: NoInstanceError: No built instance runs this call "

@@ -30,4 +30,13 @@ inline int instance_info(GemmgenInstanceInfo* out, int head_dim, int block_m, in
   return GEMMGEN_OK;
 }
 
+// instance_info of an instance built on a CUTLASS kernel: Cfg names its head dim, tile and mask
+// (kHeadDim, kBlockM, kBlockN, kCausal) and its kernel type (Kernel, whose threads and shared
+// memory are reported).
+template <class Cfg>
+int cutlass_kernel_info(GemmgenInstanceInfo* out, int flags) {
+  return instance_info(out, Cfg::kHeadDim, Cfg::kBlockM, Cfg::kBlockN, Cfg::Kernel::MaxThreadsPerBlock,
+                       Cfg::Kernel::SharedStorageSize, Cfg::kCausal, flags);
+}
+
 }  // namespace gemmgen

@@ -69,6 +69,7 @@ CUTE_HOST_DEVICE constexpr auto make_fragment_like(Tensor<ArrayEngine<float, N>,
 #include "88_hopper_fmha/kernel/fmha_tile_scheduler.hpp"
 
 #include "gemmgen/abi.h"
+#include "gemmgen/fmha_sm90/cutlass_launch.h"
 #include "gemmgen/report.h"
 #include "gemmgen/smem.h"
 
@@ -410,12 +411,7 @@ int run(const GemmgenAttnBwdParams* p, cudaStream_t stream, char* err, int err_l
            dq_acc + vec0 * nq * D, make_stride(int(h * nq * D), int(nq * D), D, _1{})},
           {at(dk0, vdk), s3(vdk), at(dv0, vdv), s3(vdv)},
           cutlass::KernelHardwareInfo{device, 0}};
-      typename Kernel::Params params = Kernel::to_underlying_arguments(args, nullptr);
-      params.mainloop.scale_softmax = scale;
-      params.mainloop.scale_softmax_log2 = scale * static_cast<float>(M_LOG2E);
-      const dim3 grid = Kernel::get_grid_shape(params);
-      cutlass::device_kernel<Kernel><<<grid, Kernel::get_block_shape(), kSmem, stream>>>(params);
-      e = cudaGetLastError();
+      e = launch_with_scale<Kernel>(args, scale, kSmem, stream);
       if (e != cudaSuccess) return cuda_failed("backward kernel launch");
     }
   }
@@ -433,8 +429,7 @@ int run(const GemmgenAttnBwdParams* p, cudaStream_t stream, char* err, int err_l
 
 template <class Cfg>
 int info(GemmgenInstanceInfo* out) {
-  return instance_info(out, Cfg::kHeadDim, Cfg::kBlockM, Cfg::kBlockN, Cfg::Kernel::MaxThreadsPerBlock,
-                       Cfg::Kernel::SharedStorageSize, Cfg::kCausal, GEMMGEN_INFO_BACKWARD);
+  return cutlass_kernel_info<Cfg>(out, GEMMGEN_INFO_BACKWARD);
 }
 
 }  // namespace gemmgen::fmha_bwd_sm90

@@ -24,6 +24,7 @@
 #include "88_hopper_fmha/kernel/fmha_kernel_builder.hpp"
 
 #include "gemmgen/abi.h"
+#include "gemmgen/fmha_sm90/cutlass_launch.h"
 #include "gemmgen/fmha_sm90/persistent.h"
 #include "gemmgen/fmha_sm90/softmax.h"
 #include "gemmgen/report.h"
@@ -204,12 +205,7 @@ int run(const GemmgenAttnParams* p, cudaStream_t stream, char* err, int err_len)
              make_stride(int(p->o_row_stride), _1{}, make_stride(int(p->o_batch_stride), int(p->o_head_stride * group))),
              p->lse + (b0 * h + qh) * nq, make_stride(_1{}, make_stride(int(h * nq), int(group * nq)))},
             hw};
-        typename Kernel::Params params = Kernel::to_underlying_arguments(args, nullptr);
-        params.mainloop.scale_softmax = scale;
-        params.mainloop.scale_softmax_log2 = scale * static_cast<float>(M_LOG2E);
-        const dim3 grid = Kernel::get_grid_shape(params);
-        cutlass::device_kernel<Kernel><<<grid, Kernel::get_block_shape(), kSmem, stream>>>(params);
-        e = cudaGetLastError();
+        e = launch_with_scale<Kernel>(args, scale, kSmem, stream);
         if (e != cudaSuccess) {
           return report(err, err_len, GEMMGEN_CUDA_ERROR, "kernel launch: %s (%s)", cudaGetErrorString(e),
                         cudaGetErrorName(e));
@@ -222,8 +218,7 @@ int run(const GemmgenAttnParams* p, cudaStream_t stream, char* err, int err_len)
 
 template <class Cfg>
 int info(GemmgenInstanceInfo* out) {
-  return instance_info(out, Cfg::kHeadDim, Cfg::kBlockM, Cfg::kBlockN, Cfg::Kernel::MaxThreadsPerBlock,
-                       Cfg::Kernel::SharedStorageSize, Cfg::kCausal, GEMMGEN_INFO_NEEDS_LSE);
+  return cutlass_kernel_info<Cfg>(out, GEMMGEN_INFO_NEEDS_LSE);
 }
 
 }  // namespace gemmgen::fmha_sm90
