@@ -30,6 +30,7 @@ CURRENT = {
     "bwd_sweep_h200.md": "The backward against torch SDPA's backward",
     "bwd_deterministic_h200.md": "The backward with deterministic=True",
     "context_parallel_h200x2.md": "Context-parallel ring attention over two GPUs",
+    "context_parallel_h200x4.md": "Context-parallel ring attention over four GPUs",
     "fmha_pick_ab_kernels_h200.md": "The registry's pick against the fastest SDPA backend, kernels alone",
     "fmha_pick_ab_graph_h200.md": "The registry's pick against the fastest SDPA backend, CUDA graph replays",
     "fmha_pick_ab_eager_h200.md": "The registry's pick against the fastest SDPA backend, per call with the host path",

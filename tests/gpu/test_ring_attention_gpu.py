@@ -246,3 +246,55 @@ def test_nccl_ring_matches_one_gpu_reference(world, tmp_path: Path):
     bad = [line for c in cases for line in failures(c, results[c.id])]
     assert not bad, "; ".join(bad)
 
+
+
+# ---- torch's own context parallelism, with gemmgen as its flash implementation ----------------------
+
+def torch_cp_worker(rank: int, world: int, init_file: str, out_file: str) -> None:
+    """torch.distributed.tensor.experimental.context_parallel over `world` GPUs with gemmgen activated:
+    causal SDPA forward and backward, gathered with context_parallel_unshard; rank 0 saves the
+    errors against float64 and which kernels served the flash ops."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.experimental import context_parallel
+    from torch.distributed.tensor.experimental._attention import context_parallel_unshard
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    import gemmgen
+    from gemmgen.integrations import torch_sdpa
+
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=NCCL_TIMEOUT)
+    try:
+        gemmgen.activate()
+        mesh = init_device_mesh("cuda", (world,))
+        case = Case("zigzag", True, 2048, d=128, heads=8, heads_kv=8)
+        full = inputs(case, "cuda")
+        want = reference(full, True)
+        q, k, v, do = (full[x].clone() for x in ("q", "k", "v", "do"))
+        # context_parallel resizes its buffers in place: they may require grad only inside it.
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION]), context_parallel(
+                mesh, buffers=[q, k, v, do], buffer_seq_dims=[2, 2, 2, 2], no_restore_buffers={q, k, v, do}):
+            for t in (q, k, v):
+                t.requires_grad_()
+            out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+            out.backward(do)
+        got = context_parallel_unshard(mesh, [out.detach(), q.grad, k.grad, v.grad], [2, 2, 2, 2])
+        errs = errors(dict(zip(("out", "dq", "dk", "dv"), got)), want)
+        if rank == 0:
+            torch.save({"errors": errs, "counts": torch_sdpa.counts()}, out_file)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_torch_context_parallel_runs_on_gemmgen(tmp_path: Path):
+    if torch.cuda.device_count() < 2:
+        pytest.skip(f"needs 2 GPUs; torch sees {torch.cuda.device_count()}")
+    out_file = tmp_path / "results.pt"
+    mp.spawn(torch_cp_worker, args=(2, str(tmp_path / "init"), str(out_file)), nprocs=2)
+    results = torch.load(out_file)
+    served = results["counts"]
+    for op in ("_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward"):
+        assert served.get(op, {}).get("gemmgen", 0) > 0 and served[op].get("torch", 0) == 0, served
+    bad = failures(Case("zigzag", True, 2048, d=128, heads=8, heads_kv=8), results["errors"])
+    assert not bad, "; ".join(bad)
