@@ -720,17 +720,6 @@ def test_causal_varlen_needs_equal_lengths(stand_ins, impl_over_torch):
     assert "query and key lengths differ" in torch_sdpa.fallback_reasons()[0]
 
 
-def test_varlen_backward_falls_back_where_gemmgen_has_none(stand_ins, impl_over_torch, monkeypatch):
-    module = varlen_attn()
-    ops = types.SimpleNamespace(fused_attention_backward=torch.ops.gemmgen.fused_attention_backward)
-    monkeypatch.setattr(torch_sdpa, "_gemmgen_ops", lambda: ops)
-    q, k, v, do, cu_q, cu_k = packed([3, 5], [4, 6])
-    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    module.varlen_attn(*leaves, cu_q, cu_k, 5, 6, **varlen_options(module.varlen_attn, gqa=True)).backward(do)
-    assert impl_over_torch.calls == ["flash_backward"] and not stand_ins.varlen_backward
-    assert "no backward for them" in torch_sdpa.fallback_reasons()[0]
-
-
 def test_varlen_attn_out_writes_into_out(stand_ins, cpu_impl):
     module = varlen_attn()
     if not hasattr(module, "varlen_attn_out"):

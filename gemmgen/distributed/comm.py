@@ -174,7 +174,7 @@ class LocalRing:
         def rank_main(r: int) -> None:
             try:
                 results[r] = fn(rings[r])
-            except BaseException as exc:  # noqa: B902 (handed to the caller's thread)
+            except BaseException as exc:  # re-raised in the caller's thread below
                 results[r] = exc
 
         threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(len(rings))]

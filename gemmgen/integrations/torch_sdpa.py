@@ -584,9 +584,7 @@ def _backward_serves(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: floa
     """Fall back where no gemmgen backward serves a dropout call whose inputs will get gradients,
     as gemmgen.fused_attention checks at such a forward: only the backward of the implementation
     that ran the forward regenerates its mask, and torch's kernel has one."""
-    select = getattr(importlib.import_module("gemmgen.ops.torch_op"), "_bwd_kernel", None)
-    if select is None:
-        return
+    select = importlib.import_module("gemmgen.ops.torch_op")._bwd_kernel
     kk = _launch().expanded_layout(k, q.shape[1] // k.shape[1], "meta")
     with _backward_check():
         select(q, kk, causal, _ALIGNMENT, scale, dropout_p, None, False, torch.are_deterministic_algorithms_enabled())
@@ -595,13 +593,7 @@ def _backward_serves(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: floa
 def _varlen_backward_serves(q: torch.Tensor, k: torch.Tensor, batch: int, max_q: int, max_k: int,
                             causal: bool, scale: float | None, dropout_p: float) -> None:
     """_backward_serves for packed sequences: raise when gemmgen has no backward for them."""
-    if not hasattr(_gemmgen_ops(), "fused_attention_varlen_backward"):
-        raise _Fallback("dropout on packed sequences whose inputs require grad, and this gemmgen has no "
-                        "backward for packed sequences to regenerate the mask", remember=True)
-    torch_op = importlib.import_module("gemmgen.ops.torch_op")
-    select = getattr(torch_op, "_varlen_bwd_kernel", None)
-    if select is None:
-        return
+    select = importlib.import_module("gemmgen.ops.torch_op")._varlen_bwd_kernel
     group = q.shape[1] // k.shape[1]
     kk = _launch().expanded_layout(k.unsqueeze(0).transpose(1, 2), group, "meta").transpose(1, 2).squeeze(0)
     with _backward_check():
@@ -761,18 +753,13 @@ def _varlen_forward(call: _Call) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
 
 
 def _varlen_backward(call: _Call) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """torch.ops.gemmgen.fused_attention_varlen_backward, where this gemmgen has it: (dQ, dK, dV)
-    packed like the inputs."""
+    """torch.ops.gemmgen.fused_attention_varlen_backward: (dQ, dK, dV) packed like the inputs."""
     cu_q, cu_k, batch, max_q, max_k = _varlen_sizes(call)
     dropout_p = call["dropout_p"]
     seed, offset = _philox_for_backward(dropout_p, call["philox_seed"], call["philox_offset"])
     with torch.no_grad(), _mask_is_gemmgens(dropout_p):
-        backward = getattr(_gemmgen_ops(), "fused_attention_varlen_backward", None)
-        if backward is None:
-            raise _Fallback("packed sequences, and this gemmgen has no backward for them "
-                            "(torch.ops.gemmgen.fused_attention_varlen_backward)")
         lse = _batched_lse(call["logsumexp"], cu_q, batch, max_q)
-        dq, dk, dv = backward.default(call["grad_out"], call["query"], call["key"], call["value"], call["out"], lse,
+        dq, dk, dv = _gemmgen_ops().fused_attention_varlen_backward.default(call["grad_out"], call["query"], call["key"], call["value"], call["out"], lse,
                                       cu_q, cu_k, max_q, max_k, bool(call["is_causal"]), call["scale"], dropout_p,
                                       seed, offset)
     return dq, dk, dv
