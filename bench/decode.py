@@ -32,9 +32,9 @@ CUDA graph per side holding a batch of calls, replayed, so the host path is gone
 a batch of 10 to 50 calls (fewer for large caches, --batch-ms per batch), one batch per side per
 round, the sides in alternating order round by round (gemmgen.select.timing.alternating_rounds),
 each side the median over --rounds rounds. SDPA's backend restriction is entered once per batch,
-outside its calls. Eager, each kvcache call reads cache_seqlens (and the block table) back to the
-host to check them, so its calls do not queue ahead of the GPU as SDPA's do; --graph shows the
-kernels without that. Before timing, every gemmgen side's output is compared with an SDPA
+outside its calls. The kvcache calls leave the lengths and the block table on the GPU (no
+check_values), so they queue ahead of the GPU as SDPA's do; --graph shows the kernels without the
+host path. Before timing, every gemmgen side's output is compared with an SDPA
 backend's (max abs diff column).
 
 The chunked-prefill shape also reports TFLOP/s (4 * B * H * d * visible pairs) and, timed in the

@@ -27,6 +27,7 @@ OUT = ROOT / "docs" / "benchmarks.md"
 CURRENT = {
     "fa_sweep_h200.md": "All attention families against torch SDPA (the FlashAttention sweep)",
     "decode_h200.md": "Decode and key-value caches against torch SDPA",
+    "gqa_prefill_h200.md": "GQA prefill and chunked prefill against torch SDPA",
     "bwd_sweep_h200.md": "The backward against torch SDPA's backward",
     "bwd_deterministic_h200.md": "The backward with deterministic=True",
     "context_parallel_h200x2.md": "Context-parallel ring attention over two GPUs",
@@ -69,7 +70,9 @@ BUILT_WITH = {
         "'(d64|d128)_.*(m128n(32|64|128)w4|m64n64w4|m128n128w8)s[12]'`; \"default pick\" is the heuristic's "
         "choice without tuning data. It predates bench/NOTES.md experiment 13 (see sm80_ab_fa2_h200)."),
     "selection_value_h200.md": "`python bench/selection_value.py` over the fa2_sm80 build of sm80_fa_sweep_h200.",
-    "overhead_h200.md": "`python bench/overhead.py`.",
+    "overhead_h200.md": "`python bench/overhead.py` over the default build (`gemmgen generate --arch sm80 --arch sm90`).",
+    "gqa_prefill_h200.md": ("`python bench/gqa_prefill.py` over the default build (`gemmgen generate --arch sm80 "
+                            "--arch sm90`), untuned."),
     "unfused_h200.md": "`python bench/unfused.py`.",
     "sdpa_kernels_h200.md": "`python bench/sdpa_kernels.py`.",
 }

@@ -114,11 +114,13 @@ CAUSAL_128 = FmhaSm90Instance(DType.BF16, 128, Mask.CAUSAL, Schedule.PINGPONG, 1
     (dict(bias=True), "no bias"),
     (dict(varlen=True), "no varlen"),
     (dict(negative_scale=True), "scales >= 0"),
-    (dict(causal=True, causal_alignment="bottom_right", seqlen_q=1000), "top-left only"),
-    (dict(causal=True, causal_alignment="bottom_right"), None),  # Nq == Nk: both alignments agree
+    (dict(causal=True, causal_alignment="bottom_right", seqlen_q=1000), None),  # chunked prefill
+    (dict(causal=True, causal_alignment="bottom_right", seqlen_q=1, seqlen_k=17), None),
+    (dict(causal=True, causal_alignment="bottom_right"), None),
     (dict(causal=True, seqlen_q=1000), None),
-    (dict(causal=True, seqlen_q=1100, seqlen_k=1000), "seqlen_k a multiple of 128"),
-    (dict(causal=True, seqlen_q=1100), None),  # the key tiles end exactly at seqlen_k = 1024
+    (dict(causal=True, seqlen_q=1100, seqlen_k=1000), "seqlen_q <= seqlen_k"),
+    (dict(causal=True, seqlen_q=1100), "seqlen_q <= seqlen_k"),
+    (dict(causal=True, causal_alignment="bottom_right", seqlen_q=1100), "seqlen_q <= seqlen_k"),
     (dict(max_offset=2**31), "int32"),
 ])
 def test_problem_reason(kw, reason):

@@ -124,6 +124,7 @@ def test_split_count_fills_the_waves():
     assert heuristic.num_splits(400, 1000, 3, 132) == 1
     assert heuristic.num_splits(32, 1024, 3, 132) == 11  # 352 of 396 slots
     assert heuristic.num_splits(8, 2048, 3, 132) == 43
-    assert heuristic.num_splits(8, 6, 3, 132) == 3  # at least two key tiles per split
+    assert heuristic.num_splits(8, 24, 3, 132) == 3  # at least eight key tiles per split
+    assert heuristic.num_splits(8, 128, 3, 132) == 14  # 112 of 396 slots; 16 would fill 128
     # One row CTA: at most MAX_SPLITS (128 fill 128 of 396 slots); the fewest within 85% of that.
     assert heuristic.num_splits(1, 10**6, 3, 132) == 109 and heuristic.MAX_SPLITS == 128

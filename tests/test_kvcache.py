@@ -415,30 +415,30 @@ def test_num_splits_is_one_when_the_grid_is_full_or_keys_are_few():
     assert heuristic.num_splits(264, 10_000, 2, 132) == 1  # row tiles fill every slot
     assert heuristic.num_splits(5000, 10_000, 2, 132) == 1
     assert heuristic.num_splits(263, 10_000, 2, 132) == 1  # 263 of 264 slots: one wave at 99.6%
-    assert heuristic.num_splits(1, 3, 2, 132) == 1  # 3 key tiles: no split of 2 tiles or more... but one
+    assert heuristic.num_splits(1, 15, 2, 132) == 1  # 15 key tiles: no two splits of 8 tiles or more
     assert heuristic.num_splits(1, 1, 2, 132) == 1
     assert heuristic.num_splits(0, 1000, 2, 132) == 1
-    assert heuristic.num_splits(1, 4, 2, 132) == 2  # two splits of 2 tiles
+    assert heuristic.num_splits(1, 16, 2, 132) == 2  # two splits of 8 tiles
 
 
 def test_num_splits_grows_for_few_row_ctas():
     assert heuristic.num_splits(100, 1000, 2, 132) == 5  # 500 of 528 slots (94.7%) in 2 waves
-    assert heuristic.num_splits(32, 65, 2, 132) == 7  # 224 of 264 (84.8%): the fewest within 85% of 24's 97%
+    assert heuristic.num_splits(32, 260, 2, 132) == 7  # 224 of 264 (84.8%): the fewest within 85% of 24's 97%
     few = [heuristic.num_splits(r, 10_000, 1, 132) for r in (1, 2, 4, 8, 16, 33, 66, 132)]
     assert few[-1] == 1 and all(s > 1 for s in few[:-1])
     assert few == sorted(few, reverse=True)  # fewer row tiles, more splits
 
 
 def test_num_splits_caps():
-    assert heuristic.MAX_SPLITS == 128 and heuristic.MIN_TILES_PER_SPLIT == 2
+    assert heuristic.MAX_SPLITS == 128 and heuristic.MIN_TILES_PER_SPLIT == 8
     # Plenty of keys and slots: MAX_SPLITS caps, and the fewest within SPLIT_WAVE_FILL of 128 wins.
     assert heuristic.num_splits(1, 10**6, 1, 10**4) == math.ceil(heuristic.SPLIT_WAVE_FILL * heuristic.MAX_SPLITS)
     assert all(heuristic.num_splits(1, 10**6, per_sm, sms) <= heuristic.MAX_SPLITS
                for per_sm in (1, 2, 8) for sms in (108, 132, 10**4))
-    # key_tiles // MIN_TILES_PER_SPLIT caps: 20 tiles, at most 10 splits (9: within 85% of 10's fill).
-    assert heuristic.num_splits(1, 20, 2, 132) == 9
-    assert heuristic.num_splits(1, 21, 2, 132) == 9
-    for tiles in range(2, 300, 7):
+    # key_tiles // MIN_TILES_PER_SPLIT caps: 80 tiles, at most 10 splits (9: within 85% of 10's fill).
+    assert heuristic.num_splits(1, 80, 2, 132) == 9
+    assert heuristic.num_splits(1, 87, 2, 132) == 9
+    for tiles in range(2, 1200, 7):
         assert heuristic.num_splits(1, tiles, 2, 132) <= max(1, tiles // heuristic.MIN_TILES_PER_SPLIT)
 
 
@@ -662,7 +662,7 @@ def recording(monkeypatch):
     from gemmgen.ops import torch_op
 
     kernel = RecordingKernel()
-    monkeypatch.setattr(torch_op, "_kernel_for", lambda key, problem_of, *rest: (kernel, 0))
+    monkeypatch.setattr(torch_op, "_kernel_for", lambda key, problem_of, *rest: torch_op._Plan(kernel, 0))
     monkeypatch.setattr(launch, "raw_stream", lambda index: 0)
     return kernel
 

@@ -235,16 +235,18 @@ def draw_seed(index: int, draws: int) -> tuple[int, int]:
     return gen.initial_seed(), base
 
 
-def launch(kernel: Any, p: abi.AttnParams, index: int) -> None:
+def launch(kernel: Any, p: abi.AttnParams, index: int, workspace_bytes: int | None = None) -> None:
     """Run `kernel` with `p` on CUDA device `index` and its current stream. A kernel that always
     writes LSE (its info flags say so) gets a scratch buffer when the caller wants none; the call
     then runs on a copy of `p`, so a caller that launches the same params again (the tuner) never
-    hands the kernel this call's buffer after it is freed."""
+    hands the kernel this call's buffer after it is freed. `workspace_bytes`: what the kernel's
+    workspace entry point says for `p` (asked when None)."""
     if not p.lse and kernel.needs_lse:
         scratch = torch.empty(p.batch * p.heads * p.seqlen_q, dtype=torch.float32, device=f"cuda:{index}")
         p = type(p).from_buffer_copy(p)
         p.lse = scratch.data_ptr()  # the caching allocator reuses it only after this stream's work
-    workspace_bytes = kernel.workspace_bytes(p)
+    if workspace_bytes is None:
+        workspace_bytes = kernel.workspace_bytes(p)
     if workspace_bytes > 0:  # split-KV partial rows: allocated per call, freed after this stream's work
         p = type(p).from_buffer_copy(p)
         workspace = _set_workspace(p, workspace_bytes, index)  # noqa: F841 (alive until the launch)

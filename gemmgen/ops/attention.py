@@ -8,7 +8,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from gemmgen.kernels import launch
 from gemmgen.select import calls, selection
-from gemmgen.ops import torch_op
+from gemmgen.ops import eager, torch_op
 from gemmgen.ops.checks import check_4d, check_bool, check_dense, check_finite, check_instance, check_no_overlap
 from gemmgen.ops.grad import check_no_grad
 from gemmgen.errors import DeviceError, InputError
@@ -19,6 +19,7 @@ from gemmgen.generator.space import describe_head_dims, supported_head_dims
 DTYPES = launch.DTYPE_NAMES
 ALIGN_ELEMENTS = 8  # strides in elements: 8 x 2 bytes keeps every row start 16-byte aligned
 INT32_MAX = 2**31 - 1
+_CHECKED = eager.Checked()  # fused_attention's tensor signatures whose metadata checks passed
 
 
 def _check_strides(name: str, t: torch.Tensor) -> None:
@@ -70,13 +71,18 @@ def _validate(q, k, v, out, *, device: bool = True) -> None:
     if out is not None:
         _check_out(out, q)
     if not torch.compiler.is_compiling() and not isinstance(q, FakeTensor):  # the op checks them too
-        if (q.data_ptr() | k.data_ptr() | v.data_ptr() | (out.data_ptr() if out is not None else 0)) % ALIGN_BYTES:
-            for name, t in (("q", q), ("k", k), ("v", v), ("out", out)):
-                if t is not None and t.data_ptr() % ALIGN_BYTES:
-                    raise InputError(f"{name}'s data pointer is not {ALIGN_BYTES}-byte aligned "
-                                     f"(storage offset {t.storage_offset()})")
+        _check_pointers(q, k, v, out)
     if device:
         _check_device(q, k, v, out)
+
+
+def _check_pointers(q, k, v, out) -> None:
+    """The data pointers' alignment (a per-call fact: never part of a checked signature)."""
+    if (q.data_ptr() | k.data_ptr() | v.data_ptr() | (out.data_ptr() if out is not None else 0)) % ALIGN_BYTES:
+        for name, t in (("q", q), ("k", k), ("v", v), ("out", out)):
+            if t is not None and t.data_ptr() % ALIGN_BYTES:
+                raise InputError(f"{name}'s data pointer is not {ALIGN_BYTES}-byte aligned "
+                                 f"(storage offset {t.storage_offset()})")
 
 
 def _has_memory(t: torch.Tensor) -> bool:
@@ -92,6 +98,13 @@ def _check_device(q, k, v, out) -> None:
     if q.device.type != "cuda":
         gpu = "" if torch.cuda.is_available() else f"; this torch ({torch.__version__}) sees no CUDA GPU"
         raise DeviceError(f"fused_attention needs a CUDA GPU: the tensors are on {q.device}{gpu}")
+
+
+def _check_out_overlap(out, q, k, v, attn_mask) -> None:
+    """out= shares no memory with an input (a per-call fact: the data pointers)."""
+    if out is not None and _has_memory(q):
+        check_no_overlap([("out", out)], [("q", q), ("k", k), ("v", v)] +
+                         ([("attn_mask", attn_mask)] if attn_mask is not None else []))
 
 
 def _check_args(causal_alignment: str, scale: float | None) -> float | None:
@@ -211,17 +224,23 @@ def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
     check_instance(instance)
     scale = _check_args(causal_alignment, scale)
     dropout_p = _check_dropout(dropout_p, seed, offset)
-    _validate(q, k, v, out, device=False)
-    training = torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad
-                                               for t in (q, k, v, attn_mask))
-    if training and out is not None:
-        check_no_grad("fused_attention with out=", q=q, k=k, v=v, attn_mask=attn_mask,
-                      hint="call it without out= to get gradients")
-    _check_mask(attn_mask, q, k)
-    if out is not None and _has_memory(q):
-        check_no_overlap([("out", out)], [("q", q), ("k", k), ("v", v)] +
-                         ([("attn_mask", attn_mask)] if attn_mask is not None else []))
-    _check_device(q, k, v, out)
+    direct = eager.runs_directly(q, k, v, out, attn_mask)
+    training = not direct and torch.is_grad_enabled() and any(
+        isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v, attn_mask))  # direct: no graph
+    checked = direct and eager.signature(q, k, v, out, attn_mask)
+    if checked and checked in _CHECKED:
+        _check_pointers(q, k, v, out)
+        _check_out_overlap(out, q, k, v, attn_mask)
+    else:
+        _validate(q, k, v, out, device=False)
+        if training and out is not None:
+            check_no_grad("fused_attention with out=", q=q, k=k, v=v, attn_mask=attn_mask,
+                          hint="call it without out= to get gradients")
+        _check_mask(attn_mask, q, k)
+        _check_out_overlap(out, q, k, v, attn_mask)
+        _check_device(q, k, v, out)
+        if checked:
+            _CHECKED.add(checked)
     bias = _prepare_mask(attn_mask, q, k)
     if training and dropout_p > 0.0 and seed is None:  # the backward regenerates the forward's mask
         b, h, nq, _ = q.shape
@@ -229,11 +248,12 @@ def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
         offset += base
     features = (dropout_p, seed, offset, bias)
     if out is None:
-        o, lse = torch_op.fused_attention_op(q, k, v, causal, causal_alignment, scale, return_lse or training,
-                                             instance, *features, deterministic)
+        op = torch_op.run_fused_attention if direct else torch_op.fused_attention_op
+        o, lse = op(q, k, v, causal, causal_alignment, scale, return_lse or training, instance, *features,
+                    deterministic)
     else:
-        lse = torch_op.fused_attention_out_op(q, k, v, out, causal, causal_alignment, scale, return_lse,
-                                              instance, *features)
+        op = torch_op.run_fused_attention_out if direct else torch_op.fused_attention_out_op
+        lse = op(q, k, v, out, causal, causal_alignment, scale, return_lse, instance, *features)
         o = out
     return (o, lse) if return_lse else o
 

@@ -11,11 +11,13 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from gemmgen.errors import InputError
 from gemmgen.generator.space import FAMILIES
-from gemmgen.ops import torch_op
+from gemmgen.ops import eager, torch_op
 from gemmgen.ops.attention import ALIGN_ELEMENTS, DTYPES, INT32_MAX, _check_device
 from gemmgen.ops.checks import check_bool, check_finite, check_instance
 from gemmgen.ops.grad import check_no_grad
 from gemmgen.select.problem import ALIGN_BYTES
+
+_CHECKED = eager.Checked()  # the call signatures whose metadata checks passed
 
 
 @functools.cache
@@ -160,20 +162,25 @@ def fused_attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache
     check_bool("check_values", check_values)
     check_instance(instance)
     scale = None if scale is None else check_finite("scale", scale)
-    capacity, page_size = _validate(q, k_cache, v_cache, cache_seqlens, block_table, k, v)
-    check_no_grad("fused_attention_with_kvcache", q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v)
-    tensors = [t for t in (q, k_cache, v_cache, cache_seqlens, block_table, k, v) if t is not None]
-    devices = {t.device for t in tensors}
-    if len(devices) > 1:
-        raise InputError(f"every tensor must be on one device; got {', '.join(sorted(map(str, devices)))}")
-    _check_device(q, k_cache, v_cache, None)
-    if _has_memory(*tensors):
+    direct = eager.runs_directly(q, k_cache, v_cache, cache_seqlens, block_table, k, v)
+    checked = direct and eager.signature(q, k_cache, v_cache, cache_seqlens, block_table, k, v)
+    if not (checked and checked in _CHECKED):
+        _validate(q, k_cache, v_cache, cache_seqlens, block_table, k, v)
+        check_no_grad("fused_attention_with_kvcache", q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v)
+        devices = {t.device for t in (q, k_cache, v_cache, cache_seqlens, block_table, k, v) if t is not None}
+        if len(devices) > 1:
+            raise InputError(f"every tensor must be on one device; got {', '.join(sorted(map(str, devices)))}")
+        _check_device(q, k_cache, v_cache, None)
+        if checked:
+            _CHECKED.add(checked)
+    if direct or _has_memory(q, k_cache, v_cache, cache_seqlens, block_table, k, v):
         for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v)):
             if t is not None and t.data_ptr() % ALIGN_BYTES:
                 raise InputError(f"{name}'s data pointer is not {ALIGN_BYTES}-byte aligned "
                                  f"(storage offset {t.storage_offset()})")
         if check_values:
+            capacity = k_cache.shape[1] * (1 if block_table is None else block_table.shape[1])
             _check_values(cache_seqlens, block_table, 0 if k is None else k.shape[1], capacity, k_cache.shape[0])
-    o, lse = torch_op.fused_attention_with_kvcache_op(q, k_cache, v_cache, cache_seqlens, block_table, k, v,
-                                                      causal, scale, return_lse, instance)
+    op = torch_op.run_fused_attention_with_kvcache if direct else torch_op.fused_attention_with_kvcache_op
+    o, lse = op(q, k_cache, v_cache, cache_seqlens, block_table, k, v, causal, scale, return_lse, instance)
     return (o, lse) if return_lse else o

@@ -84,9 +84,29 @@ def autotune_enabled() -> bool:
     return os.environ.get("GEMMGEN_AUTOTUNE", "0") not in ("", "0")
 
 
+class _Plan:
+    """What a call key launches: the kernel, its num_splits and, built at the first launch, the C
+    ABI params of the key with every field but the per-call ones (data pointers, dropout seed and
+    offset) set, and the workspace they need. A call key holds everything those fields depend on."""
+
+    __slots__ = ("kernel", "splits", "proto", "workspace")
+
+    def __init__(self, kernel: Any, splits: int) -> None:
+        self.kernel, self.splits, self.proto, self.workspace = kernel, splits, None, 0
+
+    def params(self, build: Callable[[], Any]) -> Any:
+        """A fresh copy of the key's params (build() makes them at the first call)."""
+        if self.proto is None:
+            p = build()
+            p.num_splits = self.splits
+            self.workspace = self.kernel.workspace_bytes(p)
+            self.proto = p
+        return type(self.proto).from_buffer_copy(self.proto)
+
+
 def _select(problem: Problem, q: torch.Tensor, k: torch.Tensor, causal: bool,
-            instance: str | None) -> tuple[tuple[Any, int], bool]:
-    """The kernel for this call with its num_splits, and whether the choice may be cached."""
+            instance: str | None) -> tuple[_Plan, bool]:
+    """The plan (kernel, num_splits) of this call, and whether it may be cached."""
     cand = jit.select_or_build(problem, instance)
     cacheable = True
     # The tuner times plain calls: dropout, bias and variable lengths keep the registry's choice.
@@ -101,12 +121,13 @@ def _select(problem: Problem, q: torch.Tensor, k: torch.Tensor, causal: bool,
                   file=sys.stderr, flush=True)
             tuner.tune_call(q, k, causal)
             cand = selection.select(problem)
-    return (cand.kernel, selection.splits(cand, problem)), cacheable
+    return _Plan(cand.kernel, selection.splits(cand, problem)), cacheable
 
 
 def _kernel_for(key: tuple, problem_of: Callable[[], Problem], q: torch.Tensor, k: torch.Tensor, causal: bool,
-                instance: str | None) -> tuple[Any, int]:
-    """(kernel, num_splits) of a call, cached under `key` (everything the selection looks at)."""
+                instance: str | None) -> _Plan:
+    """The plan of a call, cached under `key` (everything the selection and the params look at
+    but the data pointers)."""
     plan = _kernels.get(key)
     if plan is None:
         plan, cacheable = _select(problem_of(), q, k, causal, instance)
@@ -148,21 +169,25 @@ def _run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse
     if bias is not None and bias.data_ptr() % ALIGN_BYTES:
         raise InputError(f"the attention mask must be {ALIGN_BYTES}-byte aligned")
     index = q.get_device()
-    qs, ks = q.stride(), k.stride()
-    # Everything a family's problem_reason may look at: shapes, layout kind, mask and its alignment,
-    # the scale's sign, offsets past int32, dropout, a bias.
-    big = launch.max_offset(q, k, v, o, bias) >= 2**31
-    key = (index, q.dtype, q.shape, k.shape, qs[2] <= qs[1], ks[2] <= ks[1], causal,
-           causal_alignment if causal else None, _sign(scale), big, instance,
-           dropout_p > 0.0, bias is not None, False)
-    kernel, splits = _kernel_for(key, lambda: calls.problem_for(
+    # Everything a family's problem_reason and the params look at but the data pointers: shapes and
+    # strides (layout kind, offsets past int32), mask and its alignment, scale, dropout, a bias.
+    key = (index, q.dtype, q.shape, k.shape, q.stride(), k.stride(), v.stride(), o.stride(), causal,
+           causal_alignment if causal else None, scale, instance, dropout_p,
+           None if bias is None else bias.stride(), False)
+    plan = _kernel_for(key, lambda: calls.problem_for(
         q, k, causal, v=v, causal_alignment=causal_alignment, scale=scale, dropout=dropout_p > 0.0,
         bias=bias), q, k, causal, instance)
-    seed, offset = _dropout_seed(index, dropout_p, seed, offset, q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2])
-    p = launch.params(q, k, v, o, lse, causal=causal, causal_alignment=causal_alignment, scale=scale,
-                      dropout_p=dropout_p, seed=seed, offset=offset, bias=bias)
-    p.num_splits = splits
-    launch.launch(kernel, p, index)
+    p = plan.params(lambda: launch.params(q, k, v, o, None, causal=causal, causal_alignment=causal_alignment,
+                                          scale=scale, dropout_p=dropout_p, bias=bias))
+    p.q, p.k, p.v, p.o = q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr()
+    if lse is not None:
+        p.lse = lse.data_ptr()
+    if bias is not None:
+        p.bias = bias.data_ptr()
+    if dropout_p > 0.0:
+        p.dropout_seed, p.dropout_offset = _dropout_seed(index, dropout_p, seed, offset,
+                                                         q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2])
+    launch.launch(plan.kernel, p, index, plan.workspace)
 
 
 def _sign(scale: float | None) -> int | None:
@@ -179,10 +204,10 @@ def _run_varlen(q, k, v, o, lse, cu_q, cu_k, max_q, max_k, causal, scale, instan
     big = launch.max_offset(q, k, v, o) >= 2**31
     key = (index, q.dtype, q.shape, k.shape, batch, max_q, max_k, causal, _sign(scale),
            big, instance, dropout_p > 0.0, False, True)
-    kernel, _ = _kernel_for(key, lambda: calls.problem_for_varlen(
+    plan = _kernel_for(key, lambda: calls.problem_for_varlen(
         q, k, v, batch, max_q, max_k, causal, scale=scale, dropout=dropout_p > 0.0), q, k, causal, instance)
     seed, offset = _dropout_seed(index, dropout_p, seed, offset, batch * q.shape[1] * max_q * max_k)
-    launch.launch(kernel, launch.params_varlen(q, k, v, o, lse, cu_q, cu_k, max_q, max_k, causal=causal,
+    launch.launch(plan.kernel, launch.params_varlen(q, k, v, o, lse, cu_q, cu_k, max_q, max_k, causal=causal,
                                                scale=scale, dropout_p=dropout_p, seed=seed, offset=offset),
                   index)
 
@@ -523,25 +548,37 @@ def _fused_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_tabl
     b, nq, h, d = q.shape
     probe = q if q.numel() else q.new_empty((max(b, 1), 1, max(h, k_cache.shape[2]), d))
     index = q.get_device()
-    big = launch.max_offset(q, k_cache, v_cache, o, k, v) >= 2**31
-    key = ("kv_cache", index, q.dtype, probe.shape, k_cache.shape, capacity, block_table is not None, causal,
-           _sign(scale), big, instance)
-    kernel, splits = _kernel_for(key, lambda: calls.problem_for_kvcache(probe, k_cache, v_cache, capacity, causal,
-                                                                        scale=scale), probe, k_cache, causal, instance)
+    # Everything the selection and the params look at but the data pointers (O is dense in q's shape).
+    key = ("kv_cache", index, q.dtype, probe.shape, q.stride(), k_cache.shape, k_cache.stride(), v_cache.stride(),
+           capacity, None if block_table is None else block_table.stride(), causal, scale, instance,
+           None if k is None else (k.shape, k.stride(), v.stride()))
+    plan = _kernel_for(key, lambda: calls.problem_for_kvcache(probe, k_cache, v_cache, capacity, causal,
+                                                              scale=scale), probe, k_cache, causal, instance)
     seqlens = cache_seqlens
     if new:
         with torch.cuda.device(index):
-            kernel.append(launch.kv_append_args(k_cache, v_cache, cache_seqlens, block_table, k, v, capacity),
-                          launch.raw_stream(index))
+            plan.kernel.append(launch.kv_append_args(k_cache, v_cache, cache_seqlens, block_table, k, v, capacity),
+                               launch.raw_stream(index))
         # The kernel attends to the new tokens too; a negative length stays negative (NaN rows).
         seqlens = torch.where(cache_seqlens < 0, cache_seqlens, cache_seqlens + new)
     if o.numel() == 0:
         return o, lse
-    p = launch.params_kvcache(q, k_cache, v_cache, seqlens, block_table, o, lse if return_lse else None, causal=causal,
-                              scale=scale, capacity=capacity)
-    p.num_splits = splits
-    launch.launch(kernel, p, index)
+    p = plan.params(lambda: launch.params_kvcache(q, k_cache, v_cache, seqlens, block_table, o, None, causal=causal,
+                                                  scale=scale, capacity=capacity))
+    p.q, p.k, p.v, p.o, p.seqlens_k = q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), o.data_ptr(), \
+        seqlens.data_ptr()
+    if return_lse:
+        p.lse = lse.data_ptr()
+    if block_table is not None:
+        p.block_table = block_table.data_ptr()
+    launch.launch(plan.kernel, p, index, plan.workspace)
     return o, lse
+
+
+# The implementations the operations call directly on the eager fast path (gemmgen.ops.eager).
+run_fused_attention = _fused_attention
+run_fused_attention_out = _fused_attention_out
+run_fused_attention_with_kvcache = _fused_attention_with_kvcache
 
 
 def _fake_kvcache(q, k_cache, v_cache, cache_seqlens, block_table=None, k=None, v=None, causal=True, scale=None,

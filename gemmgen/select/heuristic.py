@@ -98,9 +98,11 @@ def ctas_per_sm(smem_bytes: int, threads: int, problem: Problem, regs_per_thread
 
 
 # Split-KV: at most this many splits, and no split shorter than MIN_TILES_PER_SPLIT key tiles (the
-# combine reads and writes each split's fp32 rows; a split's first loads are exposed).
+# combine reads and writes each split's fp32 rows; a split's first loads are exposed: at B = 1,
+# Hkv = 8, Nk = 8192 on the H200, 16 splits of 8 tiles ran 1.2x faster than 42 of 3, bench/NOTES.md,
+# experiment 58).
 MAX_SPLITS = 128
-MIN_TILES_PER_SPLIT = 2
+MIN_TILES_PER_SPLIT = 8
 # Among split counts whose last wave is at least this full relative to the best one, the fewest.
 SPLIT_WAVE_FILL = 0.85
 # Split-KV tiles: the row count below which a tile's MMAs stop being what its key columns cost (the

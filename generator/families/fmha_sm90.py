@@ -39,7 +39,7 @@ SCHEDULE_CPP = {Schedule.TMA: "kTma", Schedule.COOPERATIVE: "kCooperative", Sche
 # Axes.
 DTYPES = (DType.FP16, DType.BF16)
 HEAD_DIMS = (32, 64, 128, 256)
-MASKS = tuple(Mask)  # causal is top-left only: CUTLASS's causal fusion has no offset
+MASKS = tuple(Mask)  # causal: either alignment with Nq <= Nk (the offset is a launch parameter)
 SCHEDULES = tuple(Schedule)
 TILES = ((64, 64), (64, 128), (128, 64), (128, 128), (128, 192), (192, 64), (192, 128), (256, 64))  # (block_m, block_n)
 STAGES = (2, 3, 4, 5)  # K/V pipeline stages (one stage holds a K or a V tile)
@@ -148,10 +148,12 @@ INSTANCE = FmhaSm90Instance
 
 
 def causal_tiles_masked(block_m: int, block_n: int) -> bool:
-    """CUTLASS's causal fusion runs ceil((m + 1) * block_m / block_n) key tiles for row tile m and
-    masks only the last ceil(block_m / block_n) of them: the tiles before those must end at or before
-    the row tile's first row (128x192 breaks this and gave 4e-2 errors on the H200). The pattern
-    repeats every block_n / gcd row tiles."""
+    """The causal tiles of the space: those where masking the last ceil(block_m / block_n) key tiles
+    of each row tile covers its diagonal at offset 0, i.e. the tiles before those end at or before
+    the row tile's first row (the pattern repeats every block_n / gcd row tiles; 128x192 is not such
+    a tile: a fixed count of masked tiles gave 4e-2 errors there on the H200). The family's mask
+    (templates/include/gemmgen/fmha_sm90/causal.h) counts the masked tiles per row tile and offset;
+    the space keeps the tiles the family was measured on."""
     masked = -(-block_m // block_n)
     return all((-(-(m + 1) * block_m // block_n) - masked) * block_n <= m * block_m
                for m in range(block_n // math.gcd(block_m, block_n)))
@@ -199,14 +201,11 @@ def problem_reason(inst: FmhaSm90Instance, problem) -> str | None:
         return reason
     if problem.negative_scale:
         return f"{FAMILY} runs scales >= 0 (its softmax takes the row maximum of the raw scores)"
-    if problem.causal:
-        # CUTLASS's causal fusion is top-left with no offset; the two alignments agree when Nq == Nk.
-        if problem.causal_alignment != "top_left" and problem.seqlen_q != problem.seqlen_k:
-            return f"{FAMILY} causal is top-left only (bottom-right differs when Nq != Nk)"
-        # Keys past seqlen_k are zero-filled and only the causal mask hides them: rows past
-        # seqlen_k would see them, unless the key tiles end exactly at seqlen_k.
-        if problem.seqlen_q > problem.seqlen_k and problem.seqlen_k % inst.block_n:
-            return f"{FAMILY} causal needs seqlen_q <= seqlen_k or seqlen_k a multiple of {inst.block_n}"
+    if problem.causal and problem.seqlen_q > problem.seqlen_k:
+        # The causal mask (templates/include/gemmgen/fmha_sm90/causal.h) runs offsets in [0, Nk - Nq]:
+        # both alignments when Nq <= Nk. With Nq > Nk, bottom-right leaves rows without a key and
+        # top-left gives rows past Nk every key.
+        return f"{FAMILY} causal needs seqlen_q <= seqlen_k (either alignment)"
     if problem.max_offset > INT32_MAX:
         return f"{FAMILY} indexes with int32; this call reaches element {problem.max_offset}"
     return None

@@ -237,6 +237,22 @@ def test_gqa_and_mqa(h, hkv, dtype):
             check_result(sub, lengths, o, lse, causal=causal)
 
 
+@pytest.mark.parametrize("page_size", [None, 16], ids=["contiguous", "page16"])
+def test_decode_loop_of_eager_calls(page_size):
+    """Calls of one signature back to back, as a decode loop makes them (the eager fast path reuses
+    the first call's checks and launch params): new lengths, queries and new tokens at every step,
+    each against the reference, with and without LSE."""
+    case = make_case(3, 1, 8, 2, 128, torch.bfloat16, [5, 0, 300], page_size=page_size, nnew=1, capacity=512,
+                     key=("loop", page_size))
+    for step in range(4):
+        lengths = [5 + 37 * step, step, 300 - 50 * step]
+        case.set_lengths(lengths, ("loop", page_size, step))
+        o, lse = run(case)
+        check_result(case, lengths, o, lse)
+        case.set_lengths(lengths, ("loop", page_size, step))
+        assert torch.equal(run(case, return_lse=False), o)
+
+
 def test_one_split_and_many_splits():
     """Many sequences fill the GPU (one CTA per row tile), few split their keys; both give the reference."""
     for b, hkv, lengths, expect_split in ((128, 8, [(37 * i) % 3000 for i in range(128)], False),

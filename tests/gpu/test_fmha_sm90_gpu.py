@@ -29,7 +29,8 @@ BUILT = _built()
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 # In the last row tile of a head, the persistent schedule's consumer groups with no rows skip their
 # math (17 and 4097 rows leave whole 64-row groups empty at block_m 128, 192 and 256; 1000 at 192).
-LENGTHS = [(1, 1), (17, 17), (127, 129), (129, 127), (128, 1000), (1000, 1000), (1000, 17), (4097, 4097)]
+LENGTHS = [(1, 1), (17, 17), (127, 129), (129, 127), (128, 1000), (1000, 1000), (1000, 17), (4097, 4097),
+           (1, 300), (17, 4097), (1000, 4097), (200, 256)]
 
 
 def _sm90() -> None:
@@ -50,13 +51,15 @@ def test_every_instance(name):
     dtype, d, causal = DTYPES[p["dtype"]], p["head_dim"], p["mask"] == "causal"
     ran = 0
     for nq, nk in LENGTHS:
-        q, k, v = make_qkv(1 if nq > 1000 else 2, 3, 3, nq, nk, d, dtype, (name, nq, nk))
-        problem = calls.problem_for(q, k, causal, v=v)
-        if registry.functional_reason(fam, fam.INSTANCE.from_params(p), problem) is not None:
-            continue  # a call the instance refuses: the registry never sends it there
-        check(q, k, v, causal=causal, instance=name)
-        ran += 1
-    assert ran >= 5
+        q, k, v = make_qkv(1 if max(nq, nk) > 1000 else 2, 3, 3, nq, nk, d, dtype, (name, nq, nk))
+        # Causal instances run both alignments: bottom-right (chunked prefill) where Nq < Nk.
+        for alignment in ("top_left", "bottom_right") if causal else ("top_left",):
+            problem = calls.problem_for(q, k, causal, v=v, causal_alignment=alignment)
+            if registry.functional_reason(fam, fam.INSTANCE.from_params(p), problem) is not None:
+                continue  # a call the instance refuses: the registry never sends it there
+            check(q, k, v, causal=causal, alignment=alignment, instance=name)
+            ran += 1
+    assert ran >= (14 if causal else 10)
     # More row tiles (8 x 64 for block_m 128) than the H200's 132 SMs: each CTA of the persistent
     # schedule runs several, cycling its Q and K/V buffers.
     q, k, v = make_qkv(4, 16, 16, 1000, 1000, d, dtype, (name, "many tiles"))
@@ -122,11 +125,11 @@ def test_batch_beyond_grid_limit():
 
 
 def test_refused_calls_go_elsewhere():
-    """A negative scale or bottom-right causal with Nq != Nk never selects fmha_sm90, and forcing it
-    is an error naming the reason."""
+    """A negative scale, or causal with Nq > Nk (rows that see no key under bottom-right, or every key
+    under top-left), never selects fmha_sm90, and forcing it is an error naming the reason."""
     _sm90()
-    q, k, v = make_qkv(1, 2, 2, 64, 128, 128, torch.bfloat16, "refused")
-    for kw in (dict(scale=-0.5), dict(causal=True, causal_alignment="bottom_right")):
+    q, k, v = make_qkv(1, 2, 2, 128, 64, 128, torch.bfloat16, "refused")
+    for kw in (dict(scale=-0.5), dict(causal=True, causal_alignment="bottom_right"), dict(causal=True)):
         causal = kw.get("causal", False)
         problem = calls.problem_for(q, k, causal, v=v, causal_alignment=kw.get("causal_alignment", "top_left"),
                                      scale=kw.get("scale"))

@@ -157,6 +157,30 @@ def test_side_stream_and_cuda_graph():
     assert torch.equal(out, want)
 
 
+@pytest.mark.parametrize("shape", [(2, 8, 2, 33, 65, 64), (1, 32, 8, 1, 256, 128), (3, 4, 4, 129, 127, 128)],
+                         ids=["gqa-odd", "decode-shaped", "mha-odd"])
+def test_repeated_calls_of_one_signature(shape):
+    """Calls of one signature back to back (the eager fast path reuses the first call's checks and
+    launch params): fresh data and a fresh O every time, with and without LSE and out=, each
+    against the reference; a view of the same signature whose data pointer is misaligned raises."""
+    b, h, hkv, nq, nk, d = shape
+    for step in range(3):
+        q, k, v = make_qkv(b, h, hkv, nq, nk, d, torch.bfloat16, ("repeat", shape, step))
+        check(q, k, v, causal=True, alignment="bottom_right")
+        o, lse = gemmgen.fused_attention(q, k, v, causal=True, causal_alignment="bottom_right", return_lse=True)
+        ref_o, ref_lse = attention_reference(q, k, v, True, "bottom_right", None)
+        assert not torch.isnan(o).any()
+        err = (o.double() - ref_o).norm().item() / max(ref_o.norm().item(), 1e-30)
+        assert err <= TOLERANCE[q.dtype], f"step {step}: relative error {err:.3e}"
+        finite = ~torch.isneginf(ref_lse)
+        assert ((lse.double() - ref_lse).abs()[finite] / ref_lse.abs()[finite].clamp_min(1.0)).max() <= LSE_TOLERANCE
+        assert torch.equal(gemmgen.fused_attention(q, k, v, causal=True, causal_alignment="bottom_right"), o)
+    store = torch.empty(q.numel() + 8, dtype=q.dtype, device="cuda")
+    with pytest.raises(gemmgen.InputError, match="q's data pointer is not 16-byte aligned"):
+        gemmgen.fused_attention(store[1:q.numel() + 1].view(q.shape), k, v, causal=True,
+                                causal_alignment="bottom_right")
+
+
 def test_calls_without_backward_refuse_inputs_that_require_grad():
     """fused_attention(out=) has no backward: it refuses inputs that require grad at the forward (the
     public function and the torch op called directly) instead of leaving their gradients None, and

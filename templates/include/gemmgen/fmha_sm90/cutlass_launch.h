@@ -11,12 +11,18 @@
 
 namespace gemmgen {
 
-template <class Kernel>
+struct NoPatch {
+  template <class Params> void operator()(Params&) const {}
+};
+
+// patch(params): what the caller sets in the kernel's params besides the scale.
+template <class Kernel, class Patch = NoPatch>
 cudaError_t launch_with_scale(typename Kernel::Arguments const& args, float scale, int smem_bytes,
-                              cudaStream_t stream) {
+                              cudaStream_t stream, Patch patch = {}) {
   typename Kernel::Params params = Kernel::to_underlying_arguments(args, nullptr);
   params.mainloop.scale_softmax = scale;
   params.mainloop.scale_softmax_log2 = scale * static_cast<float>(M_LOG2E);
+  patch(params);
   cutlass::device_kernel<Kernel><<<Kernel::get_grid_shape(params), Kernel::get_block_shape(), smem_bytes, stream>>>(
       params);
   return cudaGetLastError();

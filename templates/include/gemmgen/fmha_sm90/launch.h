@@ -2,8 +2,8 @@
 // CUTLASS source tree, included from the installed package), driven through gemmgen's C ABI.
 //
 // What this layer adds to CUTLASS's kernel: our strides for any [B, H, N, d] view (int32, as the
-// kernel's stride type), GQA as one launch per query-head group (the kernel indexes K/V heads
-// linearly, so group g runs query heads g, g+G, ... against K/V heads 0, 1, ...), any scale >= 0
+// kernel's stride type), GQA (one launch in the persistent schedule, one per query head of a group
+// in CUTLASS's own kernels), the causal offset (causal.h), any scale >= 0
 // (the kernel derives 1/sqrt(d) itself: the params are patched after they are built), batch and
 // head counts above the grid's y/z limits (chunked launches), and errors as a status + message.
 // The persistent schedule runs CUTLASS's mainloop in a kernel of our own (persistent.h).
@@ -24,6 +24,7 @@
 #include "88_hopper_fmha/kernel/fmha_kernel_builder.hpp"
 
 #include "gemmgen/abi.h"
+#include "gemmgen/fmha_sm90/causal.h"
 #include "gemmgen/fmha_sm90/cutlass_launch.h"
 #include "gemmgen/fmha_sm90/persistent.h"
 #include "gemmgen/fmha_sm90/softmax.h"
@@ -43,10 +44,10 @@ template <> struct DispatchOf<Schedule::kCooperative> {
 
 // Non-causal instances use CUTLASS's residual fusion: it masks the keys past seqlen_k in the last
 // key tile (TMA fills them with zeros, which would otherwise score 0), so any seqlen_k works.
+// Causal ones our bottom-right mask (causal.h), which serves every causal offset in [0, Nk - Nq].
 // Lazy: our softmax, which rescales O only when a row maximum grows by more than 2^8 (softmax.h).
 template <bool Causal>
-using MaskOf = std::conditional_t<Causal, cutlass::fmha::collective::CausalFusion,
-                                  cutlass::fmha::collective::ResidualFusion>;
+using MaskOf = std::conditional_t<Causal, BottomRightCausal, cutlass::fmha::collective::ResidualFusion>;
 template <bool Causal, bool Lazy, bool Speculate = false>
 using FusionOf = std::conditional_t<Lazy, LazyRescale<MaskOf<Causal>, Speculate>, MaskOf<Causal>>;
 
@@ -134,17 +135,19 @@ int run(const GemmgenAttnParams* p, cudaStream_t stream, char* err, int err_len)
   if (!(p->scale >= 0.f)) {
     return report(err, err_len, GEMMGEN_INVALID_ARGUMENT, "scale %g: this family runs scales >= 0", p->scale);
   }
-  if (Cfg::kCausal && (p->causal_offset != 0 || (p->seqlen_q > p->seqlen_k && p->seqlen_k % Cfg::kBlockN))) {
+  if (Cfg::kCausal && (p->causal_offset < 0 || int64_t(p->seqlen_q) + p->causal_offset > p->seqlen_k)) {
     return report(err, err_len, GEMMGEN_INVALID_ARGUMENT,
-                  "causal runs top-left alignment with seqlen_q <= seqlen_k or seqlen_k a multiple of %d "
-                  "(got offset %d, seqlen_q %d, seqlen_k %d)", Cfg::kBlockN, p->causal_offset, p->seqlen_q,
-                  p->seqlen_k);
+                  "causal runs offsets in [0, seqlen_k - seqlen_q] (every row sees a key; got offset %d, "
+                  "seqlen_q %d, seqlen_k %d)", p->causal_offset, p->seqlen_q, p->seqlen_k);
   }
   if (p->lse == nullptr) {
     return report(err, err_len, GEMMGEN_INVALID_ARGUMENT, "this family always writes LSE: pass a buffer");
   }
   const int64_t b = p->batch, h = p->heads, hkv = p->heads_kv, nq = p->seqlen_q, nk = p->seqlen_k;
   const int64_t d = p->head_dim;
+  // Causal: no row sees a key past nq + offset, so the kernel reads only those, and its mask's
+  // offset (its seqlen_k - seqlen_q) is the call's.
+  const int64_t nk_read = Cfg::kCausal ? nq + p->causal_offset : nk;
   const int64_t reach[] = {
       extent(b, h, nq, d, p->q_batch_stride, p->q_head_stride, p->q_row_stride),
       extent(b, hkv, nk, d, p->k_batch_stride, p->k_head_stride, p->k_row_stride),
@@ -185,27 +188,44 @@ int run(const GemmgenAttnParams* p, cudaStream_t stream, char* err, int err_len)
   const auto* v0 = static_cast<const typename Cfg::Element*>(p->v);
   auto* o0 = static_cast<typename Cfg::Element*>(p->o);
   cutlass::KernelHardwareInfo hw{device, sm_count};
+  // GQA: the persistent kernel reads K/V head h / group for query head h itself (kv_group), so one
+  // launch runs every query head. CUTLASS's own kernels index K/V heads linearly: one launch per
+  // query head of a group, launch g running query heads g, g + group, ... against K/V heads 0, 1, ...
+  const int64_t launches = Cfg::kPersistent ? 1 : group;
+  const int64_t packed = group / launches;  // query heads per K/V head within one launch
+  const int64_t heads = h / launches;       // query heads per launch
   // Chunks keep batch and heads within the grid's y and z limits (the persistent schedule folds
-  // them into x, but one chunking rule for all schedules keeps this simple).
-  for (int64_t g = 0; g < group; ++g) {
+  // them into x, but one chunking rule for all schedules keeps this simple); a head chunk holds
+  // whole groups.
+  const int64_t head_step = kMaxGridYZ / packed * packed;
+  // The K/V descriptors span a launch's query heads, though only its K/V heads are read: with one
+  // K/V head its head stride is never stepped, and any TMA-legal value stands in for it.
+  const int64_t k_head_stride = hkv > 1 ? p->k_head_stride : p->k_row_stride;
+  const int64_t v_head_stride = hkv > 1 ? p->v_head_stride : p->v_row_stride;
+  for (int64_t g = 0; g < launches; ++g) {
     for (int64_t b0 = 0; b0 < b; b0 += kMaxGridYZ) {
-      for (int64_t h0 = 0; h0 < hkv; h0 += kMaxGridYZ) {
+      for (int64_t h0 = 0; h0 < heads; h0 += head_step) {  // in this launch's query heads
         const int nb = static_cast<int>(std::min(kMaxGridYZ, b - b0));
-        const int nh = static_cast<int>(std::min(kMaxGridYZ, hkv - h0));
-        const int64_t qh = h0 * group + g;  // first query head of this launch
+        const int nh = static_cast<int>(std::min(head_step, heads - h0));
+        const int64_t qh = h0 * launches + g;  // first query head of this launch
+        const int64_t kvh = h0 / packed;       // its K/V head
         typename Kernel::Arguments args{
-            {nb, nh, static_cast<int>(nq), static_cast<int>(nk), static_cast<int>(d)},
+            {nb, nh, static_cast<int>(nq), static_cast<int>(nk_read), static_cast<int>(d)},
             {q0 + b0 * p->q_batch_stride + qh * p->q_head_stride,
-             make_stride(int(p->q_row_stride), _1{}, make_stride(int(p->q_batch_stride), int(p->q_head_stride * group))),
-             k0 + b0 * p->k_batch_stride + h0 * p->k_head_stride,
-             make_stride(int(p->k_row_stride), _1{}, make_stride(int(p->k_batch_stride), int(p->k_head_stride))),
-             v0 + b0 * p->v_batch_stride + h0 * p->v_head_stride,
-             make_stride(int(p->v_row_stride), _1{}, make_stride(int(p->v_batch_stride), int(p->v_head_stride)))},
+             make_stride(int(p->q_row_stride), _1{},
+                         make_stride(int(p->q_batch_stride), int(p->q_head_stride * launches))),
+             k0 + b0 * p->k_batch_stride + kvh * p->k_head_stride,
+             make_stride(int(p->k_row_stride), _1{}, make_stride(int(p->k_batch_stride), int(k_head_stride))),
+             v0 + b0 * p->v_batch_stride + kvh * p->v_head_stride,
+             make_stride(int(p->v_row_stride), _1{}, make_stride(int(p->v_batch_stride), int(v_head_stride)))},
             {o0 + b0 * p->o_batch_stride + qh * p->o_head_stride,
-             make_stride(int(p->o_row_stride), _1{}, make_stride(int(p->o_batch_stride), int(p->o_head_stride * group))),
-             p->lse + (b0 * h + qh) * nq, make_stride(_1{}, make_stride(int(h * nq), int(group * nq)))},
+             make_stride(int(p->o_row_stride), _1{},
+                         make_stride(int(p->o_batch_stride), int(p->o_head_stride * launches))),
+             p->lse + (b0 * h + qh) * nq, make_stride(_1{}, make_stride(int(h * nq), int(launches * nq)))},
             hw};
-        e = launch_with_scale<Kernel>(args, scale, kSmem, stream);
+        e = launch_with_scale<Kernel>(args, scale, kSmem, stream, [packed](auto& params) {
+          if constexpr (Cfg::kPersistent) params.kv_group = static_cast<int>(packed);
+        });
         if (e != cudaSuccess) {
           return report(err, err_len, GEMMGEN_CUDA_ERROR, "kernel launch: %s (%s)", cudaGetErrorString(e),
                         cudaGetErrorName(e));

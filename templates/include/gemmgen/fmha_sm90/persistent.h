@@ -34,13 +34,17 @@ using namespace cute;
 // Pairs are handed out head by head, so the CTAs running at one time share a few heads' K and V in
 // L2 (an order over all heads at once, longest tiles first, streamed every head's K and V from
 // memory and was about a fifth slower at N = 1024-2048: bench/NOTES.md, experiment 23).
+// When every row tile fits on the GPU at once (row tiles * batch * heads <= SMs), each tile is a work
+// item of its own instead: the call then takes as long as its longest tile, not its longest pair,
+// and twice the SMs work (a chunk of a few row tiles against a long context, causal bottom-right).
 struct PairedScheduler {
   struct Params {
-    int num_pairs;
+    int num_pairs;  // work items: pairs, or row tiles when not paired
     int num_m_blocks;
-    cutlass::FastDivmod divmod_pairs;  // pair index -> (batch * heads index, pair within the head)
+    cutlass::FastDivmod divmod_pairs;  // item index -> (batch * heads index, item within the head)
     cutlass::FastDivmod divmod_h;      // batch * heads index -> (batch, head)
     cutlass::KernelHardwareInfo hw_info;
+    bool paired;
   };
 
   int pair_idx = 0;
@@ -53,10 +57,11 @@ struct PairedScheduler {
   static Params to_underlying_arguments(ProblemSize const& problem_size, cutlass::KernelHardwareInfo hw_info,
                                         ClusterShape const&, TileShape const& tile_shape) {
     const int m_blocks = ceil_div(size<2>(problem_size), size<0>(tile_shape));
-    const int pairs_per_head = (m_blocks + 1) / 2;
     const int bh = size<0>(problem_size) * size<1>(problem_size);
-    return Params{pairs_per_head * bh, m_blocks, cutlass::FastDivmod(pairs_per_head),
-                  cutlass::FastDivmod(size<1>(problem_size)), hw_info};
+    const bool paired = int64_t(m_blocks) * bh > hw_info.sm_count;
+    const int per_head = paired ? (m_blocks + 1) / 2 : m_blocks;
+    return Params{per_head * bh, m_blocks, cutlass::FastDivmod(per_head), cutlass::FastDivmod(size<1>(problem_size)),
+                  hw_info, paired};
   }
 
   static dim3 get_grid_shape(Params const& params) {
@@ -75,7 +80,7 @@ struct PairedScheduler {
   CUTLASS_DEVICE PairedScheduler& operator++() {
     int bh, pair;
     params.divmod_pairs(bh, pair, pair_idx);
-    if (!second && pair != params.num_m_blocks - 1 - pair) {
+    if (params.paired && !second && pair != params.num_m_blocks - 1 - pair) {
       second = true;
     } else {
       second = false;
@@ -202,8 +207,19 @@ struct PersistentKernel
           Mainloop, GroupEpilogue<typename Mainloop::Element, typename Mainloop::TileShapePV>, Scheduler, Options...> {
   using Epilogue = GroupEpilogue<typename Mainloop::Element, typename Mainloop::TileShapePV>;
   using Base = cutlass::fmha::kernel::FmhaKernelTmaWarpSpecialized<Mainloop, Epilogue, Scheduler, Options...>;
-  using typename Base::Params;
+  using typename Base::Arguments;
   using typename Base::SharedStorage;
+  // CUTLASS's params, and GQA: the K/V loads of query head h read K/V head h / kv_group (the launch
+  // then covers every query head at once; the K/V tensors' head extent is the query heads', of
+  // which only the first heads / kv_group are read).
+  struct Params : Base::Params {
+    int kv_group = 1;
+  };
+  static Params to_underlying_arguments(Arguments const& args, void* workspace) {
+    Params params;
+    static_cast<typename Base::Params&>(params) = Base::to_underlying_arguments(args, workspace);
+    return params;
+  }
   using PipeQ = typename Base::MainloopPipelineOuter;
   using PipeKV = typename Base::MainloopPipelineInner;
   using PipeUnused = typename Base::MainloopPipelineReducer;  // compute() takes it; the forward pass never uses it
@@ -290,9 +306,11 @@ struct PersistentKernel
       bool first = true;  // the K/V and Q warps meet once, after the first Q load is issued
       if (warp_in_group == kLoadKV) {
         for (; scheduler.is_valid(); ++scheduler, first = false) {
-          mainloop.template load_kv_maybe_q<false>(0, scheduler.get_block_coord(), params.mainloop,
-                                                   params.problem_size, pipe_kv, write_kv, pipe_q, write_q,
-                                                   storage.tensors.mainloop, storage.load_warp_barrier, first);
+          auto kv_blk = scheduler.get_block_coord();
+          get<1>(get<2>(kv_blk)) /= params.kv_group;  // this query head's K/V head
+          mainloop.template load_kv_maybe_q<false>(0, kv_blk, params.mainloop, params.problem_size, pipe_kv,
+                                                   write_kv, pipe_q, write_q, storage.tensors.mainloop,
+                                                   storage.load_warp_barrier, first);
         }
       } else if (warp_in_group == kLoadQ) {
         for (; scheduler.is_valid(); ++scheduler, first = false) {

@@ -1,0 +1,63 @@
+"""The eager fast path shared by the operations.
+
+A small call (decode, a short sequence) costs more on the host than on the GPU, so the operations
+skip two things that cannot change the outcome of a plain eager call:
+
+- runs_directly: torch's dispatcher. When nothing is traced, no torch function or dispatch mode
+  is active, no functorch transform runs, every tensor is a plain torch.Tensor and no autograd
+  graph is recorded (grad mode off, or no input requires grad), the dispatcher would only route
+  the call to the op's CUDA implementation; the operation calls that implementation itself.
+  Everything else (torch.compile, FakeTensor, DTensor, vmap, training) goes through the op.
+- Checked: metadata checks already passed. The checks that read only tensors' metadata (shape,
+  strides, dtype, device, requires_grad) and the call's arguments give the same answer for the
+  same signature, so a signature that passed once passes again; per-call facts (data pointers'
+  alignment, overlap, lengths read from the GPU) are still checked on every call.
+"""
+from __future__ import annotations
+
+from typing import Hashable
+
+import torch
+from torch.utils._python_dispatch import is_in_torch_dispatch_mode
+
+_Tensor = torch.Tensor
+
+
+def runs_directly(*tensors: torch.Tensor | None) -> bool:
+    """Whether an eager call on `tensors` (None entries ignored) may run the op's implementation
+    without torch's dispatcher (see the module doc)."""
+    if torch.compiler.is_compiling() or torch._C._is_torch_function_mode_enabled() or \
+            is_in_torch_dispatch_mode() or torch._C._are_functorch_transforms_active():
+        return False
+    grad = torch.is_grad_enabled()
+    for t in tensors:
+        if t is not None and (type(t) is not _Tensor or (grad and t.requires_grad)):
+            return False
+    return True
+
+
+def signature(*tensors: torch.Tensor | None) -> tuple | None:
+    """What the metadata checks read of `tensors` (plain tensors or None): shape, strides, dtype,
+    device, requires_grad; None when one is not strided (it has no strides: the checks report it)."""
+    for t in tensors:
+        if t is not None and t.layout is not torch.strided:
+            return None
+    return tuple(None if t is None else (t.shape, t.stride(), t.dtype, t.device, t.requires_grad) for t in tensors)
+
+
+class Checked:
+    """The call signatures (tensors' signature() plus the arguments the checks read) whose metadata
+    checks passed; bounded, forgotten all at once when full."""
+
+    def __init__(self, limit: int = 4096) -> None:
+        self._seen: set[Hashable] = set()
+        self._limit = limit
+
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self._seen
+
+    def add(self, key: Hashable) -> None:
+        if len(self._seen) >= self._limit:
+            self._seen.clear()
+        self._seen.add(key)
+
