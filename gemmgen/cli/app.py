@@ -1,4 +1,5 @@
-"""The `gemmgen` command: generate (render + compile + register), list, run, profile, explain, tune."""
+"""The `gemmgen` command: generate (render + compile + register), package, list, run, profile, explain,
+tune."""
 from __future__ import annotations
 
 import argparse
@@ -106,6 +107,38 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def cmd_package(args: argparse.Namespace) -> int:
+    """Build the chosen instances of one --arch into --build-dir (as generate does; --no-build takes
+    the folder as it is), then write the built ones as a kernels wheel into --out-dir."""
+    from gemmgen.generator import package
+
+    try:
+        arch = parse_arch(args.arch)
+        families = generate_families(args.family)
+        check_regex(args.filter)
+    except (ValueError, InputError) as exc:
+        return _fail(str(exc), EXIT_USAGE)
+    except KeyError as exc:
+        return _fail(f"unknown family {exc.args[0]!r}; known: {', '.join(f.FAMILY for f in space.FAMILIES)}",
+                     EXIT_USAGE)
+    names = None
+    if not args.no_build:
+        generate = argparse.Namespace(arch=[args.arch], out=args.build_dir, filter=args.filter, all=args.all,
+                                      jobs=args.jobs, no_compile=False, family=args.family)
+        status = cmd_generate(generate)
+        if status != 0:
+            return _fail("not packaged: the build above did not complete", status)
+        names = {i.name for i in space.select_instances(arch, all_instances=args.all, pattern=args.filter,
+                                                         families=families)}
+    try:
+        wheel = package.write_wheel(Path(args.build_dir), arch, Path(args.out_dir), names)
+    except GemmgenError as exc:
+        return _fail(str(exc))
+    print(f"wrote {wheel.path} ({wheel.instances} instances, {wheel.path.stat().st_size / 2**20:.1f} MiB)")
+    print(f"install it next to gemmgen {__version__}: pip install {wheel.path}")
+    return 0
+
+
 def record_build(out: Path) -> None:
     """Record `out` in the cache directory's list of builds; a cache that cannot be written costs a
     warning, not the build."""
@@ -153,11 +186,15 @@ def cmd_list(args: argparse.Namespace) -> int:
     from gemmgen.select import registry
 
     if args.out is None:
+        from gemmgen.kernels import packages
+
         rows = [("folder", "arch", "instances", "states")]
         searched = registry.search_dirs()
         for folder in searched:
             for path in registry.manifest_paths(folder.resolve()):
                 rows.append((str(folder.resolve()), *manifest_summary(path)))
+        rows += [(p.label, p.info.get("arch", "?"), str(p.info.get("instances", "?")), f"left out: {p.reason}")
+                 for p in packages.installed() if p.reason is not None]
         if len(rows) == 1:
             where = ", ".join(str(d.resolve()) for d in searched)
             return _fail(f"no builds found (searched {where}); run `gemmgen generate --arch sm80`")
@@ -271,10 +308,29 @@ def parser() -> argparse.ArgumentParser:
                           "unfused path gemm_sm80 and softmax_sm80")
     gen.set_defaults(func=cmd_generate)
 
+    pkg = _command(sub, "package", "build a kernels wheel that runs without nvcc",
+                   "Build the chosen instances of --arch into --build-dir (as `generate` does, reusing what "
+                   "is up to date), then write the built ones as a wheel into --out-dir. Installed with pip "
+                   "next to the same gemmgen version, the registry finds its kernels with no nvcc and no "
+                   "build folder.")
+    pkg.add_argument("--arch", required=True, help="target, e.g. sm90 (one per wheel)")
+    pkg.add_argument("--out-dir", "-o", default="dist", help="where the wheel goes (default: dist)")
+    pkg.add_argument("--build-dir", default="build", help="build directory to build into and package from "
+                                                          "(default: build)")
+    pkg.add_argument("--no-build", action="store_true",
+                     help="package every built instance of --build-dir as it is, compiling nothing")
+    pkg.add_argument("--filter", metavar="REGEX", help="only the instances whose name contains this regex")
+    pkg.add_argument("--all", action="store_true", help="the whole instance space, not the default set")
+    pkg.add_argument("--jobs", type=int, help="parallel nvcc jobs (default: cores, <= free GB / 4)")
+    pkg.add_argument("--family", action="append", help="this family (repeatable; 'all' for every family; "
+                                                       "default: those built by default)")
+    pkg.set_defaults(func=cmd_package)
+
     lst = _command(sub, "list", "list the builds, or the instances of one build",
                    "Without --out: every build the registry searches (./build, the folders `gemmgen "
-                   "generate` recorded, or GEMMGEN_BUILD_DIR's; and the on-demand builds), with its "
-                   "arch and instance counts. With --out: every instance of that build.")
+                   "generate` recorded, or GEMMGEN_BUILD_DIR's; the installed kernels packages, with the "
+                   "reason for any left out; and the on-demand builds), with its arch and instance counts. "
+                   "With --out: every instance of that build.")
     lst.add_argument("--out", metavar="FOLDER",
                      help="list the instances of this build directory (default: a summary of every build)")
     lst.set_defaults(func=cmd_list)

@@ -151,14 +151,15 @@ def database_for(problem: KindProblem) -> tuning_db.TuningDB:
 
 def no_instance_error(kind: Kind, problem: KindProblem, rejected: list[tuple[str, str]],
                       headline: str) -> NoInstanceError:
-    """The error listing each instance's reason, unreadable manifests and the command that builds one."""
+    """The error listing each instance's reason, what the registry could not read or left out (manifests,
+    kernels packages) and the command that builds one."""
     lines = [headline]
     if not rejected:
         dirs = ", ".join(str(d.resolve()) for d in registry.search_dirs())
         lines.append(f"No built {kind.noun}s found in {dirs} (`gemmgen list` shows the builds gemmgen "
                      f"knows of; GEMMGEN_BUILD_DIR or gemmgen.set_build_dirs name others).")
     lines += [f"  {label}: {reason}" for label, reason in rejected]
-    lines += [f"  unreadable manifest: {err}" for err in registry.load()[1]]
+    lines += [f"  not read: {err}" for err in registry.load()[1]]
     command = kind.build_command(problem)
     lines.append(f"Build one with: {command}" if command else
                  "No gemmgen family supports this combination on this GPU.")

@@ -6,8 +6,9 @@ Build directories, in priority order (build_dirs):
   separated): exactly those folders;
 - otherwise ./build of the current directory, then every folder `gemmgen generate` recorded in
   <cache>/builds.json that still exists, most recently generated first (gemmgen.cache);
-then, in either case, the instances compiled on demand, <cache>/jit. Each holds <arch>/manifest.json
-files (a directory holding a manifest.json itself is read too).
+then, in either case, the installed kernels packages that match this gemmgen
+(gemmgen.kernels.packages: prebuilt wheels), then the instances compiled on demand, <cache>/jit.
+Each holds <arch>/manifest.json files (a directory holding a manifest.json itself is read too).
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from gemmgen import cache
-from gemmgen.kernels import abi
+from gemmgen.kernels import abi, packages
 from gemmgen.generator import manifest, ondemand
 from gemmgen.errors import GemmgenLaunchError, ManifestError
 from gemmgen.select.problem import Problem
@@ -113,10 +114,21 @@ def jit_dir() -> Path:
     return ondemand.jit_dir()
 
 
+def package_dirs() -> list[Path]:
+    """The folders of the installed kernels packages that match this gemmgen (gemmgen.kernels.packages)."""
+    return [p.folder for p in packages.installed() if p.reason is None]
+
+
 def search_dirs() -> list[Path]:
-    """The build directories, then the on-demand builds (each folder once)."""
+    """The build directories, then the installed kernels packages, then the on-demand builds (each
+    folder once)."""
     dirs = build_dirs()
-    return dirs + ([jit_dir()] if jit_dir().resolve() not in {d.resolve() for d in dirs} else [])
+    seen = {d.resolve() for d in dirs}
+    for extra in package_dirs() + [jit_dir()]:
+        if extra.resolve() not in seen:
+            dirs.append(extra)
+            seen.add(extra.resolve())
+    return dirs
 
 
 def on_refresh(hook: Callable[[], None]) -> None:
@@ -152,6 +164,7 @@ def load() -> tuple[list[Candidate], list[str]]:
                     continue
                 found += [Candidate(e, path.parent / e.library, path.parent, order) for e in data.instances]
                 errors += [f"{path}: left out {why}" for why in data.dropped]
+        errors += [f"{p.label} left out: {p.reason}" for p in packages.installed() if p.reason is not None]
         _loaded = (found, errors)
     return _loaded
 
