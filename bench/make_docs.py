@@ -28,6 +28,7 @@ CURRENT = {
     "fa_sweep_h200.md": "All attention families against torch SDPA (the FlashAttention sweep)",
     "decode_h200.md": "Decode and key-value caches against torch SDPA",
     "gqa_prefill_h200.md": "GQA prefill and chunked prefill against torch SDPA",
+    "model_h200.md": "A GPT-style model's training step and generation, torch SDPA with and without gemmgen",
     "bwd_sweep_h200.md": "The backward against torch SDPA's backward",
     "bwd_deterministic_h200.md": "The backward with deterministic=True",
     "context_parallel_h200x2.md": "Context-parallel ring attention over two GPUs",
@@ -71,6 +72,9 @@ BUILT_WITH = {
         "choice without tuning data. It predates bench/NOTES.md experiment 13 (see sm80_ab_fa2_h200)."),
     "selection_value_h200.md": "`python bench/selection_value.py` over the fa2_sm80 build of sm80_fa_sweep_h200.",
     "overhead_h200.md": "`python bench/overhead.py` over the default build (`gemmgen generate --arch sm80 --arch sm90`).",
+    "decode_h200.md": ("`python bench/decode.py --quick` over the default build (`gemmgen generate --arch sm80 --arch "
+                       "sm90`) and mea_sm80, untuned; the dense causal rate of the chunked-prefill line is fmha_sm90's."),
+    "model_h200.md": "`python bench/model.py` over the default build (`gemmgen generate --arch sm80 --arch sm90`), untuned.",
     "gqa_prefill_h200.md": ("`python bench/gqa_prefill.py` over the default build (`gemmgen generate --arch sm80 "
                             "--arch sm90`), untuned."),
     "unfused_h200.md": "`python bench/unfused.py`.",

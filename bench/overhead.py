@@ -17,6 +17,7 @@ the instance:
 from __future__ import annotations
 
 import argparse
+import shlex
 import statistics
 import sys
 import time
@@ -140,7 +141,7 @@ def main() -> int:
     header = common.header(f"eager calls queued back to back, wall time per call of {args.iters} calls, the median "
                            f"of {args.rounds} rounds with the sides in alternating order; host only: the launch "
                            f"made a no-op; kernel: CUDA graph replay of 100 calls; command: python "
-                           f"bench/overhead.py{' --out ' + args.out if args.out else ''}")
+                           f"bench/overhead.py {shlex.join(sys.argv[1:])}".rstrip())
     table = ["| call | gemmgen instance | kernel us | gemmgen queued us | gemmgen host only us | "
              "fastest SDPA | SDPA queued us | SDPA time / gemmgen time |", "|---|---|---|---|---|---|---|---|"]
     table += [f"| {label} | {inst} | {k:.2f} | {g:.1f} | {host:.1f} | {backend} | {s:.1f} | {s / g:.2f} |"

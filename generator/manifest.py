@@ -19,6 +19,17 @@ SCHEMA = 1
 # (keep the two in step). The manifest records it; the runtime checks it before loading a library.
 ABI_VERSION = 4
 MANIFEST_NAME = "manifest.json"
+# A kernels wheel (`gemmgen package`) declares itself under this entry-point group, and its package
+# folder holds this file (what it was built for) beside <arch>/manifest.json.
+KERNELS_ENTRY_POINT = "gemmgen.kernels"
+KERNELS_PACKAGE_FILE = "gemmgen_kernels.json"
+
+
+def cuda_major(version: str | None) -> str | None:
+    """'13' of '13.0' or '13.0.88'; None for None or 'unknown'."""
+    if not version or not version[0].isdigit():
+        return None
+    return version.split(".")[0]
 STATES = ("built", "failed", "rendered")
 
 

@@ -22,7 +22,9 @@ from gemmgen import __version__
 from gemmgen.arch import Arch
 from gemmgen.errors import GemmgenError
 from gemmgen.generator import manifest
-from gemmgen.kernels.packages import ENTRY_POINT_GROUP, PACKAGE_FILE, cuda_major
+from gemmgen.generator.manifest import KERNELS_ENTRY_POINT as ENTRY_POINT_GROUP
+from gemmgen.generator.manifest import KERNELS_PACKAGE_FILE as PACKAGE_FILE
+from gemmgen.generator.manifest import cuda_major
 
 
 class PackageError(GemmgenError):

@@ -51,13 +51,28 @@ def register(family: Family) -> None:
     if any(f.FAMILY == family.FAMILY for f in FAMILIES):
         raise ValueError(f"a family named {family.FAMILY!r} is registered already")
     FAMILIES._families.append(family)
-    supported_head_dims.cache_clear()
+    _changed()
 
 
 def unregister(family: Family) -> None:
     """Remove `family` from FAMILIES (ValueError if it is not there)."""
     FAMILIES._families.remove(family)
+    _changed()
+
+
+_version = 0
+
+
+def version() -> int:
+    """A number that changes whenever FAMILIES does (what is cached on the family list checks it)."""
+    return _version
+
+
+def _changed() -> None:
+    global _version
+    _version += 1
     supported_head_dims.cache_clear()
+    _BY_NAME.clear()
 
 
 @contextlib.contextmanager
@@ -80,12 +95,15 @@ def families_for(arch: Arch) -> list[Family]:
     return [family for family in FAMILIES if arch in family.ARCHS]
 
 
+_BY_NAME: dict[str, Family] = {}
+
+
 def family_named(name: str) -> Family:
-    """Return the family whose FAMILY is `name`; raise KeyError if none."""
-    for family in FAMILIES:
-        if family.FAMILY == name:
-            return family
-    raise KeyError(name)
+    """Return the family whose FAMILY is `name`; raise KeyError if none (a dict lookup: selection
+    asks for every candidate of every new problem)."""
+    if not _BY_NAME:
+        _BY_NAME.update((family.FAMILY, family) for family in FAMILIES)
+    return _BY_NAME[name]
 
 
 def matches(name: str, pattern: str) -> bool:

@@ -13,10 +13,11 @@ ROOT = Path(__file__).resolve().parent.parent
 # imports only the standard library (its torch_sdpa module loads when torch does).
 FOUNDATION = {"gemmgen", "gemmgen.errors", "gemmgen.arch", "gemmgen.cache", "gemmgen.integrations"}
 # What the runtime may import of the generator: the family contract and instance spaces, the
-# manifest schema, and the on-demand compile. `gemmgen generate` (the CLI) also drives the build.
+# manifest schema, and the on-demand compile. `gemmgen generate` and `gemmgen package` (the CLI)
+# also drive the build and write kernels wheels.
 GENERATOR_API = {"gemmgen.generator", "gemmgen.generator.space", "gemmgen.generator.families",
                  "gemmgen.generator.families.base", "gemmgen.generator.manifest", "gemmgen.generator.ondemand"}
-CLI_ALSO = {"gemmgen.generator.build"}
+CLI_ALSO = {"gemmgen.generator.build", "gemmgen.generator.package"}
 
 
 def modules() -> dict[str, Path]:

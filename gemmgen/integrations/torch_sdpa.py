@@ -377,13 +377,11 @@ class _Call:
     def __init__(self, op: Any, positional: tuple[str, ...], args: tuple, kwargs: dict, signature: tuple) -> None:
         self.op, self.args, self.kwargs, self.signature = op, args, kwargs, signature
         self.values: dict[str, Any] = {}
-        names = iter(positional)
-        for i, a in enumerate(op._schema.arguments):
-            name = a.name if a.kwarg_only else next(names)
-            if not a.kwarg_only and i < len(args):
+        for i, (name, schema_name, positional_arg, default) in enumerate(_arguments(op, positional)):
+            if positional_arg and i < len(args):
                 self.values[name] = args[i]
             else:  # the dispatcher leaves out keyword arguments at their defaults
-                self.values[name] = kwargs.get(a.name, a.default_value if a.has_default_value() else None)
+                self.values[name] = kwargs.get(schema_name, default)
 
     def __getitem__(self, name: str) -> Any:
         return self.values[name]
@@ -396,6 +394,23 @@ class _Call:
         """(shape, strides) of output `index` by torch's meta function, or None if it gives none."""
         layouts = _meta_layouts(self.op, self.signature, self.args, self.kwargs)
         return layouts[index] if index < len(layouts) else None
+
+
+_schemas: dict[tuple, list[tuple[str, str, bool, Any]]] = {}
+
+
+def _arguments(op: Any, positional: tuple[str, ...]) -> list[tuple[str, str, bool, Any]]:
+    """(our name, the schema's name, positional?, default) of each argument of `op`'s schema, read
+    once per op (every call of an overridden op names its arguments through this)."""
+    key = (op, positional)
+    found = _schemas.get(key)
+    if found is None:
+        names, found = iter(positional), []
+        for a in op._schema.arguments:
+            found.append((a.name if a.kwarg_only else next(names), a.name, not a.kwarg_only,
+                          a.default_value if a.has_default_value() else None))
+        _schemas[key] = found
+    return found
 
 
 _layouts: dict[tuple, tuple] = {}

@@ -18,8 +18,10 @@ import json
 from pathlib import Path
 from typing import Any
 
-ENTRY_POINT_GROUP = "gemmgen.kernels"
-PACKAGE_FILE = "gemmgen_kernels.json"
+from gemmgen.generator.manifest import KERNELS_ENTRY_POINT, KERNELS_PACKAGE_FILE, cuda_major
+
+ENTRY_POINT_GROUP = KERNELS_ENTRY_POINT
+PACKAGE_FILE = KERNELS_PACKAGE_FILE
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,13 +37,6 @@ class KernelPackage:
     @property
     def label(self) -> str:
         return f"kernels package {self.distribution}" + (f" ({self.folder})" if self.folder else "")
-
-
-def cuda_major(version: str | None) -> str | None:
-    """'13' of '13.0' or '13.0.88'; None for None or 'unknown'."""
-    if not version or not version[0].isdigit():
-        return None
-    return version.split(".")[0]
 
 
 def mismatch(info: dict[str, Any]) -> str | None:

@@ -20,6 +20,8 @@ from typing import Hashable
 import torch
 from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
+from gemmgen.generator import space
+
 _Tensor = torch.Tensor
 
 
@@ -47,13 +49,18 @@ def signature(*tensors: torch.Tensor | None) -> tuple | None:
 
 class Checked:
     """The call signatures (tensors' signature() plus the arguments the checks read) whose metadata
-    checks passed; bounded, forgotten all at once when full."""
+    checks passed; bounded, forgotten all at once when full or when the family list changes (the
+    head dims the checks accept come from it)."""
 
     def __init__(self, limit: int = 4096) -> None:
         self._seen: set[Hashable] = set()
         self._limit = limit
+        self._families = space.version()
 
     def __contains__(self, key: Hashable) -> bool:
+        if self._families != space.version():
+            self._seen.clear()
+            self._families = space.version()
         return key in self._seen
 
     def add(self, key: Hashable) -> None:

@@ -10,6 +10,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
 from gemmgen.errors import InputError
+from gemmgen.generator import space
 from gemmgen.generator.space import FAMILIES
 from gemmgen.ops import eager, torch_op
 from gemmgen.ops.attention import ALIGN_ELEMENTS, DTYPES, INT32_MAX, _check_device
@@ -20,10 +21,14 @@ from gemmgen.select.problem import ALIGN_BYTES
 _CHECKED = eager.Checked()  # the call signatures whose metadata checks passed
 
 
-@functools.cache
 def kv_cache_head_dims() -> tuple[int, ...]:
-    """The head dims some family with a key-value cache (PACKS_GQA) serves (the family list is fixed
-    at import: computed once, not on every call)."""
+    """The head dims some family with a key-value cache (PACKS_GQA) serves (computed once per
+    version of the family list, not on every call)."""
+    return _kv_cache_head_dims(space.version())
+
+
+@functools.lru_cache(maxsize=1)
+def _kv_cache_head_dims(_families_version: int) -> tuple[int, ...]:
     return tuple(sorted({d for f in FAMILIES if getattr(f, "PACKS_GQA", False) for d in f.HEAD_DIMS}))
 
 

@@ -200,9 +200,21 @@ def _is_size(key: str, value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and key != "head_dim"
 
 
+_tile_distances: dict[tuple[str, str], float] = {}
+
+
 def tile_distance(cand: Any) -> float:
     """Doublings between the candidate's integer params and its family's DEFAULT instance for the
-    same dtype, head_dim and mask (0 for the default itself; large when there is no default)."""
+    same dtype, head_dim and mask (0 for the default itself; large when there is no default).
+    Cached per instance (family and name fix the params)."""
+    key = (cand.instance.family, cand.name)
+    hit = _tile_distances.get(key)
+    if hit is None:
+        hit = _tile_distances[key] = _tile_distance(cand)
+    return hit
+
+
+def _tile_distance(cand: Any) -> float:
     params = cand.instance.params()
     default = _default_params(params, family_named(cand.instance.family))
     if default is None:

@@ -49,7 +49,7 @@ class Candidate:
         """The instance's build key: what the tuning database files its measurements under."""
         return self.entry.content_hash
 
-    @property
+    @functools.cached_property
     def label(self) -> str:
         """The name and the build directory, for messages."""
         return f"{self.name} ({self.build_dir})"
@@ -140,6 +140,7 @@ def refresh() -> None:
     """Forget loaded manifests and cached selections (call after a new `gemmgen generate`)."""
     global _loaded
     _loaded = None
+    _build_reasons.clear()
     for hook in _refresh_hooks:
         hook()
 
@@ -207,9 +208,20 @@ def functional_reason(family: Any, inst: AttentionInstance, problem: Problem) ->
     return family.problem_reason(inst, problem)
 
 
+_build_reasons: dict[tuple, str | None] = {}
+
+
 def build_reason(cand: Candidate, cc: tuple[int, int]) -> str | None:
     """Why `cand`'s build cannot run on a GPU of compute capability `cc` (any kind of family):
-    not compiled, failed, library gone, or no code for the arch. None when it can."""
+    not compiled, failed, library gone, or no code for the arch. None when it can. Cached until
+    refresh() (it looks at the library on disk, for every candidate of every new problem)."""
+    key = (str(cand.library), cand.entry.symbol, cand.entry.state, tuple(cand.entry.gencode), cc)
+    if key not in _build_reasons:
+        _build_reasons[key] = _build_reason(cand, cc)
+    return _build_reasons[key]
+
+
+def _build_reason(cand: Candidate, cc: tuple[int, int]) -> str | None:
     entry = cand.entry
     if entry.state == "rendered":
         return "rendered but not compiled (run `gemmgen generate` without --no-compile)"

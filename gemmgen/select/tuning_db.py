@@ -15,6 +15,7 @@ renamed aside (<file>.corrupt-<time> / .foreign-<time>) and read as empty: it ne
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import math
@@ -144,9 +145,14 @@ def _slug(text: str) -> str:
 
 def path_for(fingerprint: dict[str, Any], folder: Path | None = None) -> Path:
     """The database file of a GPU fingerprint: <cache>/tuning/<gpu>-sm<cc>-<hash>.json."""
-    digest = hashlib.sha256(json.dumps(fingerprint, sort_keys=True).encode()).hexdigest()[:12]
-    name = f"{_slug(fingerprint['gpu'])}-sm{str(fingerprint['cc']).replace('.', '')}-{digest}.json"
-    return (folder or cache.cache_dir() / "tuning") / name
+    return (folder or cache.cache_dir() / "tuning") / _file_name(json.dumps(fingerprint, sort_keys=True))
+
+
+@functools.lru_cache(maxsize=64)
+def _file_name(fingerprint_json: str) -> str:
+    fingerprint = json.loads(fingerprint_json)
+    digest = hashlib.sha256(fingerprint_json.encode()).hexdigest()[:12]
+    return f"{_slug(fingerprint['gpu'])}-sm{str(fingerprint['cc']).replace('.', '')}-{digest}.json"
 
 
 def merge_entries(into: Entries, other: Entries) -> int:

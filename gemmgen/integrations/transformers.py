@@ -1,0 +1,103 @@
+"""gemmgen as an attention implementation of Hugging Face transformers.
+
+    import gemmgen.integrations.transformers as gt
+    gt.register()                                        # once per process
+    model = AutoModelForCausalLM.from_pretrained(name, attn_implementation="gemmgen")
+
+register() adds "gemmgen" to transformers' AttentionInterface (the attention function below) and
+AttentionMaskInterface (the masks of its SDPA path: None where a causal flag serves, else a bool
+[B, 1, Nq, Nk] mask, True taking part). Every attention layer of a model that dispatches through
+those interfaces (Llama, Qwen, Mistral, GPT-2 and most decoder models) then calls
+gemmgen.fused_attention: causal and padding masks, sliding windows (through the mask), GQA without
+repeating K and V, the layer's scaling, dropout in training, T5-style position biases (as an
+additive mask), autograd, and generation with the model's KV cache (a decode step is a dense call
+of one query row, which the registry gives the decode family).
+
+A call gemmgen cannot run (a dtype, head dim or mask no family serves, CPU tensors, a logit softcap)
+runs on transformers' own SDPA path instead, with one warning per distinct reason on the logger
+"gemmgen.transformers"; fallback_reasons() lists them. Needs transformers >= 4.56 (the optional
+extra: pip install 'gemmgen[transformers]').
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from gemmgen.errors import DeviceError, InputError, NoInstanceError
+from gemmgen.ops.attention import fused_attention
+
+NAME = "gemmgen"
+logger = logging.getLogger("gemmgen.transformers")
+_reasons: dict[str, int] = {}
+
+
+def register(name: str = NAME) -> None:
+    """Make attn_implementation=`name` run on gemmgen (see the module doc). Raises ImportError naming
+    the extra to install when transformers is missing or too old."""
+    try:
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    except ImportError as exc:
+        raise ImportError("gemmgen.integrations.transformers needs transformers >= 4.56 (AttentionInterface and "
+                          "AttentionMaskInterface): pip install 'gemmgen[transformers]'") from exc
+    AttentionInterface.register(name, attention_forward)
+    AttentionMaskInterface.register(name, sdpa_mask)
+
+
+def fallback_reasons() -> dict[str, int]:
+    """Each distinct reason a call ran on transformers' SDPA path instead, with its count."""
+    return dict(_reasons)
+
+
+def _fallback(reason: str, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if reason not in _reasons:
+        logger.warning("gemmgen does not run %s; transformers' SDPA path does (logged once per reason)", reason)
+    _reasons[reason] = _reasons.get(reason, 0) + 1
+    return sdpa_attention_forward(*args, **kwargs)
+
+
+def _with_position_bias(bias: torch.Tensor, mask: torch.Tensor | None, causal: bool, q: torch.Tensor,
+                        k: torch.Tensor) -> torch.Tensor:
+    """An additive float mask of `bias` (T5-style relative positions) with `mask` or the causal pattern
+    folded in: -inf where a query must not see a key."""
+    if mask is None and causal:
+        nq, nk = q.shape[2], k.shape[2]
+        mask = torch.arange(nq, device=q.device)[:, None] >= torch.arange(nk, device=q.device)[None, :]
+    if mask is None:
+        return bias
+    if mask.dtype == torch.bool:
+        return bias.masked_fill(~mask, float("-inf"))
+    return bias + mask
+
+
+def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                      is_causal: bool | None = None, position_bias: torch.Tensor | None = None,
+                      **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function contract: query [B, H, Nq, d], key and value [B, Hkv, Nk, d],
+    attention_mask from the mask interface (None, bool or additive float, broadcasting to
+    [B, H, Nq, Nk]); returns (output [B, Nq, H, d], no attention weights). Causal (the layer's
+    is_causal, or the argument) applies where no mask is given and Nq > 1, top-left as transformers'
+    SDPA path means it."""
+    args = (module, query, key, value, attention_mask)
+    rest = dict(dropout=dropout, scaling=scaling, is_causal=is_causal, position_bias=position_bias, **kwargs)
+    if kwargs.get("softcap") is not None:
+        return _fallback("a logit softcap", *args, **rest)
+    q_len = query.shape[2]
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    causal = bool(q_len > 1 and attention_mask is None and causal)
+    mask = attention_mask
+    if position_bias is not None:
+        mask, causal = _with_position_bias(position_bias, mask, causal, query, key), False
+    if mask is not None and mask.dtype not in (torch.bool, query.dtype):
+        mask = mask.to(query.dtype)
+    try:
+        out = fused_attention(query, key, value, causal=causal, scale=scaling, dropout_p=float(dropout),
+                                      attn_mask=mask)
+    except (NoInstanceError, InputError, DeviceError) as exc:
+        return _fallback(str(exc).splitlines()[0], *args, **rest)
+    return out.transpose(1, 2).contiguous(), None
