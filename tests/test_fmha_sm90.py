@@ -51,7 +51,8 @@ def test_every_instance_fits_and_is_built_only_for_sm90():
     (dict(block_m=128, schedule=Schedule.TMA), "128 rows"),
     (dict(block_m=64, schedule=Schedule.COOPERATIVE), "32 rows"),
     (dict(block_n=192, stages=3), None),  # one of the two tiles the causal rule removes
-    (dict(head_dim=96), "head_dim 96"),
+    (dict(head_dim=96), None),  # 96, 160 and 192 run as well (bench/NOTES.md, experiment 60)
+    (dict(head_dim=80), "head_dim 80"),
     (dict(block_n=256), "tile 128x256"),
     (dict(head_dim=256, block_n=128, stages=5), "shared memory"),
     (dict(stages=3), "stages 3: this tile uses 5"),

@@ -38,7 +38,7 @@ SCHEDULE_CPP = {Schedule.TMA: "kTma", Schedule.COOPERATIVE: "kCooperative", Sche
 
 # Axes.
 DTYPES = (DType.FP16, DType.BF16)
-HEAD_DIMS = (32, 64, 128, 256)
+HEAD_DIMS = (32, 64, 96, 128, 160, 192, 256)
 MASKS = tuple(Mask)  # causal: either alignment with Nq <= Nk (the offset is a launch parameter)
 SCHEDULES = tuple(Schedule)
 TILES = ((64, 64), (64, 128), (128, 64), (128, 128), (128, 192), (192, 64), (192, 128), (256, 64))  # (block_m, block_n)
@@ -227,11 +227,15 @@ SPACE: tuple[FmhaSm90Instance, ...] = tuple(
 # whose softmax speculates, is the fastest or within 1% at 10 of the 12 sweep shapes of each mask,
 # the causal TMA 64x64 tile 10% ahead of it at N = 512); d32 keeps the TMA tile (within 1-5% of the
 # 192- and 256-row tiles, experiment 32), d256 CUTLASS's own choice (the only warp-specialized tile
-# whose stages fit).
+# whose stages fit); d96 and d160/d192 the fastest of the tiles timed at N = 1024 and 4096 (bf16,
+# experiment 60: ping-pong 128x128 at d96, 128x64 at d160 and d192).
 DEFAULT_TILE = {
     (32, False): (Schedule.TMA, 64, 128, 1), (32, True): (Schedule.TMA, 64, 128, 1),
     (64, False): (Schedule.PINGPONG, 256, 64, 2), (64, True): (Schedule.PINGPONG, 256, 64, 2),
+    (96, False): (Schedule.PINGPONG, 128, 128, 1), (96, True): (Schedule.PINGPONG, 128, 128, 1),
     (128, False): (Schedule.PINGPONG, 128, 128, 1), (128, True): (Schedule.PINGPONG, 128, 128, 1),
+    (160, False): (Schedule.PINGPONG, 128, 64, 1), (160, True): (Schedule.PINGPONG, 128, 64, 1),
+    (192, False): (Schedule.PINGPONG, 128, 64, 1), (192, True): (Schedule.PINGPONG, 128, 64, 1),
     (256, False): (Schedule.COOPERATIVE, 128, 64, 1), (256, True): (Schedule.COOPERATIVE, 128, 64, 1),
 }
 
