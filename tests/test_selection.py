@@ -164,3 +164,39 @@ def test_declared_layouts_gqa_and_alignment_are_held(tmp_path):
             assert good == [] and words in rejected[0][1]
     finally:
         registry.set_build_dirs(None)
+
+
+def test_the_cached_path_picks_what_the_full_decision_picks(tmp_path):
+    """select() decides from the registry's shortlist (the entries of the problem's kind, dtype, head
+    dim and mask): the same winner as the full decision that explain reports, over every default
+    instance and a spread of problems; a problem nothing runs still raises with every reason."""
+    import itertools
+
+    from gemmgen.generator import space
+
+    insts = [i for f in space.FAMILIES if getattr(f, "KIND", "") in ("attention", "attention_bwd")
+             for i in f.DEFAULT]
+    write_build_dir(tmp_path, [make_entry(i) for i in insts])
+    registry.set_build_dirs([tmp_path])
+    try:
+        checked = 0
+        for dtype, d, causal, alignment, (nq, nk), bh, gqa, feature in itertools.product(
+                ("fp16", "bf16"), (64, 96, 128, 256), (False, True), ("top_left", "bottom_right"),
+                ((1, 300), (17, 4097), (1000, 1000), (4097, 1000)), (8, 512), (1, 4),
+                (None, "dropout", "kv_cache")):
+            p = Problem(dtype=dtype, head_dim=d, causal=causal, device=H200, batch_heads=bh, seqlen_q=nq,
+                        seqlen_k=nk, gqa=gqa, causal_alignment=alignment, **({feature: True} if feature else {}))
+            try:
+                full = selection.decide(p)
+            except NoInstanceError as exc:
+                with pytest.raises(NoInstanceError) as short:
+                    selection.decide(p, report=False)
+                assert str(short.value) == str(exc)
+                continue
+            fast = selection.decide(p, report=False)
+            assert (fast.winner.name, fast.source) == (full.winner.name, full.source), p
+            assert [c.name for c in fast.candidates] == [c.name for c in full.candidates]
+            checked += 1
+        assert checked > 500
+    finally:
+        registry.set_build_dirs(None)

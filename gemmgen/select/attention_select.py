@@ -23,4 +23,4 @@ def _sizes(problem: Any) -> str:
 
 KIND = engine.Kind(name="attention", candidates=registry.candidates, heuristic=heuristic.choose,
                    costs=engine.fastest, build_command=registry.build_command, distance=_distance,
-                   describe_sizes=_sizes)
+                   describe_sizes=_sizes, shortlist=registry.shortlist)

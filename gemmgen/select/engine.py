@@ -63,6 +63,9 @@ class Kind:
     distance: Callable[[Any, str], "float | None"]
     noun: str = "instance"
     describe_sizes: Callable[[Any], str] = lambda problem: ""
+    # candidates()'s good list with only some of the rejected (cheaper), for decisions nobody reads
+    # the report of; None: candidates() serves both.
+    shortlist: Callable[[Any], tuple[list[Candidate], list[tuple[str, str]]]] | None = None
 
 
 def fastest(records: dict[str, tuning_db.Record]) -> dict[str, float]:
@@ -176,10 +179,15 @@ def _by_name(cands: list[Candidate], recs: dict[str, tuning_db.Record]) -> dict[
 
 
 def decide(kind: Kind, problem: KindProblem, instance: str | None = None, *,
-           db: tuning_db.TuningDB | None = None) -> Decision:
+           db: tuning_db.TuningDB | None = None, report: bool = True) -> Decision:
     """The decision for `problem` (not cached). Raises InputError for an unknown instance name and
-    NoInstanceError, with each instance's reason, when no candidate can run it."""
-    good, rejected = kind.candidates(problem)
+    NoInstanceError, with each instance's reason, when no candidate can run it. report=False: the
+    same winner from the kind's shortlist, the Decision's rejected list then partial (errors still
+    list every reason)."""
+    short = not report and kind.shortlist is not None
+    good, rejected = kind.shortlist(problem) if short else kind.candidates(problem)
+    if short and (instance is not None and not any(c.name == instance for c in good) or not good):
+        return decide(kind, problem, instance, db=db)  # an error to raise: with every reason
     if instance is not None:
         named = [c for c in good if c.name == instance]
         if not named:
@@ -205,6 +213,8 @@ def decide(kind: Kind, problem: KindProblem, instance: str | None = None, *,
         else:
             usable.append(cand)
     if not usable:
+        if short:
+            return decide(kind, problem, instance, db=db)  # the error with every reason
         raise no_instance_error(kind, problem, rejected, f"No gemmgen {kind.noun} can run {problem.describe()}:")
     path = str(db.path) if db.path is not None and db.path.exists() else None
     costs = kind.costs(_by_name(usable, here))

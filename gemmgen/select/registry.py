@@ -138,8 +138,9 @@ def on_refresh(hook: Callable[[], None]) -> None:
 
 def refresh() -> None:
     """Forget loaded manifests and cached selections (call after a new `gemmgen generate`)."""
-    global _loaded
+    global _loaded, _shortlists
     _loaded = None
+    _shortlists = None
     _build_reasons.clear()
     for hook in _refresh_hooks:
         hook()
@@ -294,6 +295,32 @@ def candidates(problem: Problem) -> tuple[list[Candidate], list[tuple[str, str]]
     """The instances of the problem's kind (forward or backward attention) that can run it, and
     (label, reason) for every one of that kind rejected."""
     return partition([c for c in load()[0] if _of_kind(c, problem.kind)], lambda cand: reject_reason(cand, problem))
+
+
+_shortlists: dict[tuple, list[tuple[int, Candidate]]] | None = None
+
+
+def shortlist(problem: Problem) -> tuple[list[Candidate], list[tuple[str, str]]]:
+    """candidates(problem)'s instances that can run it, found among the entries of its kind, dtype,
+    head dim and mask only (an index of the loaded entries: every other entry fails those checks),
+    with the reasons of the few of those rejected. The same good list at a fraction of the cost, for
+    selection's cached path; candidates() gives every reason, for reports and errors."""
+    global _shortlists
+    if _shortlists is None:
+        index: dict[tuple, list[tuple[int, Candidate]]] = {}
+        for position, cand in enumerate(load()[0]):
+            try:
+                inst = cand.instance
+                key = (family_named(cand.entry.family).KIND, inst.dtype.value, inst.head_dim,
+                       None if inst.mask is None else inst.mask.value)
+            except (KeyError, ValueError, AttributeError):
+                continue  # an unknown family or params: rejected with its reason by candidates()
+            index.setdefault(key, []).append((position, cand))
+        _shortlists = index
+    mask = "causal" if problem.causal else "none"
+    keys = {(problem.kind, problem.dtype, hd, m) for hd in (problem.head_dim, None) for m in (mask, None)}
+    pool = [c for _, c in sorted(e for key in keys for e in _shortlists.get(key, ()))]  # in load order
+    return partition(pool, lambda cand: reject_reason(cand, problem))
 
 
 def build_target(problem: Problem) -> tuple[Any, Any] | None:

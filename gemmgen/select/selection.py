@@ -20,17 +20,18 @@ def kind_of(problem: engine.KindProblem) -> engine.Kind:
     return KINDS[problem.kind]
 
 
-def decide(problem: engine.KindProblem, instance: str | None = None, *, db=None) -> Decision:
-    """The decision for `problem` (not cached): see gemmgen.select.engine for the order."""
-    return engine.decide(kind_of(problem), problem, instance, db=db)
+def decide(problem: engine.KindProblem, instance: str | None = None, *, db=None, report: bool = True) -> Decision:
+    """The decision for `problem` (not cached): see gemmgen.select.engine for the order. report=False
+    skips listing every rejected instance (the winner is the same)."""
+    return engine.decide(kind_of(problem), problem, instance, db=db, report=report)
 
 
 def select(problem: engine.KindProblem, instance: str | None = None) -> Candidate:
-    """The candidate that runs `problem` (decide(), cached per problem and instance name)."""
+    """The candidate that runs `problem` (decide()'s winner, cached per problem and instance name)."""
     key = (problem, instance)
     hit = _selected.get(key)
     if hit is None:
-        hit = decide(problem, instance).winner
+        hit = decide(problem, instance, report=False).winner
         if len(_selected) >= _MAX_CACHED:
             _selected.clear()
         _selected[key] = hit
