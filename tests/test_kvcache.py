@@ -578,13 +578,15 @@ def test_decode_defaults():
     defaults = decode_sm80.DEFAULT
     assert defaults and set(defaults) <= set(decode_sm80.SPACE)
     assert all("decode" in i.name and i.name.startswith("decode_sm80_") for i in defaults)
-    # The head dims LLM serving runs (64 and 128), both dtypes, the same tiles for each.
+    # The head dims LLM serving runs (64 and 128), both dtypes, a 16-row and a 64-row tile for each
+    # (the same for both dtypes; the d64 16-row tile takes 128 keys).
     assert {(i.dtype.value, i.head_dim) for i in defaults} == {(dt, d) for dt in ("fp16", "bf16") for d in (64, 128)}
     tiles = {(i.dtype, i.head_dim): set() for i in defaults}
     for i in defaults:
         tiles[(i.dtype, i.head_dim)].add(i.name.rsplit("_", 1)[1])
-    assert len({frozenset(t) for t in tiles.values()}) == 1
-    assert len(defaults) == 4 * len(decode_sm80.DEFAULT_TILES)
+    assert {d: frozenset(t) for (_, d), t in tiles.items()} == {64: {"m16n128w1x4s2", "m64n64w4x1s2"},
+                                                                 128: {"m16n64w1x4s2", "m64n64w4x1s2"}}
+    assert len(defaults) == 2 * sum(len(t) for t in decode_sm80.DEFAULT_TILES.values())
     assert all(i.mask is None for i in defaults)  # both masks: the causal offset is a launch parameter
     assert all(i.symbol == f"gemmgen_{i.name}" for i in defaults)
 

@@ -116,13 +116,15 @@ SPACE: tuple[DecodeSm80Instance, ...] = tuple(
     if invalid_reason(inst) is None
 )
 
-# Default tiles (block_n, warps_m, warps_n, stages) for the head dims LLM serving runs: 16 rows with
-# four warps splitting the keys (a KV group of up to 16 query heads, one query row) and 64 rows with
-# four warps splitting the rows (speculative decoding, large groups); bench/NOTES.md, 50.
-DEFAULT_HEAD_DIMS = (64, 128)
-DEFAULT_TILES = ((64, 1, 4, 2), (64, 4, 1, 2))
+# Default tiles (block_n, warps_m, warps_n, stages) per head dim LLM serving runs: 16 rows with four
+# warps splitting the keys (a KV group of up to 16 query heads, one query row) and 64 rows with four
+# warps splitting the rows (speculative decoding, large groups); bench/NOTES.md, 50. At d64 the
+# 16-row tile takes 128-key tiles: a 64-key tile moves only 16 KB of K and V per step, and the
+# 128-key one was 2-25% faster at every shape timed (experiment 61); at d128 it was slower.
+DEFAULT_TILES = {64: ((128, 1, 4, 2), (64, 4, 1, 2)), 128: ((64, 1, 4, 2), (64, 4, 1, 2))}
+DEFAULT_HEAD_DIMS = tuple(DEFAULT_TILES)
 
 DEFAULT: tuple[DecodeSm80Instance, ...] = tuple(
     inst for inst in SPACE
-    if inst.head_dim in DEFAULT_HEAD_DIMS and (inst.block_n, inst.warps_m, inst.warps_n, inst.stages) in DEFAULT_TILES
+    if (inst.block_n, inst.warps_m, inst.warps_n, inst.stages) in DEFAULT_TILES.get(inst.head_dim, ())
 )

@@ -200,8 +200,12 @@ __global__ void __launch_bounds__(Traits::kNThreads) decode_kernel(const Gemmgen
   const Element* k_base = static_cast<const Element*>(p.k) + w.h_kv * p.k_head_stride;
   const Element* v_base = static_cast<const Element*>(p.v) + w.h_kv * p.v_head_stride;
   const int32_t* table = p.block_table != nullptr ? p.block_table + w.b * p.block_table_batch_stride : nullptr;
-  // Pages a whole number of key tiles long hold each tile in one page: one lookup per tile.
+  // Pages a whole number of key tiles long hold each tile in one page: one lookup per tile. Shorter
+  // pages are looked up per row; a power-of-two page size (the usual one) by a shift and a mask
+  // rather than a division.
   const bool tile_in_page = table != nullptr && p.page_size % kBlockN == 0;
+  const bool pow2_page = table != nullptr && (p.page_size & (p.page_size - 1)) == 0;
+  const int page_shift = pow2_page ? __ffs(p.page_size) - 1 : 0;
   auto load_kv = [&](int n, int stage) {
     Element* k_dst = sK.data().get() + stage * kStageElems;
     Element* v_dst = sV.data().get() + stage * kStageElems;
@@ -218,8 +222,16 @@ __global__ void __launch_bounds__(Traits::kNThreads) decode_kernel(const Gemmgen
       if (t < w.len) {
         int64_t page, row;
         if (table != nullptr) {
-          page = tile_in_page ? tile_page : table[t / p.page_size];
-          row = tile_in_page ? tile_row + r : t % p.page_size;
+          if (tile_in_page) {
+            page = tile_page;
+            row = tile_row + r;
+          } else if (pow2_page) {
+            page = table[t >> page_shift];
+            row = t & (p.page_size - 1);
+          } else {
+            page = table[t / p.page_size];
+            row = t % p.page_size;
+          }
           if (p.num_pages > 0 && (page < 0 || page >= p.num_pages)) {  // not a page: NaN, never a fault
             *reinterpret_cast<uint4*>(k_dst + at) = make_uint4(kNaN2, kNaN2, kNaN2, kNaN2);
             *reinterpret_cast<uint4*>(v_dst + at) = make_uint4(kNaN2, kNaN2, kNaN2, kNaN2);
