@@ -55,6 +55,9 @@ def test_runs_directly_only_where_the_dispatcher_has_nothing_to_do():
         return x + 1
 
     torch.compile(traced, backend="eager", fullgraph=True)(q)
+    assert seen and not any(seen)
+    seen.clear()
+    torch.jit.trace(traced, (q,), check_trace=False)
     assert seen == [False]
 
 

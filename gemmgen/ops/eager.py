@@ -7,7 +7,8 @@ skip two things that cannot change the outcome of a plain eager call:
   is active, no functorch transform runs, every tensor is a plain torch.Tensor and no autograd
   graph is recorded (grad mode off, or no input requires grad), the dispatcher would only route
   the call to the op's CUDA implementation; the operation calls that implementation itself.
-  Everything else (torch.compile, FakeTensor, DTensor, vmap, training) goes through the op.
+  Everything else (torch.compile, torch.jit.trace, FakeTensor, DTensor, vmap, training) goes
+  through the op.
 - Checked: metadata checks already passed. The checks that read only tensors' metadata (shape,
   strides, dtype, device, requires_grad) and the call's arguments give the same answer for the
   same signature, so a signature that passed once passes again; per-call facts (data pointers'
@@ -28,7 +29,7 @@ _Tensor = torch.Tensor
 def runs_directly(*tensors: torch.Tensor | None) -> bool:
     """Whether an eager call on `tensors` (None entries ignored) may run the op's implementation
     without torch's dispatcher (see the module doc)."""
-    if torch.compiler.is_compiling() or torch._C._is_torch_function_mode_enabled() or \
+    if torch.compiler.is_compiling() or torch.jit.is_tracing() or torch._C._is_torch_function_mode_enabled() or \
             is_in_torch_dispatch_mode() or torch._C._are_functorch_transforms_active():
         return False
     grad = torch.is_grad_enabled()
