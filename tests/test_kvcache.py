@@ -702,3 +702,60 @@ def test_a_cache_without_rows_gives_nan_rows_to_sequences_that_claim_keys(record
     o, lse = torch_op._fused_attention_with_kvcache(q, cache, cache.clone(), torch.tensor([0, 0, 0], dtype=I32),
                                                    None, new, new.clone(), True, None, True, None)
     assert o.isnan().all() and lse.isnan().all()  # one new token each, and no row to hold it
+
+
+def test_a_long_chunk_runs_sequence_by_sequence_as_dense_calls(recording, monkeypatch):
+    """Nq >= DENSE_CHUNK_ROWS outside graph capture: each sequence's first L_b keys (gathered from
+    its pages) go to one dense bottom-right call, after the new tokens are appended; a sequence
+    without keys gets O = 0 and LSE = -inf, a bad length or page NaN rows; the decode kernel does
+    not run. The dense calls are checked against the float64 reference here (stand-in kernel)."""
+    from gemmgen.ops import torch_op
+    from gemmgen.ops.reference import attention_reference
+
+    dense = []
+
+    def run(q, k, v, o, lse, causal, alignment, scale, instance):
+        dense.append((q.shape, k.shape, causal, alignment))
+        ref_o, ref_lse = attention_reference(q, k, v, causal, alignment, scale)
+        o.copy_(ref_o.to(o.dtype))
+        if lse is not None:
+            lse.copy_(ref_lse.float())
+
+    monkeypatch.setattr(torch_op, "_run", run)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    nq = torch_op.DENSE_CHUNK_ROWS
+    for paged in (False, True):
+        args = inputs(b=5, nq=nq, h=4, hkv=2, d=64, nmax=320, page_size=64 if paged else None, max_pages=5,
+                      dtype=torch.float32, seed=3)
+        lengths = [200, 0, -1, 321, 130]  # keys before the call; no new tokens
+        args["cache_seqlens"] = torch.tensor(lengths, dtype=I32)
+        if paged:
+            args["block_table"][4, 1] = 999  # sequence 4 reads a page the cache does not have
+        dense.clear()
+        o, lse = torch_op._fused_attention_with_kvcache(args["q"], args["k_cache"], args["v_cache"],
+                                                        args["cache_seqlens"], args["block_table"], None, None, True,
+                                                        None, True, None)
+        assert recording.runs == [] and len(dense) == (1 if paged else 2)
+        for b, n in enumerate(lengths):
+            if b == 1:
+                assert torch.equal(o[b], torch.zeros_like(o[b])) and torch.isneginf(lse[b]).all()
+            elif b in (2, 3) or (paged and b == 4):
+                assert o[b].isnan().all() and lse[b].isnan().all()
+            else:
+                if paged:
+                    pages = args["block_table"][b, :-(-n // 64)].long()
+                    k = args["k_cache"][pages].reshape(-1, 2, 64)[:n]
+                    v = args["v_cache"][pages].reshape(-1, 2, 64)[:n]
+                else:
+                    k, v = args["k_cache"][b, :n], args["v_cache"][b, :n]
+                ref_o, ref_lse = attention_reference(args["q"][b:b + 1].transpose(1, 2), k[None].transpose(1, 2),
+                                                     v[None].transpose(1, 2), True, "bottom_right", None)
+                torch.testing.assert_close(o[b], ref_o[0].transpose(0, 1).float(), atol=1e-5, rtol=1e-5)
+                torch.testing.assert_close(lse[b], ref_lse[0].float(), atol=1e-5, rtol=1e-5)
+        assert all(shape[2] == nq and alignment == "bottom_right" and causal for shape, _, causal, alignment in dense)
+    # Under CUDA graph capture the lengths cannot be read: the decode kernel runs the chunk.
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    monkeypatch.setattr(launch, "launch", lambda kernel, p, index, workspace=None: kernel.run(p, 0))
+    torch_op._fused_attention_with_kvcache(args["q"], args["k_cache"], args["v_cache"], args["cache_seqlens"],
+                                           args["block_table"], None, None, True, None, False, None)
+    assert len(recording.runs) == 1

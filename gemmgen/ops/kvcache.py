@@ -160,7 +160,11 @@ def fused_attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache
     back first (a host sync; skipped under CUDA graph capture and torch.compile tracing) and raises
     InputError naming the bad length or entry. No gradients: inputs that require grad raise.
     Selection: the decode family's instances; the number of key splits per call is the registry's
-    heuristic over the cache's capacity.
+    heuristic over the cache's capacity. A chunk of at least gemmgen.ops.torch_op.DENSE_CHUNK_ROWS
+    query rows (chunked prefill) outside CUDA-graph capture runs instead as one dense bottom-right
+    call per sequence on its keys (gathered from their pages for a paged cache), on the registry's
+    prefill instances (fmha_sm90 on Hopper); it reads the lengths and the pages used back to the
+    host first (one copy per call) and gives the same NaN rows for bad lengths or pages.
     """
     check_bool("causal", causal)
     check_bool("return_lse", return_lse)

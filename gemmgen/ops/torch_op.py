@@ -563,6 +563,10 @@ def _fused_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_tabl
         seqlens = torch.where(cache_seqlens < 0, cache_seqlens, cache_seqlens + new)
     if o.numel() == 0:
         return o, lse
+    if instance is None and nq >= DENSE_CHUNK_ROWS and not torch.cuda.is_current_stream_capturing():
+        _chunk_as_dense(q, k_cache, v_cache, seqlens, block_table, o, lse if return_lse else None, causal, scale,
+                        capacity)
+        return o, lse
     p = plan.params(lambda: launch.params_kvcache(q, k_cache, v_cache, seqlens, block_table, o, None, causal=causal,
                                                   scale=scale, capacity=capacity))
     p.q, p.k, p.v, p.o, p.seqlens_k = q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), o.data_ptr(), \
@@ -573,6 +577,52 @@ def _fused_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_tabl
         p.block_table = block_table.data_ptr()
     launch.launch(plan.kernel, p, index, plan.workspace)
     return o, lse
+
+
+# A chunk of at least this many query rows against a key-value cache (chunked prefill) runs sequence
+# by sequence as a dense bottom-right call, where the registry gives it a prefill instance (fmha_sm90
+# on Hopper: about 4x the decode family's rate at 1024 rows against 8192 keys, bench/NOTES.md,
+# experiment 62). It reads the lengths (and the pages it uses) back to the host first, one copy per
+# call, so it runs outside CUDA-graph capture only; under capture the decode family runs the chunk.
+DENSE_CHUNK_ROWS = 128
+
+
+def _chunk_as_dense(q, k_cache, v_cache, seqlens, block_table, o, lse, causal, scale, capacity) -> None:
+    """O (and LSE) of a key-value-cache call, one dense call per sequence on its first L_b keys
+    (gathered from their pages for a paged cache), with the kernels' answers for the rest: O = 0
+    and LSE = -inf for a sequence without keys, NaN rows for a length outside [0, capacity] or a
+    block-table entry that names no page of the cache."""
+    lengths = seqlens.tolist()
+    hkv, d = k_cache.shape[2], k_cache.shape[3]
+    pages_of = None
+    if block_table is not None:
+        page = k_cache.shape[1]
+        need = max(-(-min(max(n, 0), capacity) // page) for n in lengths)
+        pages_of = block_table[:, :need].tolist()
+    for b, n in enumerate(lengths):
+        ob = o[b:b + 1].transpose(1, 2)  # [1, H, Nq, d] view of O [B, Nq, H, d]
+        lb = lse[b:b + 1] if lse is not None else None
+        if pages_of is not None and 0 <= n <= capacity:
+            pages = pages_of[b][:-(-n // page)] if n else []
+            if any(not 0 <= pg < k_cache.shape[0] for pg in pages):
+                n = -1  # a page the cache does not have: NaN rows, as the kernels give
+        if n < 0 or n > capacity:
+            ob.fill_(float("nan"))
+            if lb is not None:
+                lb.fill_(float("nan"))
+            continue
+        if n == 0:
+            ob.zero_()
+            if lb is not None:
+                lb.fill_(float("-inf"))
+            continue
+        if pages_of is None:
+            kb, vb = k_cache[b:b + 1, :n], v_cache[b:b + 1, :n]
+        else:  # the pages were checked on the host; the table's own row indexes them (no host copy)
+            index = block_table[b, :len(pages)].long()
+            kb, vb = (t.index_select(0, index).view(1, -1, hkv, d)[:, :n] for t in (k_cache, v_cache))
+        _run(q[b:b + 1].transpose(1, 2), kb.transpose(1, 2), vb.transpose(1, 2), ob, lb, causal, "bottom_right",
+             scale, None)
 
 
 # The implementations the operations call directly on the eager fast path (gemmgen.ops.eager).

@@ -237,6 +237,25 @@ def test_gqa_and_mqa(h, hkv, dtype):
             check_result(sub, lengths, o, lse, causal=causal)
 
 
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "no-mask"])
+@pytest.mark.parametrize("page_size", LAYOUTS, ids=LAYOUT_IDS)
+def test_long_chunks_against_the_cache(page_size, causal):
+    """Chunked prefill: 256 and 1024 query rows (at least DENSE_CHUNK_ROWS: each sequence runs as a
+    dense bottom-right call on its keys, gathered from its pages) against lengths 300, 0, 4097 and
+    17 with three new tokens appended first (the 17 + 3 keys fewer than the rows: rows without keys)."""
+    from gemmgen.ops.torch_op import DENSE_CHUNK_ROWS
+
+    lengths = [300, 0, 4097, 17]
+    case = make_case(4, 1024, 8, 2, 128, torch.bfloat16, lengths, page_size=page_size, nnew=3,
+                     key=("chunk", page_size, causal))
+    for nq in (256, 1024):
+        assert nq >= DENSE_CHUNK_ROWS
+        case.set_lengths(lengths, ("chunk", page_size, causal, nq))
+        sub = dataclasses.replace(case, q=case.q[:, :nq])
+        o, lse = run(sub, causal=causal)
+        check_result(sub, lengths, o, lse, causal=causal)
+
+
 @pytest.mark.parametrize("page_size", [None, 16], ids=["contiguous", "page16"])
 def test_decode_loop_of_eager_calls(page_size):
     """Calls of one signature back to back, as a decode loop makes them (the eager fast path reuses
