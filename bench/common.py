@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import argparse
 import datetime
-from typing import Iterator
+import statistics
+import time
+from pathlib import Path
+from typing import Callable, Iterator
 
 import torch
 
@@ -48,3 +51,23 @@ def rounds_method(args: argparse.Namespace) -> str:
     """How add_sweep_args' --rounds and --reps time each side, for the table's header."""
     return (f"each side the median over {args.rounds} rounds in alternating order of the median of {args.reps} "
             f"CUDA-event timings")
+
+
+def median_wall_s(fn: Callable[[], object], reps: int) -> float:
+    """The median over `reps` calls of `fn`'s wall time in seconds, the GPU synchronized before and
+    after each call (so its work is inside the time)."""
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def publish(text: str, out: str | None) -> None:
+    """Print a result table and, with --out, write it to that file."""
+    print("\n" + text)
+    if out:
+        Path(out).write_text(text)

@@ -40,7 +40,7 @@ import torch.multiprocessing as mp
 
 import gemmgen
 import gemmgen.distributed as cp
-from common import header
+from common import header, median_wall_s
 from gemmgen.distributed.schedule import DKV_TAG, KV_TAG
 
 HEAD_DIM = 128
@@ -161,14 +161,7 @@ def measure_fused(n: int, args) -> dict[str, float]:
 def _alone(fn: Callable[[], None], reps: int) -> float:
     """Milliseconds on this GPU alone: the median over `reps` calls after one warm-up."""
     fn()
-    times = []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
+    return median_wall_s(fn, reps) * 1e3
 
 
 def worlds_up_to(gpus: int) -> list[int]:

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import DTYPES, header  # noqa: E402
+from common import DTYPES, header, publish  # noqa: E402
 
 import gemmgen  # noqa: E402
 from gemmgen.select import timing  # noqa: E402
@@ -139,9 +139,7 @@ def main() -> int:
         summary.append("- chunked prefill / dense causal rate at the same visible pairs: "
                        + ", ".join(f"{label} {r:.2f}" for r, label in chunk_ratios))
     text = head + "\n\n" + "\n".join(rows) + "\n\n" + "\n".join(summary) + "\n"
-    print("\n" + "\n".join(summary))
-    if args.out:
-        Path(args.out).write_text(text)
+    publish(text, args.out)
     return 0
 
 

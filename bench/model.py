@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import header  # noqa: E402
+from common import header, median_wall_s, publish  # noqa: E402
 
 import gemmgen  # noqa: E402
 from gemmgen.integrations import torch_sdpa  # noqa: E402
@@ -102,17 +102,6 @@ def generate(model, prompt, steps: int, width: int, heads: int) -> float:
     return time.perf_counter() - start
 
 
-def timed(fn, reps: int) -> float:
-    times = []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 @contextlib.contextmanager
 def side(name: str):
     """torch's default SDPA, or gemmgen activated with SDPA restricted to its flash path."""
@@ -151,7 +140,7 @@ def main() -> int:
         for r in range(args.rounds):
             for name in (sides if r % 2 == 0 else sides[::-1]):
                 with side(name):
-                    got[name].append(timed(lambda: train_step(model, opt, ids), args.reps))
+                    got[name].append(median_wall_s(lambda: train_step(model, opt, ids), args.reps))
         t = {name: statistics.median(v) for name, v in got.items()}
         rows.append((f"training step, N={n}, B={args.tokens // n}", *(ids.shape[0] * n / t[s] for s in sides)))
         print(rows[-1], flush=True)
@@ -177,9 +166,7 @@ def main() -> int:
     table += [f"| {label} | {a:,.0f} | {b:,.0f} | {b / a:.2f} |" for label, a, b in rows]
     text = head + "\n\n" + "\n".join(table) + f"\n\n- calls run on gemmgen per op: {ran}\n" + \
         f"- calls torch's kernel kept while gemmgen was active: {torch_sdpa.fallback_reasons() or 'none'}\n"
-    print("\n" + text)
-    if args.out:
-        Path(args.out).write_text(text)
+    publish(text, args.out)
     return 0
 
 

@@ -147,9 +147,7 @@ def main() -> int:
     table += [f"| {label} | {inst} | {k:.2f} | {g:.1f} | {host:.1f} | {backend} | {s:.1f} | {s / g:.2f} |"
               for label, inst, k, g, host, backend, s in rows]
     text = header + "\n\n" + "\n".join(table) + "\n"
-    print("\n" + text)
-    if args.out:
-        Path(args.out).write_text(text)
+    common.publish(text, args.out)
     return 0
 
 
