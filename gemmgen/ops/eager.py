@@ -9,10 +9,10 @@ skip two things that cannot change the outcome of a plain eager call:
   the call to the op's CUDA implementation; the operation calls that implementation itself.
   Everything else (torch.compile, torch.jit.trace, FakeTensor, DTensor, vmap, training) goes
   through the op.
-- Checked: metadata checks already passed. The checks that read only tensors' metadata (shape,
-  strides, dtype, device, requires_grad) and the call's arguments give the same answer for the
-  same signature, so a signature that passed once passes again; per-call facts (data pointers'
-  alignment, overlap, lengths read from the GPU) are still checked on every call.
+- Checked: metadata checks already passed. The checks that read only the tensors' metadata
+  (shape, strides, dtype, device, requires_grad) give the same answer for the same signature, so
+  a signature that passed once passes again; the arguments' checks (cheap) and the per-call facts
+  (data pointers' alignment, overlap, lengths read from the GPU) run on every call.
 """
 from __future__ import annotations
 
@@ -49,9 +49,8 @@ def signature(*tensors: torch.Tensor | None) -> tuple | None:
 
 
 class Checked:
-    """The call signatures (tensors' signature() plus the arguments the checks read) whose metadata
-    checks passed; bounded, forgotten all at once when full or when the family list changes (the
-    head dims the checks accept come from it)."""
+    """The tensor signatures (signature()) whose metadata checks passed; bounded, forgotten all at
+    once when full or when the family list changes (the head dims the checks accept come from it)."""
 
     def __init__(self, limit: int = 4096) -> None:
         self._seen: set[Hashable] = set()
