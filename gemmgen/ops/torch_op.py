@@ -552,8 +552,13 @@ def _fused_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_tabl
     key = ("kv_cache", index, q.dtype, probe.shape, q.stride(), k_cache.shape, k_cache.stride(), v_cache.stride(),
            capacity, None if block_table is None else block_table.stride(), causal, scale, instance,
            None if k is None else (k.shape, k.stride(), v.stride()))
-    plan = _kernel_for(key, lambda: calls.problem_for_kvcache(probe, k_cache, v_cache, capacity, causal,
-                                                              scale=scale), probe, k_cache, causal, instance)
+    # A long chunk outside graph capture runs as dense calls; the decode instance is then needed only
+    # for its append entry point.
+    dense = o.numel() > 0 and instance is None and nq >= DENSE_CHUNK_ROWS and \
+        not torch.cuda.is_current_stream_capturing()
+    plan = None if dense and not new else _kernel_for(
+        key, lambda: calls.problem_for_kvcache(probe, k_cache, v_cache, capacity, causal, scale=scale), probe, k_cache,
+        causal, instance)
     seqlens = cache_seqlens
     if new:
         with torch.cuda.device(index):
@@ -563,7 +568,7 @@ def _fused_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_tabl
         seqlens = torch.where(cache_seqlens < 0, cache_seqlens, cache_seqlens + new)
     if o.numel() == 0:
         return o, lse
-    if instance is None and nq >= DENSE_CHUNK_ROWS and not torch.cuda.is_current_stream_capturing():
+    if dense:
         _chunk_as_dense(q, k_cache, v_cache, seqlens, block_table, o, lse if return_lse else None, causal, scale,
                         capacity)
         return o, lse
