@@ -66,6 +66,33 @@ def median_wall_s(fn: Callable[[], object], reps: int) -> float:
     return statistics.median(times)
 
 
+def queued_us(fn: Callable[[], object], iters: int) -> float:
+    """Wall time per call of `iters` back-to-back eager calls, synchronized only before and after
+    (microseconds): what a caller that queues work pays per call, host path included; the host is
+    the bottleneck where this exceeds the kernel's time."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / iters * 1e6
+
+
+def queued_rounds_us(sides: dict[str, Callable[[], object]], rounds: int, burst_ms: float) -> dict[str, float]:
+    """Each side's median over `rounds` rounds of queued_us, the sides in alternating order (forward,
+    then reversed), each burst of enough calls to last about `burst_ms` (5 to 2000 calls)."""
+    calls = {}
+    for name, fn in sides.items():
+        fn()
+        calls[name] = max(5, min(2000, int(burst_ms * 1e3 / max(queued_us(fn, 3), 1.0))))
+    times: dict[str, list[float]] = {name: [] for name in sides}
+    order = list(sides)
+    for r in range(rounds):
+        for name in (order if r % 2 == 0 else order[::-1]):
+            times[name].append(queued_us(sides[name], calls[name]))
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
 def publish(text: str, out: str | None) -> None:
     """Print a result table and, with --out, write it to that file."""
     print("\n" + text)

@@ -20,7 +20,6 @@ import argparse
 import shlex
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Callable
 
@@ -36,16 +35,6 @@ from gemmgen.kernels import abi  # noqa: E402
 
 BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
             "cuDNN": SDPBackend.CUDNN_ATTENTION}
-
-
-def per_call_us(fn: Callable[[], object], iters: int) -> float:
-    """Wall time per call of `iters` back-to-back calls, synchronized before and after (us)."""
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / iters * 1e6
 
 
 def kernel_us(fn: Callable[[], object], calls: int = 100, reps: int = 20) -> float:
@@ -103,7 +92,7 @@ def best_sdpa(fn: Callable[[], object], iters: int) -> tuple[str, float]:
         try:
             with sdpa_kernel([backend]):
                 fn()
-                us = per_call_us(fn, iters)
+                us = common.queued_us(fn, iters)
         except RuntimeError:
             continue
         best = min(best, (name, us), key=lambda x: x[1])
@@ -124,14 +113,14 @@ def main() -> int:
         for r in range(args.rounds):  # sides in alternating order
             for side in ((0, 1) if r % 2 == 0 else (1, 0)):
                 if side == 0:
-                    ours.append(per_call_us(call, args.iters))
+                    ours.append(common.queued_us(call, args.iters))
                 else:
                     backend, us = best_sdpa(sdpa, args.iters)
                     theirs.append(us)
         real_run = abi.Instance.run
         abi.Instance.run = lambda self, params, stream: None  # the launch becomes a no-op
         try:
-            host = statistics.median(per_call_us(call, args.iters) for _ in range(args.rounds))
+            host = statistics.median(common.queued_us(call, args.iters) for _ in range(args.rounds))
         finally:
             abi.Instance.run = real_run
         g, s = statistics.median(ours), statistics.median(theirs)
