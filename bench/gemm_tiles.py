@@ -4,6 +4,7 @@ default set and the heuristic's tile constants are chosen from.
     gemmgen generate --arch sm90 --family gemm_sm90 --all --filter '<tiles>'   # the pool to compare
     python bench/gemm_tiles.py [--dtype fp16] [--rounds 3] [--csv bench/results/gemm_tiles_h200.csv]
     python bench/gemm_tiles.py --score bench/results/gemm_tiles_h200.csv [--out FILE.md]
+    python bench/gemm_tiles.py --fit bench/results/gemm_tiles_h200.csv
 
 Timing: per shape, each strided candidate (forced by name) and torch.matmul on the same operands,
 eager calls queued back to back with one synchronize before and after (the host path included, as
@@ -96,6 +97,7 @@ def measure(args) -> int:
 class _Entry:
     smem_bytes: int
     gencode: tuple[str, ...] = ("sm_90a",)
+    family: str = "gemm_sm90"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,16 +109,53 @@ class _Cand:
     entry: _Entry
 
 
+def _read(path: str) -> dict[tuple, dict[str, tuple[float, int]]]:
+    """{(op, bh, m, n, k): {side: (us, smem bytes)}} of a measured CSV."""
+    by_shape: dict[tuple, dict[str, tuple[float, int]]] = {}
+    for r in csv.DictReader(open(path)):
+        key = (r["op"], int(r["bh"]), int(r["m"]), int(r["n"]), int(r["k"]))
+        by_shape.setdefault(key, {})[r["side"]] = (float(r["us"]), int(r["smem"]))
+    return by_shape
+
+
+def fit(args) -> int:
+    from gemmgen.generator.families import gemm_sm90
+    from gemmgen.select import gemm_select
+    from gemmgen.select.device import synthetic
+
+    by_shape = _read(args.fit)
+    device = synthetic((9, 0), args.sms, args.gpu)
+    keys = [gemm_sm90.REFERENCE_TILE, *gemm_sm90.STRIDED_DEFAULT_TILES]
+    ratios: dict[tuple, dict[str, list[float]]] = {key: {} for key in keys}
+    for (op, bh, m, n, k), sides in by_shape.items():
+        if n < 256:
+            continue
+        problem = gemm_select.GemmProblem(dtype=args.dtype, out_dtype=args.dtype, b_transposed=op == "qk",
+                                          strategy="strided", device=device, m=m, n=n, k=k, batch_count=bh)
+        rate = {}
+        for inst in gemm_sm90.SPACE:
+            key = gemm_sm90.tile_key(inst)
+            if key in ratios and inst.name in sides and inst.strategy.value == "strided" \
+                    and inst.dtype.value == args.dtype and not inst.out_fp32 and inst.b_transposed == (op == "qk"):
+                us, smem = sides[inst.name]
+                rate[key] = (gemm_select.padded_work(_Cand(inst.name, inst, _Entry(smem)), problem) / us, us)
+        if gemm_sm90.REFERENCE_TILE not in rate or min(us for _, us in rate.values()) < args.min_us:
+            continue
+        for key, (r, _) in rate.items():
+            ratios[key].setdefault(gemm_select.regime(problem), []).append(r / rate[gemm_sm90.REFERENCE_TILE][0])
+    label = {gemm_sm90.tile_key(i): i.name.rsplit("_n", 1)[1][2:] for i in gemm_sm90.SPACE if i.dtype.value == args.dtype}
+    for key in keys:
+        speeds = ", ".join(f'"{reg}": {statistics.median(v):.2f}' for reg, v in sorted(ratios[key].items()))
+        print(f"{label[key]}: {{{speeds}}}")
+    return 0
+
+
 def score(args) -> int:
     from gemmgen.generator.families import gemm_sm90
     from gemmgen.select import gemm_select
     from gemmgen.select.device import synthetic
 
-    rows = list(csv.DictReader(open(args.score)))
-    by_shape: dict[tuple, dict[str, tuple[float, int]]] = {}
-    for r in rows:
-        key = (r["op"], int(r["bh"]), int(r["m"]), int(r["n"]), int(r["k"]))
-        by_shape.setdefault(key, {})[r["side"]] = (float(r["us"]), int(r["smem"]))
+    by_shape = _read(args.score)
     space = {i.name: i for i in gemm_sm90.SPACE}
     device = synthetic((9, 0), args.sms, args.gpu)
     lines = [f"Scored from {args.score}: per shape the heuristic's pick among gemm_sm90.DEFAULT's strided tiles "
@@ -172,12 +211,14 @@ def main() -> int:
     ap.add_argument("--burst-ms", type=float, default=20.0, help="each timed burst lasts at least this")
     ap.add_argument("--csv", default="bench/results/gemm_tiles_h200.csv")
     ap.add_argument("--score", metavar="CSV", help="score the DEFAULT set's picks from a measured CSV (no GPU)")
+    ap.add_argument("--fit", metavar="CSV", help="print the default tiles' regime speeds from a measured CSV (no GPU)")
+    ap.add_argument("--min-us", type=float, default=25.0, help="--fit: the shortest call whose shape counts")
     ap.add_argument("--min-mn", type=int, default=512, help="--score: the summary's smallest M = N")
     ap.add_argument("--gpu", default="NVIDIA H200", help="--score: the GPU the CSV was measured on")
     ap.add_argument("--sms", type=int, default=132, help="--score: its SM count")
     ap.add_argument("--out", help="--score: also write the table to this markdown file")
     args = ap.parse_args()
-    return score(args) if args.score else measure(args)
+    return fit(args) if args.fit else score(args) if args.score else measure(args)
 
 
 if __name__ == "__main__":

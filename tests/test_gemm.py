@@ -29,7 +29,18 @@ def test_spaces_are_valid_and_named_uniquely():
     # Every (dtype, output, layout, strategy) has a vectorized and an any-alignment default.
     keys = {(i.dtype, i.out_fp32, i.b_transposed, i.strategy, i.align) for i in gemm_sm80.DEFAULT}
     assert len(keys) == len(gemm_sm80.DEFAULT) == 32
-    assert len(gemm_sm90.DEFAULT) == 16 and len(softmax_sm80.DEFAULT) == 2
+    # sm90: each measured strided tile and the pointer-array reference tile per (dtype, output, layout).
+    assert len(gemm_sm90.DEFAULT) == 8 * (len(gemm_sm90.STRIDED_DEFAULT_TILES) + 1) and len(softmax_sm80.DEFAULT) == 2
+    for inst in gemm_sm90.DEFAULT:
+        key = gemm_sm90.tile_key(inst)
+        assert key in gemm_sm90.STRIDED_DEFAULT_TILES if inst.strategy is gemm_sm90.Strategy.STRIDED \
+            else key == gemm_sm90.REFERENCE_TILE
+    # Every default strided tile has a measured speed in every regime.
+    assert set(gemm_sm90.REGIME_SPEEDS) == {*gemm_sm90.STRIDED_DEFAULT_TILES, gemm_sm90.REFERENCE_TILE}
+    assert all(set(v) == {"short", "mid", "long", "many"} for v in gemm_sm90.REGIME_SPEEDS.values())
+
+
+REFERENCE = next(i for i in gemm_sm90.SPACE if i.name == "gemm_sm90_strided_fp16_fp16_nn_m128n128k64_coop_c1")
 
 
 def test_predicates_give_reasons():
@@ -40,11 +51,11 @@ def test_predicates_give_reasons():
     assert "2-stage" in gemm_sm80.invalid_reason(bad)
     big = dataclasses.replace(inst, tile_m=256, tile_n=256, tile_k=64, warps=8, stages=5, align=8)
     assert gemm_sm80.invalid_reason(big) is not None
-    coop64 = dataclasses.replace(gemm_sm90.DEFAULT[0], tile_m=64)
+    coop64 = dataclasses.replace(REFERENCE, tile_m=64)
     assert "tile_m >= 128" in gemm_sm90.invalid_reason(coop64)
-    assert "sm_90a" in gemm_sm90.invalid_reason(gemm_sm90.DEFAULT[0], Arch.SM80)
+    assert "sm_90a" in gemm_sm90.invalid_reason(REFERENCE, Arch.SM80)
     # A ping-pong tile is one warpgroup's: 128x256 would need 256 accumulator registers per thread.
-    pp = dataclasses.replace(gemm_sm90.DEFAULT[0], schedule=gemm_sm90.Schedule.PINGPONG, tile_n=256)
+    pp = dataclasses.replace(REFERENCE, schedule=gemm_sm90.Schedule.PINGPONG, tile_n=256)
     assert "256 registers per thread" in gemm_sm90.invalid_reason(pp)
     assert gemm_sm90.invalid_reason(dataclasses.replace(pp, tile_m=64)) is None
 
@@ -54,10 +65,10 @@ def test_stream_k_axis():
     names = {i.name for i in gemm_sm90.SPACE if i.tile_scheduler is sk and not i.evict_last}
     assert "gemm_sm90_strided_fp16_fp16_nn_m128n64k64_coop_c1_sk" in names
     assert all(n.startswith("gemm_sm90_strided_") and "_coop_" in n and n.endswith("_sk") for n in names)
-    assert all(i.tile_scheduler is gemm_sm90.TileScheduler.PERSISTENT for i in gemm_sm90.DEFAULT)
+    assert not any(i.stream_k for i in gemm_sm90.DEFAULT)
     import dataclasses
 
-    coop = gemm_sm90.DEFAULT[0]  # strided fp16 nn 128x128 cooperative
+    coop = REFERENCE
     assert "cooperative schedule only" in gemm_sm90.invalid_reason(
         dataclasses.replace(coop, schedule=gemm_sm90.Schedule.PINGPONG, tile_scheduler=sk))
     ptr = next(i for i in gemm_sm90.DEFAULT if i.strategy.value == "ptr")
@@ -86,7 +97,7 @@ def test_evict_last_axis():
     assert el.params()["evict_last"] is True and "evict_last" not in base.params()
     assert el.content_hash() != base.content_hash()
     assert el.template_values()["evict_last"] and not base.template_values()["evict_last"]
-    assert not any(i.evict_last for i in gemm_sm90.DEFAULT)
+    assert all(i.strategy is gemm_sm90.Strategy.STRIDED for i in gemm_sm90.DEFAULT if i.evict_last)
     ptr = next(i for i in gemm_sm90.DEFAULT if i.strategy is gemm_sm90.Strategy.PTR_ARRAY)
     assert "strided kernels only" in gemm_sm90.invalid_reason(dataclasses.replace(ptr, evict_last=True))
     tc = render.Toolchain(flags=("-O3",), nvcc_version="13.0.88", cutlass_version="4.2.0")
@@ -102,7 +113,8 @@ def test_in_order_scheduler_axis():
     assert gemm_sm90.invalid_reason(io) is None and io.name == base.name + "_io" and io in gemm_sm90.SPACE
     assert dataclasses.replace(io, evict_last=True).name == base.name + "_io_el"
     assert io.params()["tile_scheduler"] == "inorder" and io.content_hash() != base.content_hash()
-    assert not any(i.tile_scheduler is gemm_sm90.TileScheduler.IN_ORDER for i in gemm_sm90.DEFAULT)
+    assert all(i.schedule is gemm_sm90.Schedule.COOPERATIVE for i in gemm_sm90.DEFAULT
+               if i.tile_scheduler is gemm_sm90.TileScheduler.IN_ORDER)
     pingpong = next(i for i in gemm_sm90.SPACE if i.name == "gemm_sm90_strided_fp16_fp16_nt_m64n256k64_pp_c2_e64")
     assert "cooperative schedule only" in gemm_sm90.invalid_reason(
         dataclasses.replace(pingpong, tile_scheduler=gemm_sm90.TileScheduler.IN_ORDER))
@@ -143,7 +155,7 @@ def test_generate_family_renders_only_what_is_asked(tmp_path):
     assert "Traits<cutlass::bfloat16_t, float" in text and "/*BTransposed=*/true" in text
     assert "run_ptrs<Traits>(args" in text and "const GemmgenBatchedGemmPtrArgs* args" in text
     sm90 = run_cli("generate", "--arch", "sm90", "--family", "gemm_sm90", "--no-compile", "--out", str(tmp_path))
-    assert sm90.returncode == 0 and "16 rendered" in sm90.stdout
+    assert sm90.returncode == 0 and "40 rendered" in sm90.stdout
     bad = run_cli("generate", "--arch", "sm80", "--family", "nope", "--no-compile", "--out", str(tmp_path))
     assert bad.returncode == 2 and "unknown family 'nope'" in bad.stderr
 
@@ -277,3 +289,50 @@ def test_explain_gemm_cli(gemm_build):
     assert proc.returncode == 0, proc.stderr
     assert "winner: gemm_sm80_strided_fp16_fp16_nt_m64n64k32w4s2a1" in proc.stdout
     assert "needs alignment 8" in proc.stdout and "decided by: heuristic" in proc.stdout
+
+
+def test_default_tiles_picked_per_regime(tmp_path):
+    """The sm90 default set on an H200, untuned: each regime's measured winner (bench/NOTES.md,
+    experiment 63; bench/results/gemm_tiles_h200.csv): the 1x2-cluster ping-pong tile for Q x K^T at
+    K = 128, the 64-column epilogue tile for short K (it and the cluster tile within 1% there), the
+    256x128 tile for thousands of small outputs, the 128x64 tile for 64-column outputs (P x V at
+    d = 64), and no 1x2 cluster where the output is one tile wide."""
+    import dataclasses
+
+    # Manifests record the builder's smallest shared-memory footprint; one or two CTAs per SM.
+    entries = [make_entry(i) for i in gemm_sm90.DEFAULT if i.dtype.value == "fp16" and not i.out_fp32]
+    entries = [dataclasses.replace(e, gencode=["-gencode=arch=compute_90a,code=sm_90a"]) for e in entries]
+    registry.set_build_dirs([write_build_dir(tmp_path, entries)])
+
+    def pick(**kw) -> str:
+        decision = selection.decide(_problem(**kw))
+        assert decision.source == "heuristic"
+        return decision.winner.name.rsplit("_n", 1)[1][2:]  # after the layout (nt, nn)
+
+    try:
+        assert pick(m=2048, n=2048, k=128, batch_count=64) == "m128n128k64_pp_c1x2_e128_el"
+        assert pick(m=4096, n=4096, k=128, batch_count=8) == "m128n128k64_pp_c1x2_e128_el"
+        assert pick(m=4096, n=4096, k=64, batch_count=8) in ("m128n128k64_pp_c1_e64", "m128n128k64_pp_c1x2_e128_el")
+        assert pick(m=512, n=512, k=128, batch_count=4096) == "m256n128k64_coop_c1x2_e128_io_el"
+        assert pick(m=256, n=256, k=64, batch_count=4096) == "m256n128k64_coop_c1x2_e128_io_el"
+        assert pick(m=2048, n=64, k=2048, batch_count=64, b_transposed=False) == "m128n64k64_coop_c1"
+        assert pick(m=2048, n=128, k=2048, batch_count=64, b_transposed=False) == "m128n128k64_pp_c1_e64"
+        assert pick(m=2048, n=2048, k=2048, batch_count=32) in ("m128n128k64_pp_c1_e64", "m128n128k64_pp_c1x2_e128_el")
+        report = selection.decide(_problem(m=512, n=512, k=128, batch_count=4096)).report()
+        assert "regime many" in report and "measured speed 1.16" in report
+    finally:
+        registry.set_build_dirs(None)
+
+
+def test_unmeasured_tiles_take_their_shapes_slowest_speed():
+    variant = next(i for i in gemm_sm90.SPACE if i.name == "gemm_sm90_strided_fp16_fp16_nn_m128n64k64_coop_c1_sk")
+    assert gemm_sm90.speed(variant, "long") == gemm_sm90.REGIME_SPEEDS[gemm_sm90.tile_key(
+        dataclasses.replace(variant, tile_scheduler=gemm_sm90.TileScheduler.PERSISTENT))]["long"]
+    square = next(i for i in gemm_sm90.SPACE if i.name == "gemm_sm90_strided_fp16_fp16_nt_m128n128k64_pp_c2")
+    assert gemm_sm90.speed(square, "mid") == 1.0  # the reference tile's, the slowest 128x128 measured
+    small = next(i for i in gemm_sm90.SPACE if i.name == "gemm_sm90_strided_fp16_fp16_nt_m64n64k64_pp_c1")
+    assert gemm_sm90.speed(small, "short") is None  # no 64x64 measured: the shape's efficiency decides
+    assert gemm_select.regime(_problem(k=64)) == "short" and gemm_select.regime(_problem(k=128)) == "mid"
+    assert gemm_select.regime(_problem(k=257)) == "long"
+    assert gemm_select.regime(_problem(m=512, n=512, k=128, batch_count=512)) == "many"
+    assert gemm_select.regime(_problem(m=512, n=512, k=128, batch_count=511)) == "mid"

@@ -139,6 +139,7 @@ def batched_gemm(a: torch.Tensor, b: torch.Tensor, *, b_transposed: bool = False
     if hit is not None:
         return hit
     check_no_grad("batched_gemm", a=a, b=b, out=out)
+    new_out = out is None
     check_bool("b_transposed", b_transposed)
     check_instance(instance)
     alpha = check_finite("alpha", alpha)
@@ -183,26 +184,31 @@ def batched_gemm(a: torch.Tensor, b: torch.Tensor, *, b_transposed: bool = False
     _launch(problem, args, a.get_device(), instance)
     if len(_calls) >= _MAX_CALLS:
         _calls.clear()
-    _calls[_call_key(a, b, out, b_transposed, instance)] = (
-        _kernel(selection.select(problem, instance)), (m, n, k, bb, h, *sa, *sb, *sc, int(bool(b_transposed))))
+    entry = (_kernel(selection.select(problem, instance)), (m, n, k, bb, h, *sa, *sb, *sc, int(bool(b_transposed))))
+    _calls[_call_key(a, b, out, b_transposed, instance)] = entry
+    if new_out:  # a repeat with out=None allocates the same contiguous C
+        _calls[_call_key(a, b, None, b_transposed, instance, out.dtype)] = entry
     return out
 
 
 # A call's kernel and its size/stride fields, keyed by everything the checks and the selection read
-# (shapes, strides, dtypes, devices, b_transposed, instance): a repeated call skips straight to the
-# launch, as cuBLAS's host path does (bench/NOTES.md, experiment 8). refresh() empties it.
+# (shapes, strides, dtypes, devices, b_transposed, instance; with out=None, the dtype of the C it
+# allocates): a repeated call skips straight to the launch, as cuBLAS's host path does
+# (bench/NOTES.md, experiments 8 and 63). refresh() empties it.
 _calls: dict[tuple, tuple[abi.Kernel, tuple[int, ...]]] = {}
 _MAX_CALLS = 4096
 registry.on_refresh(_calls.clear)
 
 
-def _call_key(a, b, out, b_transposed, instance) -> tuple:
+def _call_key(a, b, out, b_transposed, instance, new_dtype=None) -> tuple:
+    """The key of a call with `out`, or with out=None and a new C of `new_dtype`."""
     return (a.shape, a.stride(), a.dtype, a.device, b.shape, b.stride(), b.dtype, b.device,
-            None if out is None else (out.shape, out.stride(), out.dtype, out.device), bool(b_transposed), instance)
+            new_dtype if out is None else (out.shape, out.stride(), out.dtype, out.device), bool(b_transposed),
+            instance)
 
 
 def _fast_path(a, b, out, b_transposed, alpha, out_dtype, instance) -> torch.Tensor | None:
-    """Launch a call seen before (same key; with out=None, that of the tensor allocated) and return
+    """Launch a call seen before (same key; with out=None, that of the dtype it allocates) and return
     C, or None when the call is new or needs the full checks (non-tensors, alpha not a float, an
     out_dtype that disagrees with out, unaligned data)."""
     if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or type(alpha) not in (int, float):
@@ -215,15 +221,12 @@ def _fast_path(a, b, out, b_transposed, alpha, out_dtype, instance) -> torch.Ten
         return None  # the full path raises
     if out is not None and (not isinstance(out, torch.Tensor) or out_dtype not in (None, out.dtype)):
         return None
-    key = _call_key(a, b, out, b_transposed, instance)
-    hit = _calls.get(key)
+    hit = _calls.get(_call_key(a, b, out, b_transposed, instance, out_dtype or a.dtype))
     if hit is None:
         return None
     kernel, fields = hit
     if out is None:
         out = torch.empty(fields[3], fields[4], fields[0], fields[1], dtype=out_dtype or a.dtype, device=a.device)
-        if _call_key(a, b, out, b_transposed, instance) not in _calls:  # first call with out=None
-            return None
     if (a.data_ptr() | b.data_ptr() | out.data_ptr()) % 16:
         return None
     args = abi.BatchedGemmStridedArgs(a.data_ptr(), b.data_ptr(), out.data_ptr(), *fields, float(alpha))

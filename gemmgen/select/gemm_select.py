@@ -6,12 +6,16 @@ problem is rejected with a reason: input or output dtype, layout (b_transposed),
 alignment, build state, GPU arch, shared memory. A tuned bucket is ranked by tuned_costs (a
 candidate's time over the fastest's under sustained load or over short runs, whichever is larger);
 buckets have no distance, so there is no nearest-tuned step. The heuristic's estimate:
-    time ~ waves * blocks_per_sm * tile_m * tile_n * K / (tile efficiency * arch rate)
-waves = ceil(tiles / (SMs * blocks_per_sm)), blocks_per_sm from shared memory (at most 2);
-for stream-K instances, which split the K loops over idle SMs, tiles / (SMs * blocks_per_sm)
+    time ~ waves * blocks_per_sm * tile_m * tile_n * K / (tile efficiency * arch rate * speed)
+waves = ceil(tiles / (SMs * blocks_per_sm)), blocks_per_sm from shared memory (at most 2), the
+tiles counted in whole CTA clusters (a 1x2 cluster on an output one tile wide leaves half its CTAs
+idle); for stream-K instances, which split the K loops over idle SMs, tiles / (SMs * blocks_per_sm)
 times STREAM_K_FIXUP; tile efficiency = min(1, tile_m*tile_n / (tile_m+tile_n) / 64) (operand
 reuse of a tile against 128x128's), arch rate 2 for sm_90a wgmma kernels, 1 for mma.sync, 0.5 for
-the 2-stage alignment-1 kernels.
+the 2-stage alignment-1 kernels; speed: the family's measured throughput of the tile in the
+problem's regime (`regime`; gemm_sm90.REGIME_SPEEDS), 1.0 where it has none. The padding and
+cluster terms decide between tiles of different shapes; the measured speeds between tiles of one
+shape whose epilogue, schedule and L2 policy the model cannot see.
 """
 from __future__ import annotations
 
@@ -116,19 +120,50 @@ def candidates(problem: GemmProblem) -> tuple[list[Candidate], list[tuple[str, s
     return registry.partition(filter(is_gemm, registry.load()[0]), lambda cand: reject_reason(cand, problem))
 
 
-def estimate(cand: Candidate, problem: GemmProblem) -> float:
-    """The heuristic's relative time of `cand` on `problem` (see the module docstring)."""
+# Regimes of the measured tile speeds: K up to SHORT_K (the store of C bounds Q x K^T), up to MID_K,
+# longer; and many small outputs: M, N <= SMALL_MN with at least MANY_OUTPUTS elements of C in all
+# (B*H in the thousands at M = N = 512), where the largest tiles store C fastest.
+SHORT_K, MID_K, SMALL_MN, MANY_OUTPUTS = 64, 256, 512, 2**27
+
+
+def regime(problem: GemmProblem) -> str:
+    """"short", "mid", "long" (by K) or "many" (many small outputs of K <= MID_K)."""
+    if problem.k > MID_K:
+        return "long"
+    if problem.m <= SMALL_MN and problem.n <= SMALL_MN and problem.batch_count * problem.m * problem.n >= MANY_OUTPUTS:
+        return "many"
+    return "short" if problem.k <= SHORT_K else "mid"
+
+
+def padded_work(cand: Candidate, problem: GemmProblem) -> float:
+    """waves * blocks_per_sm * tile_m * tile_n * K rounded up to tile_k: the work the candidate's
+    grid does on `problem`, padding, idle cluster CTAs and the last wave's idle slots included."""
     inst = cand.instance
     tm, tn, tk = inst.tile_m, inst.tile_n, inst.tile_k
+    cm, cn = getattr(inst, "cluster_m", 1), getattr(inst, "cluster_n", 1)
     smem_per_sm = problem.device.smem_per_sm or problem.device.smem_per_block
     per_sm = max(1, min(MAX_BLOCKS_PER_SM, smem_per_sm // max(cand.entry.smem_bytes, 1)))
-    tiles = math.ceil(problem.m / tm) * math.ceil(problem.n / tn) * problem.batch_count
+    tiles = math.ceil(problem.m / (tm * cm)) * cm * math.ceil(problem.n / (tn * cn)) * cn * problem.batch_count
     slots = problem.device.sm_count * per_sm
     # Stream-K splits the K loops of the last wave over the idle SMs (less a fixup's cost).
     waves = tiles / slots * STREAM_K_FIXUP if inst.stream_k else math.ceil(tiles / slots)
-    efficiency = min(1.0, tm * tn / (tm + tn) / 64)
+    return waves * per_sm * tm * tn * math.ceil(problem.k / tk) * tk
+
+
+def estimate(cand: Candidate, problem: GemmProblem) -> float:
+    """The heuristic's relative time of `cand` on `problem` (see the module docstring)."""
+    inst = cand.instance
+    speed = measured_speed(cand, problem)
+    # A measured speed holds the tile's operand reuse; the shape's efficiency stands in elsewhere.
+    efficiency = 1.0 if speed is not None else min(1.0, inst.tile_m * inst.tile_n / (inst.tile_m + inst.tile_n) / 64)
     rate = 0.5 if inst.align == 1 else 2.0 if any("90a" in g for g in cand.entry.gencode) else 1.0
-    return waves * per_sm * tm * tn * math.ceil(problem.k / tk) * tk / (efficiency * rate)
+    return padded_work(cand, problem) / (efficiency * rate * (speed or 1.0))
+
+
+def measured_speed(cand: Candidate, problem: GemmProblem) -> float | None:
+    """The family's measured speed of the candidate's tile in the problem's regime, or None."""
+    speed = getattr(family_named(cand.entry.family), "speed", None)
+    return speed(cand.instance, regime(problem)) if speed is not None else None
 
 
 def build_command(problem: GemmProblem) -> str | None:
@@ -196,14 +231,18 @@ class Estimate:
     """The heuristic's relative time of one candidate (see the module docstring)."""
 
     cost: float
+    speed: float | None = None  # the measured speed the cost divides by (None: the shape's efficiency)
+    regime: str = ""
 
     def describe(self) -> str:
-        return f"cost {self.cost:.3g}"
+        """e.g. "cost 2.1e+06 (regime short, measured speed 1.16)"."""
+        measured = f"measured speed {self.speed:.2f}" if self.speed is not None else "not measured"
+        return f"cost {self.cost:.3g} (regime {self.regime}, {measured})"
 
 
 def heuristic(usable: list[Candidate], problem: GemmProblem) -> tuple[Candidate, dict[str, Estimate]]:
     """The candidate of lowest estimated time (ties: earlier build directory, then name)."""
-    estimates = {c.name: Estimate(estimate(c, problem)) for c in usable}
+    estimates = {c.name: Estimate(estimate(c, problem), measured_speed(c, problem), regime(problem)) for c in usable}
     pick = min(usable, key=lambda c: (estimates[c.name].cost, c.order, c.name))
     return pick, estimates
 

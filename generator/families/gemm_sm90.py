@@ -183,11 +183,61 @@ SPACE: tuple[GemmSm90Instance, ...] = tuple(
     if invalid_reason(inst) is None
 )
 
-# One tile per (dtype, output, layout, strategy): 128x128x64 cooperative, no cluster, the
-# builder's auto stage count; enough tiles at M = N = 512 and B*H >= 8 to fill 132 SMs.
+# The tile axes a default names: (tile_m, tile_n, schedule, cluster (M, N), epilogue columns,
+# tile scheduler, evict-last).
+TileKey = tuple
+
+
+def tile_key(inst: GemmSm90Instance) -> TileKey:
+    return (inst.tile_m, inst.tile_n, inst.schedule, (inst.cluster_m, inst.cluster_n), inst.epi_tile_n,
+            inst.tile_scheduler, inst.evict_last)
+
+
+REFERENCE_TILE: TileKey = (128, 128, Schedule.COOPERATIVE, (1, 1), 0, TileScheduler.PERSISTENT, False)
+# The strided default set: per regime (gemmgen.select.gemm_select.regime) one of these wins or is
+# within a few percent of the best of a 20-tile pool, timed as users call it on the H200 (eager calls
+# queued; bench/results/gemm_tiles_h200.csv, bench/NOTES.md experiment 63):
+# - 128x128 ping-pong, 64-column epilogue sub-tiles: short K (Q x K^T at head dim 64);
+# - 128x128 ping-pong, 1x2 cluster, 128-column epilogue, evict-last operands: K of 128-256 with
+#   N >= 256 (Q x K^T at head dim 128), and long K;
+# - 256x128 cooperative, 1x2 cluster, 128-column epilogue, in-order scheduler, evict-last: many
+#   small outputs (B*H large, M, N <= 512), where the store of C bounds the time;
+# - 128x64 cooperative: outputs 64 columns wide (P x V at head dim 64), which 128-column tiles pad.
+STRIDED_DEFAULT_TILES: dict[TileKey, str] = {
+    (128, 128, Schedule.PINGPONG, (1, 1), 64, TileScheduler.PERSISTENT, False): "short K",
+    (128, 128, Schedule.PINGPONG, (1, 2), 128, TileScheduler.PERSISTENT, True): "K 128-256, long K",
+    (256, 128, Schedule.COOPERATIVE, (1, 2), 128, TileScheduler.IN_ORDER, True): "many small outputs",
+    (128, 64, Schedule.COOPERATIVE, (1, 1), 0, TileScheduler.PERSISTENT, False): "64-column outputs",
+}
+# Each default tile's throughput per unit of padded work (waves x tile_m x tile_n x K) relative to
+# REFERENCE_TILE's, per regime: the median over the regime's shapes of the pool run with N >= 256
+# (narrower outputs are the padding term's), python bench/gemm_tiles.py --fit.
+REGIME_SPEEDS: dict[TileKey, dict[str, float]] = {
+    REFERENCE_TILE: {"short": 1.0, "mid": 1.0, "long": 1.0, "many": 1.0},
+    (128, 128, Schedule.PINGPONG, (1, 1), 64, TileScheduler.PERSISTENT, False):
+        {"short": 1.16, "mid": 1.51, "long": 1.22, "many": 0.98},
+    (128, 128, Schedule.PINGPONG, (1, 2), 128, TileScheduler.PERSISTENT, True):
+        {"short": 1.17, "mid": 1.61, "long": 1.20, "many": 1.04},
+    (256, 128, Schedule.COOPERATIVE, (1, 2), 128, TileScheduler.IN_ORDER, True):
+        {"short": 1.14, "mid": 1.33, "long": 1.00, "many": 1.16},
+    (128, 64, Schedule.COOPERATIVE, (1, 1), 0, TileScheduler.PERSISTENT, False):
+        {"short": 0.78, "mid": 0.80, "long": 0.79, "many": 0.81},
+}
+
+
+def speed(inst: GemmSm90Instance, regime: str) -> float | None:
+    """The measured relative throughput of `inst`'s tile in `regime` (REGIME_SPEEDS). A tile not
+    measured takes the lowest speed measured for its tile_m x tile_n (a variant is not assumed
+    faster than the slowest of its shape); None when none of its shape was measured."""
+    key = tile_key(inst)
+    if key in REGIME_SPEEDS:
+        return REGIME_SPEEDS[key][regime]
+    return min((v[regime] for k, v in REGIME_SPEEDS.items() if k[:2] == key[:2]), default=None)
+
+
+# The strided kernels: the tiles above. The pointer-array kernels (no cluster, epilogue or L2 axes):
+# the reference 128x128 cooperative tile. Each per (dtype, output, layout).
 DEFAULT: tuple[GemmSm90Instance, ...] = tuple(
     inst for inst in SPACE
-    if (inst.tile_m, inst.tile_n, inst.tile_k, inst.schedule, inst.cluster_m, inst.cluster_n, inst.epi_tile_n,
-        inst.tile_scheduler, inst.evict_last) == (128, 128, 64, Schedule.COOPERATIVE, 1, 1, 0,
-                                                  TileScheduler.PERSISTENT, False)
+    if (tile_key(inst) in STRIDED_DEFAULT_TILES if inst.strategy is Strategy.STRIDED else tile_key(inst) == REFERENCE_TILE)
 )

@@ -78,6 +78,16 @@ def test_repeated_calls_take_the_fast_path(out_dtype):
         gemmgen.batched_gemm(a, b, b_transposed=True, alpha=2.0, out=given)
         assert rel_error(given, ref_gemm(a, b, True, 2.0)) <= TOLERANCE[torch.bfloat16]
     assert gemm._calls, "repeated calls were not cached"
+    # A repeat with out=None takes the fast path too: no new problem is built for it.
+    built = []
+    real = gemm.strided_problem
+    gemm.strided_problem = lambda *args, **kw: built.append(1) or real(*args, **kw)
+    try:
+        again = gemmgen.batched_gemm(a, b, b_transposed=True, alpha=1.5, out_dtype=out_dtype)
+    finally:
+        gemm.strided_problem = real
+    assert not built, "a repeated out=None call took the full path"
+    assert rel_error(again, ref_gemm(a, b, True, 1.5)) <= TOLERANCE[torch.bfloat16]
     wide = randn((2, 3, 129, 128), torch.bfloat16, "fast-wide")[..., :64]  # same shape, new strides
     out = gemmgen.batched_gemm(wide, b, b_transposed=True, out_dtype=out_dtype)
     assert rel_error(out, ref_gemm(wide, b, True)) <= TOLERANCE[torch.bfloat16]
