@@ -41,7 +41,9 @@ CURRENT = {
     "sm80_fa_sweep_h200.md": "fa2_sm80 sweep: best instance, default pick and SDPA backends",
     "selection_value_h200.md": "Value of selection: heuristic and tuned picks against the fastest candidate",
     "overhead_h200.md": "Host overhead per call",
-    "batched_gemm_h200.md": "Batched GEMM against cuBLAS",
+    "batched_gemm_default_h200.md": "Batched GEMM against cuBLAS as users get it: the default build, untuned, fp16",
+    "batched_gemm_default_bf16_h200.md": "Batched GEMM against cuBLAS as users get it: the default build, untuned, bf16",
+    "batched_gemm_h200.md": "Batched GEMM against cuBLAS, tuned over 73 extra tiles",
     "unfused_h200.md": "Unfused attention against fused attention and manual PyTorch",
     "sdpa_kernels_h200.md": "What each SDPA backend launches",
 }
@@ -81,6 +83,11 @@ BUILT_WITH = {
     "gqa_prefill_h200.md": ("`python bench/gqa_prefill.py` over the default build (`gemmgen generate --arch sm80 "
                             "--arch sm90`), untuned."),
     "unfused_h200.md": "`python bench/unfused.py`.",
+    "batched_gemm_default_h200.md": (
+        "`python bench/batched_gemm.py` over the GEMM default build (`gemmgen generate --arch sm80 --arch sm90 "
+        "--family gemm_sm80 --family gemm_sm90 --family softmax_sm80`), untuned."),
+    "batched_gemm_default_bf16_h200.md": (
+        "`python bench/batched_gemm.py --dtype bf16 --mn 512 1024 2048 4096` over the GEMM default build, untuned."),
     "sdpa_kernels_h200.md": "`python bench/sdpa_kernels.py`.",
 }
 

@@ -8,6 +8,8 @@ float64 references. Needs the GEMM and softmax families built into the build dir
 Inputs are fresh random tensors (a seed per case); outputs are poisoned with NaN first."""
 from __future__ import annotations
 
+import re
+
 import zlib
 
 import pytest
@@ -141,10 +143,11 @@ def test_profile_gemm_records_sustained_times():
     proc = run_cli("profile-gemm", *shape, "--reps", "20", "--record", timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "under sustained load" in proc.stdout and "torch.matmul (cuBLAS)" in proc.stdout
-    rows = [line.split() for line in proc.stdout.splitlines() if line[1:].startswith("gemm_")]
+    # Rows: a mark column ("*" or " "), then name, ms, TFLOP/s, short ms, TFLOP/s, alone ms, TFLOP/s
+    # ("-" where not taken) and the time ratio of torch.matmul to the instance.
+    rows = [line[2:].split() for line in proc.stdout.splitlines() if line[2:].startswith("gemm_")]
     assert rows and all("failed:" not in row for row in rows), proc.stdout
-    # name, ms, TFLOP/s, short ms, TFLOP/s, alone ms, TFLOP/s ("-" where not taken)
-    assert all(len(row) == 7 for row in rows), proc.stdout
+    assert all(len(row) == 8 for row in rows), proc.stdout
     contenders = [row for row in rows if row[3] != "-"]
     alone = [row for row in rows if row[5] != "-"]
     assert len(alone) == (min(3, len(contenders)) if len(contenders) > 1 else 0), proc.stdout
@@ -152,7 +155,7 @@ def test_profile_gemm_records_sustained_times():
     explain = run_cli("explain-gemm", *shape)
     assert explain.returncode == 0 and "decided by: tuned" in explain.stdout, explain.stdout + explain.stderr
     lines = [line for line in explain.stdout.splitlines() if ", cost " in line]
-    costs = {next(t for t in line.split() if t.startswith("gemm_")): float(line.split(", cost ")[1].rstrip("]"))
+    costs = {next(t for t in line.split() if t.startswith("gemm_")): float(re.search(r", cost ([0-9.]+)", line)[1])
              for line in lines}
     winner = next(line for line in lines if line.startswith("  * "))
     assert costs[winner.split()[1]] == min(costs.values()) and "short runs" in explain.stdout, explain.stdout
