@@ -151,7 +151,7 @@ def test_profile_gemm_records_sustained_times():
     contenders = [row for row in rows if row[3] != "-"]
     alone = [row for row in rows if row[5] != "-"]
     assert len(alone) == (min(3, len(contenders)) if len(contenders) > 1 else 0), proc.stdout
-    assert "recorded" in proc.stdout
+    assert "stored in" in proc.stdout
     explain = run_cli("explain-gemm", *shape)
     assert explain.returncode == 0 and "decided by: tuned" in explain.stdout, explain.stdout + explain.stderr
     lines = [line for line in explain.stdout.splitlines() if ", cost " in line]
