@@ -145,7 +145,8 @@ def fit(args) -> int:
             ratios[key].setdefault(gemm_select.regime(problem), []).append(r / rate[gemm_sm90.REFERENCE_TILE][0])
     label = {gemm_sm90.tile_key(i): i.name.rsplit("_n", 1)[1][2:] for i in gemm_sm90.SPACE if i.dtype.value == args.dtype}
     for key in keys:
-        speeds = ", ".join(f'"{reg}": {statistics.median(v):.2f}' for reg, v in sorted(ratios[key].items()))
+        speeds = ", ".join(f'"{reg}": {statistics.median(ratios[key][reg]):.2f}' if ratios[key].get(reg) else f'"{reg}": -'
+                           for reg in gemm_select.REGIMES)
         print(f"{label[key]}: {{{speeds}}}")
     return 0
 

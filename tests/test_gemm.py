@@ -35,9 +35,10 @@ def test_spaces_are_valid_and_named_uniquely():
         key = gemm_sm90.tile_key(inst)
         assert key in gemm_sm90.STRIDED_DEFAULT_TILES if inst.strategy is gemm_sm90.Strategy.STRIDED \
             else key == gemm_sm90.REFERENCE_TILE
-    # Every default strided tile has a measured speed in every regime.
-    assert set(gemm_sm90.REGIME_SPEEDS) == {*gemm_sm90.STRIDED_DEFAULT_TILES, gemm_sm90.REFERENCE_TILE}
-    assert all(set(v) == {"short", "mid", "long", "many"} for v in gemm_sm90.REGIME_SPEEDS.values())
+    # Every default strided tile has a measured speed in every regime on every GPU model measured.
+    for table in gemm_sm90.REGIME_SPEEDS.values():
+        assert set(table) == {*gemm_sm90.STRIDED_DEFAULT_TILES, gemm_sm90.REFERENCE_TILE}
+        assert all(set(v) == set(gemm_select.REGIMES) for v in table.values())
 
 
 REFERENCE = next(i for i in gemm_sm90.SPACE if i.name == "gemm_sm90_strided_fp16_fp16_nn_m128n128k64_coop_c1")
@@ -292,32 +293,37 @@ def test_explain_gemm_cli(gemm_build):
 
 
 def test_default_tiles_picked_per_regime(tmp_path):
-    """The sm90 default set on an H200, untuned: each regime's measured winner (bench/NOTES.md,
-    experiment 63; bench/results/gemm_tiles_h200.csv): the 1x2-cluster ping-pong tile for Q x K^T at
-    K = 128, the 64-column epilogue tile for short K (it and the cluster tile within 1% there), the
-    256x128 tile for thousands of small outputs, the 128x64 tile for 64-column outputs (P x V at
-    d = 64), and no 1x2 cluster where the output is one tile wide."""
+    """The sm90 default set, untuned, on the two GPU models measured (bench/NOTES.md, experiment 63;
+    bench/results/gemm_tiles_h200.csv and gemm_tiles_h100.csv): each regime's measured winner. On
+    the H200 the 1x2-cluster ping-pong tile for Q x K^T at K = 128, the 256x128 tile for thousands of
+    small outputs; on the H100 the 256x128 tile wherever C is large, the 128x128 ones where it is
+    small; on both the 128x64 tile for 64-column outputs (P x V at d = 64) and no 1x2 cluster where
+    the output is one tile wide."""
     import dataclasses
 
-    # Manifests record the builder's smallest shared-memory footprint; one or two CTAs per SM.
     entries = [make_entry(i) for i in gemm_sm90.DEFAULT if i.dtype.value == "fp16" and not i.out_fp32]
     entries = [dataclasses.replace(e, gencode=["-gencode=arch=compute_90a,code=sm_90a"]) for e in entries]
     registry.set_build_dirs([write_build_dir(tmp_path, entries)])
+    h100 = device.synthetic((9, 0), 132, "NVIDIA H100 80GB HBM3")
 
     def pick(**kw) -> str:
         decision = selection.decide(_problem(**kw))
         assert decision.source == "heuristic"
         return decision.winner.name.rsplit("_n", 1)[1][2:]  # after the layout (nt, nn)
 
+    cluster, e64, large, narrow = ("m128n128k64_pp_c1x2_e128_el", "m128n128k64_pp_c1_e64",
+                                   "m256n128k64_coop_c1x2_e128_io_el", "m128n64k64_coop_c1")
     try:
-        assert pick(m=2048, n=2048, k=128, batch_count=64) == "m128n128k64_pp_c1x2_e128_el"
-        assert pick(m=4096, n=4096, k=128, batch_count=8) == "m128n128k64_pp_c1x2_e128_el"
-        assert pick(m=4096, n=4096, k=64, batch_count=8) in ("m128n128k64_pp_c1_e64", "m128n128k64_pp_c1x2_e128_el")
-        assert pick(m=512, n=512, k=128, batch_count=4096) == "m256n128k64_coop_c1x2_e128_io_el"
-        assert pick(m=256, n=256, k=64, batch_count=4096) == "m256n128k64_coop_c1x2_e128_io_el"
-        assert pick(m=2048, n=64, k=2048, batch_count=64, b_transposed=False) == "m128n64k64_coop_c1"
-        assert pick(m=2048, n=128, k=2048, batch_count=64, b_transposed=False) == "m128n128k64_pp_c1_e64"
-        assert pick(m=2048, n=2048, k=2048, batch_count=32) in ("m128n128k64_pp_c1_e64", "m128n128k64_pp_c1x2_e128_el")
+        assert pick(m=2048, n=2048, k=128, batch_count=64) == cluster
+        assert pick(m=4096, n=4096, k=128, batch_count=8) == cluster
+        assert pick(m=512, n=512, k=128, batch_count=4096) == large
+        assert pick(m=256, n=256, k=64, batch_count=4096) == large
+        assert pick(m=2048, n=2048, k=128, batch_count=64, device=h100) == large
+        assert pick(m=1024, n=1024, k=64, batch_count=8, device=h100) == e64
+        for device_ in (H200, h100):
+            assert pick(m=2048, n=64, k=2048, batch_count=64, b_transposed=False, device=device_) == narrow
+            assert pick(m=2048, n=128, k=2048, batch_count=64, b_transposed=False, device=device_) in (e64, narrow)
+            assert pick(m=2048, n=2048, k=2048, batch_count=32, device=device_) in (e64, cluster)
         report = selection.decide(_problem(m=512, n=512, k=128, batch_count=4096)).report()
         assert "regime many" in report and "measured speed 1.16" in report
     finally:
@@ -325,14 +331,21 @@ def test_default_tiles_picked_per_regime(tmp_path):
 
 
 def test_unmeasured_tiles_take_their_shapes_slowest_speed():
+    gpu = "NVIDIA H200"
     variant = next(i for i in gemm_sm90.SPACE if i.name == "gemm_sm90_strided_fp16_fp16_nn_m128n64k64_coop_c1_sk")
-    assert gemm_sm90.speed(variant, "long") == gemm_sm90.REGIME_SPEEDS[gemm_sm90.tile_key(
-        dataclasses.replace(variant, tile_scheduler=gemm_sm90.TileScheduler.PERSISTENT))]["long"]
+    measured = dataclasses.replace(variant, tile_scheduler=gemm_sm90.TileScheduler.PERSISTENT)
+    assert gemm_sm90.speed(variant, "long", gpu) == gemm_sm90.REGIME_SPEEDS[gpu][gemm_sm90.tile_key(measured)]["long"]
     square = next(i for i in gemm_sm90.SPACE if i.name == "gemm_sm90_strided_fp16_fp16_nt_m128n128k64_pp_c2")
-    assert gemm_sm90.speed(square, "mid") == 1.0  # the reference tile's, the slowest 128x128 measured
+    assert gemm_sm90.speed(square, "mid", gpu) == 1.0  # the reference tile's, the slowest 128x128 measured
     small = next(i for i in gemm_sm90.SPACE if i.name == "gemm_sm90_strided_fp16_fp16_nt_m64n64k64_pp_c1")
-    assert gemm_sm90.speed(small, "short") is None  # no 64x64 measured: the shape's efficiency decides
-    assert gemm_select.regime(_problem(k=64)) == "short" and gemm_select.regime(_problem(k=128)) == "mid"
+    assert gemm_sm90.speed(small, "short", gpu) is None  # no 64x64 measured: the shape's efficiency decides
+    # A GPU model not measured takes the H100's table.
+    assert gemm_sm90.speeds_for("NVIDIA H800") is gemm_sm90.REGIME_SPEEDS["NVIDIA H100"]
+    assert gemm_sm90.speeds_for("NVIDIA H200 NVL") is gemm_sm90.REGIME_SPEEDS["NVIDIA H200"]
+    big = dict(m=2048, n=2048, batch_count=64)
+    assert gemm_select.regime(_problem(k=64, **big)) == "short" and gemm_select.regime(_problem(k=128, **big)) == "mid"
     assert gemm_select.regime(_problem(k=257)) == "long"
     assert gemm_select.regime(_problem(m=512, n=512, k=128, batch_count=512)) == "many"
     assert gemm_select.regime(_problem(m=512, n=512, k=128, batch_count=511)) == "mid"
+    assert gemm_select.regime(_problem(m=1024, n=1024, k=128, batch_count=64)) == "small"
+    assert gemm_select.regime(_problem(m=1024, n=1024, k=128, batch_count=65)) == "mid"

@@ -13,8 +13,8 @@ idle); for stream-K instances, which split the K loops over idle SMs, tiles / (S
 times STREAM_K_FIXUP; tile efficiency = min(1, tile_m*tile_n / (tile_m+tile_n) / 64) (operand
 reuse of a tile against 128x128's), arch rate 2 for sm_90a wgmma kernels, 1 for mma.sync, 0.5 for
 the 2-stage alignment-1 kernels; speed: the family's measured throughput of the tile in the
-problem's regime (`regime`; gemm_sm90.REGIME_SPEEDS), 1.0 where it has none. The padding and
-cluster terms decide between tiles of different shapes; the measured speeds between tiles of one
+problem's regime (`regime`) on the problem's GPU model (gemm_sm90.REGIME_SPEEDS), 1.0 where it
+has none. The padding and cluster terms decide between tiles of different shapes; the measured speeds between tiles of one
 shape whose epilogue, schedule and L2 policy the model cannot see.
 """
 from __future__ import annotations
@@ -120,18 +120,23 @@ def candidates(problem: GemmProblem) -> tuple[list[Candidate], list[tuple[str, s
     return registry.partition(filter(is_gemm, registry.load()[0]), lambda cand: reject_reason(cand, problem))
 
 
-# Regimes of the measured tile speeds: K up to SHORT_K (the store of C bounds Q x K^T), up to MID_K,
-# longer; and many small outputs: M, N <= SMALL_MN with at least MANY_OUTPUTS elements of C in all
-# (B*H in the thousands at M = N = 512), where the largest tiles store C fastest.
-SHORT_K, MID_K, SMALL_MN, MANY_OUTPUTS = 64, 256, 512, 2**27
+# Regimes of the measured tile speeds: K longer than MID_K; many small outputs: M, N <= SMALL_MN with
+# at least MANY_OUTPUTS elements of C in all (B*H in the thousands at M = N = 512), where the largest
+# tiles store C fastest; a small C: at most SMALL_OUTPUTS elements, too few tiles for the largest
+# tiles to pay on the H100; else K up to SHORT_K (the store of C bounds Q x K^T) or up to MID_K.
+SHORT_K, MID_K, SMALL_MN, MANY_OUTPUTS, SMALL_OUTPUTS = 64, 256, 512, 2**27, 2**26
+REGIMES = ("short", "mid", "long", "many", "small")
 
 
 def regime(problem: GemmProblem) -> str:
-    """"short", "mid", "long" (by K) or "many" (many small outputs of K <= MID_K)."""
+    """One of REGIMES (see above)."""
     if problem.k > MID_K:
         return "long"
-    if problem.m <= SMALL_MN and problem.n <= SMALL_MN and problem.batch_count * problem.m * problem.n >= MANY_OUTPUTS:
+    outputs = problem.batch_count * problem.m * problem.n
+    if problem.m <= SMALL_MN and problem.n <= SMALL_MN and outputs >= MANY_OUTPUTS:
         return "many"
+    if outputs <= SMALL_OUTPUTS:
+        return "small"
     return "short" if problem.k <= SHORT_K else "mid"
 
 
@@ -163,7 +168,7 @@ def estimate(cand: Candidate, problem: GemmProblem) -> float:
 def measured_speed(cand: Candidate, problem: GemmProblem) -> float | None:
     """The family's measured speed of the candidate's tile in the problem's regime, or None."""
     speed = getattr(family_named(cand.entry.family), "speed", None)
-    return speed(cand.instance, regime(problem)) if speed is not None else None
+    return speed(cand.instance, regime(problem), problem.device.name) if speed is not None else None
 
 
 def build_command(problem: GemmProblem) -> str | None:
@@ -235,7 +240,7 @@ class Estimate:
     regime: str = ""
 
     def describe(self) -> str:
-        """e.g. "cost 2.1e+06 (regime short, measured speed 1.16)"."""
+        """e.g. "cost 2.1e+06 (regime short, measured speed 1.21)"."""
         measured = f"measured speed {self.speed:.2f}" if self.speed is not None else "not measured"
         return f"cost {self.cost:.3g} (regime {self.regime}, {measured})"
 

@@ -210,29 +210,49 @@ STRIDED_DEFAULT_TILES: dict[TileKey, str] = {
     (128, 64, Schedule.COOPERATIVE, (1, 1), 0, TileScheduler.PERSISTENT, False): "64-column outputs",
 }
 # Each default tile's throughput per unit of padded work (waves x tile_m x tile_n x K) relative to
-# REFERENCE_TILE's, per regime: the median over the regime's shapes of the pool run with N >= 256
-# (narrower outputs are the padding term's), python bench/gemm_tiles.py --fit.
-REGIME_SPEEDS: dict[TileKey, dict[str, float]] = {
-    REFERENCE_TILE: {"short": 1.0, "mid": 1.0, "long": 1.0, "many": 1.0},
-    (128, 128, Schedule.PINGPONG, (1, 1), 64, TileScheduler.PERSISTENT, False):
-        {"short": 1.16, "mid": 1.51, "long": 1.22, "many": 0.98},
-    (128, 128, Schedule.PINGPONG, (1, 2), 128, TileScheduler.PERSISTENT, True):
-        {"short": 1.17, "mid": 1.61, "long": 1.20, "many": 1.04},
-    (256, 128, Schedule.COOPERATIVE, (1, 2), 128, TileScheduler.IN_ORDER, True):
-        {"short": 1.14, "mid": 1.33, "long": 1.00, "many": 1.16},
-    (128, 64, Schedule.COOPERATIVE, (1, 1), 0, TileScheduler.PERSISTENT, False):
-        {"short": 0.78, "mid": 0.80, "long": 0.79, "many": 0.81},
+# REFERENCE_TILE's, per GPU model and regime: the median over the regime's shapes of the pool run on
+# that GPU with N >= 256 (narrower outputs are the padding term's), `python bench/gemm_tiles.py --fit
+# bench/results/gemm_tiles_<gpu>.csv`. The two GPUs rank the tiles differently where the store of C
+# bounds the time: the H100's memory is slower, and larger tiles with the in-order scheduler win
+# more of those shapes there (bench/NOTES.md, experiment 63). A GPU model not listed takes the H100's.
+_SHORT_E64 = (128, 128, Schedule.PINGPONG, (1, 1), 64, TileScheduler.PERSISTENT, False)
+_CLUSTER_EL = (128, 128, Schedule.PINGPONG, (1, 2), 128, TileScheduler.PERSISTENT, True)
+_LARGE_IO = (256, 128, Schedule.COOPERATIVE, (1, 2), 128, TileScheduler.IN_ORDER, True)
+_NARROW = (128, 64, Schedule.COOPERATIVE, (1, 1), 0, TileScheduler.PERSISTENT, False)
+_ALL_ONE = {"short": 1.0, "mid": 1.0, "long": 1.0, "many": 1.0, "small": 1.0}
+REGIME_SPEEDS: dict[str, dict[TileKey, dict[str, float]]] = {
+    "NVIDIA H200": {
+        REFERENCE_TILE: _ALL_ONE,
+        _SHORT_E64: {"short": 1.21, "mid": 1.54, "long": 1.22, "many": 0.98, "small": 1.06},
+        _CLUSTER_EL: {"short": 1.17, "mid": 1.65, "long": 1.20, "many": 1.04, "small": 1.08},
+        _LARGE_IO: {"short": 1.22, "mid": 1.38, "long": 1.00, "many": 1.16, "small": 0.99},
+        _NARROW: {"short": 0.77, "mid": 0.77, "long": 0.79, "many": 0.81, "small": 0.83},
+    },
+    "NVIDIA H100": {
+        REFERENCE_TILE: _ALL_ONE,
+        _SHORT_E64: {"short": 0.98, "mid": 0.92, "long": 1.07, "many": 0.97, "small": 0.94},
+        _CLUSTER_EL: {"short": 0.98, "mid": 0.89, "long": 1.09, "many": 0.99, "small": 0.93},
+        _LARGE_IO: {"short": 1.10, "mid": 1.06, "long": 1.03, "many": 1.14, "small": 0.88},
+        _NARROW: {"short": 1.03, "mid": 0.77, "long": 0.71, "many": 0.92, "small": 0.91},
+    },
 }
+FALLBACK_GPU = "NVIDIA H100"
 
 
-def speed(inst: GemmSm90Instance, regime: str) -> float | None:
-    """The measured relative throughput of `inst`'s tile in `regime` (REGIME_SPEEDS). A tile not
-    measured takes the lowest speed measured for its tile_m x tile_n (a variant is not assumed
+def speeds_for(gpu: str) -> dict[TileKey, dict[str, float]]:
+    """The measured table of the GPU model `gpu` names ("NVIDIA H100 80GB HBM3": the H100's)."""
+    return next((table for model, table in REGIME_SPEEDS.items() if gpu.startswith(model)),
+                REGIME_SPEEDS[FALLBACK_GPU])
+
+
+def speed(inst: GemmSm90Instance, regime: str, gpu: str) -> float | None:
+    """The measured relative throughput of `inst`'s tile in `regime` on `gpu` (speeds_for). A tile
+    not measured takes the lowest speed measured for its tile_m x tile_n (a variant is not assumed
     faster than the slowest of its shape); None when none of its shape was measured."""
-    key = tile_key(inst)
-    if key in REGIME_SPEEDS:
-        return REGIME_SPEEDS[key][regime]
-    return min((v[regime] for k, v in REGIME_SPEEDS.items() if k[:2] == key[:2]), default=None)
+    table, key = speeds_for(gpu), tile_key(inst)
+    if key in table:
+        return table[key][regime]
+    return min((v[regime] for k, v in table.items() if k[:2] == key[:2]), default=None)
 
 
 # The strided kernels: the tiles above. The pointer-array kernels (no cluster, epilogue or L2 axes):
