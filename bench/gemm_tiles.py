@@ -142,11 +142,11 @@ def fit(args) -> int:
         if gemm_sm90.REFERENCE_TILE not in rate or min(us for _, us in rate.values()) < args.min_us:
             continue
         for key, (r, _) in rate.items():
-            ratios[key].setdefault(gemm_select.regime(problem), []).append(r / rate[gemm_sm90.REFERENCE_TILE][0])
+            ratios[key].setdefault(gemm_sm90.regime(problem), []).append(r / rate[gemm_sm90.REFERENCE_TILE][0])
     label = {gemm_sm90.tile_key(i): i.name.rsplit("_n", 1)[1][2:] for i in gemm_sm90.SPACE if i.dtype.value == args.dtype}
     for key in keys:
         speeds = ", ".join(f'"{reg}": {statistics.median(ratios[key][reg]):.2f}' if ratios[key].get(reg) else f'"{reg}": -'
-                           for reg in gemm_select.REGIMES)
+                           for reg in gemm_sm90.REGIMES)
         print(f"{label[key]}: {{{speeds}}}")
     return 0
 

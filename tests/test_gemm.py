@@ -35,10 +35,11 @@ def test_spaces_are_valid_and_named_uniquely():
         key = gemm_sm90.tile_key(inst)
         assert key in gemm_sm90.STRIDED_DEFAULT_TILES if inst.strategy is gemm_sm90.Strategy.STRIDED \
             else key == gemm_sm90.REFERENCE_TILE
-    # Every default strided tile has a measured speed in every regime on every GPU model measured.
-    for table in gemm_sm90.REGIME_SPEEDS.values():
-        assert set(table) == {*gemm_sm90.STRIDED_DEFAULT_TILES, gemm_sm90.REFERENCE_TILE}
-        assert all(set(v) == set(gemm_select.REGIMES) for v in table.values())
+    # Every default strided tile has a measured speed in every regime of every GPU profile.
+    for profile in gemm_sm90.PROFILES.values():
+        assert set(profile.speeds) == {*gemm_sm90.STRIDED_DEFAULT_TILES, gemm_sm90.REFERENCE_TILE}
+        regimes = set(gemm_sm90.REGIMES) - (set() if profile.small_outputs else {"small"})
+        assert all(set(v) == regimes for v in profile.speeds.values())
 
 
 REFERENCE = next(i for i in gemm_sm90.SPACE if i.name == "gemm_sm90_strided_fp16_fp16_nn_m128n128k64_coop_c1")
@@ -331,21 +332,29 @@ def test_default_tiles_picked_per_regime(tmp_path):
 
 
 def test_unmeasured_tiles_take_their_shapes_slowest_speed():
-    gpu = "NVIDIA H200"
+    h200 = _problem(m=2048, n=2048, k=4096)
     variant = next(i for i in gemm_sm90.SPACE if i.name == "gemm_sm90_strided_fp16_fp16_nn_m128n64k64_coop_c1_sk")
     measured = dataclasses.replace(variant, tile_scheduler=gemm_sm90.TileScheduler.PERSISTENT)
-    assert gemm_sm90.speed(variant, "long", gpu) == gemm_sm90.REGIME_SPEEDS[gpu][gemm_sm90.tile_key(measured)]["long"]
+    speeds = gemm_sm90.PROFILES["NVIDIA H200"].speeds
+    assert gemm_sm90.speed(variant, h200) == speeds[gemm_sm90.tile_key(measured)]["long"]
     square = next(i for i in gemm_sm90.SPACE if i.name == "gemm_sm90_strided_fp16_fp16_nt_m128n128k64_pp_c2")
-    assert gemm_sm90.speed(square, "mid", gpu) == 1.0  # the reference tile's, the slowest 128x128 measured
+    assert gemm_sm90.speed(square, h200) == 1.0  # the reference tile's, the slowest 128x128 measured
     small = next(i for i in gemm_sm90.SPACE if i.name == "gemm_sm90_strided_fp16_fp16_nt_m64n64k64_pp_c1")
-    assert gemm_sm90.speed(small, "short", gpu) is None  # no 64x64 measured: the shape's efficiency decides
-    # A GPU model not measured takes the H100's table.
-    assert gemm_sm90.speeds_for("NVIDIA H800") is gemm_sm90.REGIME_SPEEDS["NVIDIA H100"]
-    assert gemm_sm90.speeds_for("NVIDIA H200 NVL") is gemm_sm90.REGIME_SPEEDS["NVIDIA H200"]
+    assert gemm_sm90.speed(small, h200) is None  # no 64x64 measured: the shape's efficiency decides
+    # A GPU model not measured takes the H100's profile.
+    assert gemm_sm90.profile_for("NVIDIA H800") is gemm_sm90.PROFILES["NVIDIA H100"]
+    assert gemm_sm90.profile_for("NVIDIA H200 NVL") is gemm_sm90.PROFILES["NVIDIA H200"]
+
+
+def test_regimes():
+    regime = gemm_sm90.regime
+    h100 = device.synthetic((9, 0), 132, "NVIDIA H100 80GB HBM3")
     big = dict(m=2048, n=2048, batch_count=64)
-    assert gemm_select.regime(_problem(k=64, **big)) == "short" and gemm_select.regime(_problem(k=128, **big)) == "mid"
-    assert gemm_select.regime(_problem(k=257)) == "long"
-    assert gemm_select.regime(_problem(m=512, n=512, k=128, batch_count=512)) == "many"
-    assert gemm_select.regime(_problem(m=512, n=512, k=128, batch_count=511)) == "mid"
-    assert gemm_select.regime(_problem(m=1024, n=1024, k=128, batch_count=64)) == "small"
-    assert gemm_select.regime(_problem(m=1024, n=1024, k=128, batch_count=65)) == "mid"
+    assert regime(_problem(k=64, **big)) == "short" and regime(_problem(k=128, **big)) == "mid"
+    assert regime(_problem(k=257)) == "long"
+    assert regime(_problem(m=512, n=512, k=128, batch_count=512)) == "many"
+    assert regime(_problem(m=512, n=512, k=128, batch_count=511)) == "mid"
+    # A small C is a regime of the H100's profile only.
+    assert regime(_problem(m=1024, n=1024, k=128, batch_count=64, device=h100)) == "small"
+    assert regime(_problem(m=1024, n=1024, k=128, batch_count=65, device=h100)) == "mid"
+    assert regime(_problem(m=1024, n=1024, k=128, batch_count=64)) == "mid"

@@ -13,8 +13,8 @@ idle); for stream-K instances, which split the K loops over idle SMs, tiles / (S
 times STREAM_K_FIXUP; tile efficiency = min(1, tile_m*tile_n / (tile_m+tile_n) / 64) (operand
 reuse of a tile against 128x128's), arch rate 2 for sm_90a wgmma kernels, 1 for mma.sync, 0.5 for
 the 2-stage alignment-1 kernels; speed: the family's measured throughput of the tile in the
-problem's regime (`regime`) on the problem's GPU model (gemm_sm90.REGIME_SPEEDS), 1.0 where it
-has none. The padding and cluster terms decide between tiles of different shapes; the measured speeds between tiles of one
+problem's regime on the problem's GPU model (the family's `speed`; gemm_sm90.PROFILES), 1.0
+where it has none. The padding and cluster terms decide between tiles of different shapes; the measured speeds between tiles of one
 shape whose epilogue, schedule and L2 policy the model cannot see.
 """
 from __future__ import annotations
@@ -120,26 +120,6 @@ def candidates(problem: GemmProblem) -> tuple[list[Candidate], list[tuple[str, s
     return registry.partition(filter(is_gemm, registry.load()[0]), lambda cand: reject_reason(cand, problem))
 
 
-# Regimes of the measured tile speeds: K longer than MID_K; many small outputs: M, N <= SMALL_MN with
-# at least MANY_OUTPUTS elements of C in all (B*H in the thousands at M = N = 512), where the largest
-# tiles store C fastest; a small C: at most SMALL_OUTPUTS elements, too few tiles for the largest
-# tiles to pay on the H100; else K up to SHORT_K (the store of C bounds Q x K^T) or up to MID_K.
-SHORT_K, MID_K, SMALL_MN, MANY_OUTPUTS, SMALL_OUTPUTS = 64, 256, 512, 2**27, 2**26
-REGIMES = ("short", "mid", "long", "many", "small")
-
-
-def regime(problem: GemmProblem) -> str:
-    """One of REGIMES (see above)."""
-    if problem.k > MID_K:
-        return "long"
-    outputs = problem.batch_count * problem.m * problem.n
-    if problem.m <= SMALL_MN and problem.n <= SMALL_MN and outputs >= MANY_OUTPUTS:
-        return "many"
-    if outputs <= SMALL_OUTPUTS:
-        return "small"
-    return "short" if problem.k <= SHORT_K else "mid"
-
-
 def padded_work(cand: Candidate, problem: GemmProblem) -> float:
     """waves * blocks_per_sm * tile_m * tile_n * K rounded up to tile_k: the work the candidate's
     grid does on `problem`, padding, idle cluster CTAs and the last wave's idle slots included."""
@@ -166,9 +146,15 @@ def estimate(cand: Candidate, problem: GemmProblem) -> float:
 
 
 def measured_speed(cand: Candidate, problem: GemmProblem) -> float | None:
-    """The family's measured speed of the candidate's tile in the problem's regime, or None."""
+    """The family's measured speed of the candidate's tile on the problem (its `speed`), or None."""
     speed = getattr(family_named(cand.entry.family), "speed", None)
-    return speed(cand.instance, regime(problem), problem.device.name) if speed is not None else None
+    return speed(cand.instance, problem) if speed is not None else None
+
+
+def regime(cand: Candidate, problem: GemmProblem) -> str:
+    """The family's regime of the problem (its `regime`), "" for a family that measured none."""
+    regime_of = getattr(family_named(cand.entry.family), "regime", None)
+    return regime_of(problem) if regime_of is not None else ""
 
 
 def build_command(problem: GemmProblem) -> str | None:
@@ -240,14 +226,15 @@ class Estimate:
     regime: str = ""
 
     def describe(self) -> str:
-        """e.g. "cost 2.1e+06 (regime short, measured speed 1.21)"."""
-        measured = f"measured speed {self.speed:.2f}" if self.speed is not None else "not measured"
-        return f"cost {self.cost:.3g} (regime {self.regime}, {measured})"
+        """e.g. "cost 2.1e+06 (regime short, measured speed 1.16)"."""
+        if self.speed is None:
+            return f"cost {self.cost:.3g} (speed not measured)"
+        return f"cost {self.cost:.3g} (regime {self.regime}, measured speed {self.speed:.2f})"
 
 
 def heuristic(usable: list[Candidate], problem: GemmProblem) -> tuple[Candidate, dict[str, Estimate]]:
     """The candidate of lowest estimated time (ties: earlier build directory, then name)."""
-    estimates = {c.name: Estimate(estimate(c, problem), measured_speed(c, problem), regime(problem)) for c in usable}
+    estimates = {c.name: Estimate(estimate(c, problem), measured_speed(c, problem), regime(c, problem)) for c in usable}
     pick = min(usable, key=lambda c: (estimates[c.name].cost, c.order, c.name))
     return pick, estimates
 

@@ -194,7 +194,7 @@ def tile_key(inst: GemmSm90Instance) -> TileKey:
 
 
 REFERENCE_TILE: TileKey = (128, 128, Schedule.COOPERATIVE, (1, 1), 0, TileScheduler.PERSISTENT, False)
-# The strided default set: per regime (gemmgen.select.gemm_select.regime) one of these wins or is
+# The strided default set: per regime (`regime` below) one of these wins or is
 # within a few percent of the best of a 20-tile pool, timed as users call it on the H200 (eager calls
 # queued; bench/results/gemm_tiles_h200.csv, bench/NOTES.md experiment 63):
 # - 128x128 ping-pong, 64-column epilogue sub-tiles: short K (Q x K^T at head dim 64);
@@ -209,50 +209,78 @@ STRIDED_DEFAULT_TILES: dict[TileKey, str] = {
     (256, 128, Schedule.COOPERATIVE, (1, 2), 128, TileScheduler.IN_ORDER, True): "many small outputs",
     (128, 64, Schedule.COOPERATIVE, (1, 1), 0, TileScheduler.PERSISTENT, False): "64-column outputs",
 }
-# Each default tile's throughput per unit of padded work (waves x tile_m x tile_n x K) relative to
-# REFERENCE_TILE's, per GPU model and regime: the median over the regime's shapes of the pool run on
-# that GPU with N >= 256 (narrower outputs are the padding term's), `python bench/gemm_tiles.py --fit
-# bench/results/gemm_tiles_<gpu>.csv`. The two GPUs rank the tiles differently where the store of C
-# bounds the time: the H100's memory is slower, and larger tiles with the in-order scheduler win
-# more of those shapes there (bench/NOTES.md, experiment 63). A GPU model not listed takes the H100's.
+# Regimes of the measured speeds: K longer than MID_K; many small outputs: M, N <= SMALL_MN with at
+# least MANY_OUTPUTS elements of C in all (B*H in the thousands at M = N = 512), where the largest
+# tiles store C fastest; on GPUs whose profile says so, a small C (at most its small_outputs
+# elements), too few tiles for the largest tiles to pay; else K up to SHORT_K (the store of C
+# bounds Q x K^T) or up to MID_K.
+SHORT_K, MID_K, SMALL_MN, MANY_OUTPUTS = 64, 256, 512, 2**27
+REGIMES = ("short", "mid", "long", "many", "small")
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuProfile:
+    """What was measured on one GPU model: each default tile's throughput per unit of padded work
+    (waves x tile_m x tile_n x K) relative to REFERENCE_TILE's, per regime (the median over the
+    regime's shapes of the pool run there with N >= 256; narrower outputs are the padding term's;
+    `python bench/gemm_tiles.py --fit bench/results/gemm_tiles_<gpu>.csv`), and the size of C at
+    or below which the "small" regime holds (0: none)."""
+
+    small_outputs: int
+    speeds: dict[TileKey, dict[str, float]]
+
+
 _SHORT_E64 = (128, 128, Schedule.PINGPONG, (1, 1), 64, TileScheduler.PERSISTENT, False)
 _CLUSTER_EL = (128, 128, Schedule.PINGPONG, (1, 2), 128, TileScheduler.PERSISTENT, True)
 _LARGE_IO = (256, 128, Schedule.COOPERATIVE, (1, 2), 128, TileScheduler.IN_ORDER, True)
 _NARROW = (128, 64, Schedule.COOPERATIVE, (1, 1), 0, TileScheduler.PERSISTENT, False)
-_ALL_ONE = {"short": 1.0, "mid": 1.0, "long": 1.0, "many": 1.0, "small": 1.0}
-REGIME_SPEEDS: dict[str, dict[TileKey, dict[str, float]]] = {
-    "NVIDIA H200": {
-        REFERENCE_TILE: _ALL_ONE,
-        _SHORT_E64: {"short": 1.21, "mid": 1.54, "long": 1.22, "many": 0.98, "small": 1.06},
-        _CLUSTER_EL: {"short": 1.17, "mid": 1.65, "long": 1.20, "many": 1.04, "small": 1.08},
-        _LARGE_IO: {"short": 1.22, "mid": 1.38, "long": 1.00, "many": 1.16, "small": 0.99},
-        _NARROW: {"short": 0.77, "mid": 0.77, "long": 0.79, "many": 0.81, "small": 0.83},
-    },
-    "NVIDIA H100": {
-        REFERENCE_TILE: _ALL_ONE,
+# The two GPUs rank the tiles differently where the store of C bounds the time: the H100's memory is
+# slower, and the 256x128 in-order tile wins more of those shapes there, but not those of a small C
+# (bench/NOTES.md, experiment 63). A GPU model not listed takes the H100's profile.
+PROFILES: dict[str, GpuProfile] = {
+    "NVIDIA H200": GpuProfile(0, {
+        REFERENCE_TILE: {"short": 1.0, "mid": 1.0, "long": 1.0, "many": 1.0},
+        _SHORT_E64: {"short": 1.16, "mid": 1.51, "long": 1.22, "many": 0.98},
+        _CLUSTER_EL: {"short": 1.17, "mid": 1.61, "long": 1.20, "many": 1.04},
+        _LARGE_IO: {"short": 1.14, "mid": 1.33, "long": 1.00, "many": 1.16},
+        _NARROW: {"short": 0.78, "mid": 0.80, "long": 0.79, "many": 0.81},
+    }),
+    "NVIDIA H100": GpuProfile(2**26, {
+        REFERENCE_TILE: {"short": 1.0, "mid": 1.0, "long": 1.0, "many": 1.0, "small": 1.0},
         _SHORT_E64: {"short": 0.98, "mid": 0.92, "long": 1.07, "many": 0.97, "small": 0.94},
         _CLUSTER_EL: {"short": 0.98, "mid": 0.89, "long": 1.09, "many": 0.99, "small": 0.93},
         _LARGE_IO: {"short": 1.10, "mid": 1.06, "long": 1.03, "many": 1.14, "small": 0.88},
         _NARROW: {"short": 1.03, "mid": 0.77, "long": 0.71, "many": 0.92, "small": 0.91},
-    },
+    }),
 }
 FALLBACK_GPU = "NVIDIA H100"
 
 
-def speeds_for(gpu: str) -> dict[TileKey, dict[str, float]]:
-    """The measured table of the GPU model `gpu` names ("NVIDIA H100 80GB HBM3": the H100's)."""
-    return next((table for model, table in REGIME_SPEEDS.items() if gpu.startswith(model)),
-                REGIME_SPEEDS[FALLBACK_GPU])
+def profile_for(gpu: str) -> GpuProfile:
+    """The profile of the GPU model `gpu` names ("NVIDIA H100 80GB HBM3": the H100's)."""
+    return next((prof for model, prof in PROFILES.items() if gpu.startswith(model)), PROFILES[FALLBACK_GPU])
 
 
-def speed(inst: GemmSm90Instance, regime: str, gpu: str) -> float | None:
-    """The measured relative throughput of `inst`'s tile in `regime` on `gpu` (speeds_for). A tile
+def regime(problem) -> str:
+    """The regime (REGIMES) of a GEMM problem (m, n, k, batch_count, device) on its GPU."""
+    if problem.k > MID_K:
+        return "long"
+    outputs = problem.batch_count * problem.m * problem.n
+    if problem.m <= SMALL_MN and problem.n <= SMALL_MN and outputs >= MANY_OUTPUTS:
+        return "many"
+    if outputs <= profile_for(problem.device.name).small_outputs:
+        return "small"
+    return "short" if problem.k <= SHORT_K else "mid"
+
+
+def speed(inst: GemmSm90Instance, problem) -> float | None:
+    """The measured relative throughput of `inst`'s tile in the problem's regime on its GPU. A tile
     not measured takes the lowest speed measured for its tile_m x tile_n (a variant is not assumed
     faster than the slowest of its shape); None when none of its shape was measured."""
-    table, key = speeds_for(gpu), tile_key(inst)
-    if key in table:
-        return table[key][regime]
-    return min((v[regime] for k, v in table.items() if k[:2] == key[:2]), default=None)
+    speeds, key, reg = profile_for(problem.device.name).speeds, tile_key(inst), regime(problem)
+    if key in speeds:
+        return speeds[key][reg]
+    return min((v[reg] for k, v in speeds.items() if k[:2] == key[:2]), default=None)
 
 
 # The strided kernels: the tiles above. The pointer-array kernels (no cluster, epilogue or L2 axes):
