@@ -43,6 +43,9 @@ CURRENT = {
     "overhead_h200.md": "Host overhead per call",
     "batched_gemm_default_h200.md": "Batched GEMM against cuBLAS as users get it: the default build, untuned, fp16",
     "batched_gemm_default_bf16_h200.md": "Batched GEMM against cuBLAS as users get it: the default build, untuned, bf16",
+    "batched_gemm_default_h100.md": "Batched GEMM against cuBLAS as users get it on an H100, fp16",
+    "batched_gemm_default_bf16_h100.md": "Batched GEMM against cuBLAS as users get it on an H100, bf16",
+    "batched_gemm_issue_h100.md": "Batched GEMM on an H100: B*H = 256, M = N = 4096, K = 64 and the long-K shapes",
     "batched_gemm_h200.md": "Batched GEMM against cuBLAS, tuned over 73 extra tiles",
     "unfused_h200.md": "Unfused attention against fused attention and manual PyTorch",
     "sdpa_kernels_h200.md": "What each SDPA backend launches",
@@ -88,6 +91,12 @@ BUILT_WITH = {
         "--family gemm_sm80 --family gemm_sm90 --family softmax_sm80`), untuned."),
     "batched_gemm_default_bf16_h200.md": (
         "`python bench/batched_gemm.py --dtype bf16 --mn 512 1024 2048 4096` over the GEMM default build, untuned."),
+    "batched_gemm_default_h100.md": "`python bench/batched_gemm.py` over the GEMM default build, untuned.",
+    "batched_gemm_default_bf16_h100.md": (
+        "`python bench/batched_gemm.py --dtype bf16 --mn 512 1024 2048 4096` over the GEMM default build, untuned."),
+    "batched_gemm_issue_h100.md": (
+        "`python bench/batched_gemm.py --bh 256 --mn 4096 --k 64 --max-gb 20` over the GEMM default build, untuned "
+        "(the shapes over the grid's 8 GB cut, and the long-K shapes every run appends)."),
     "sdpa_kernels_h200.md": "`python bench/sdpa_kernels.py`.",
 }
 
