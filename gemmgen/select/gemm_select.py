@@ -13,9 +13,10 @@ idle); for stream-K instances, which split the K loops over idle SMs, tiles / (S
 times STREAM_K_FIXUP; tile efficiency = min(1, tile_m*tile_n / (tile_m+tile_n) / 64) (operand
 reuse of a tile against 128x128's), arch rate 2 for sm_90a wgmma kernels, 1 for mma.sync, 0.5 for
 the 2-stage alignment-1 kernels; speed: the family's measured throughput of the tile in the
-problem's regime on the problem's GPU model (the family's `speed`; gemm_sm90.PROFILES), 1.0
-where it has none. The padding and cluster terms decide between tiles of different shapes; the measured speeds between tiles of one
-shape whose epilogue, schedule and L2 policy the model cannot see.
+problem's regime on the problem's GPU model (the family's `speed`; gemm_sm90.PROFILES), 1.0 where
+it has none (and then the tile efficiency stands in for it). The padding and cluster terms decide
+between tiles of different shapes; the measured speeds between tiles of one shape whose epilogue,
+schedule and L2 policy the model cannot see.
 """
 from __future__ import annotations
 

@@ -194,20 +194,20 @@ def tile_key(inst: GemmSm90Instance) -> TileKey:
 
 
 REFERENCE_TILE: TileKey = (128, 128, Schedule.COOPERATIVE, (1, 1), 0, TileScheduler.PERSISTENT, False)
-# The strided default set: per regime (`regime` below) one of these wins or is
-# within a few percent of the best of a 20-tile pool, timed as users call it on the H200 (eager calls
-# queued; bench/results/gemm_tiles_h200.csv, bench/NOTES.md experiment 63):
-# - 128x128 ping-pong, 64-column epilogue sub-tiles: short K (Q x K^T at head dim 64);
-# - 128x128 ping-pong, 1x2 cluster, 128-column epilogue, evict-last operands: K of 128-256 with
-#   N >= 256 (Q x K^T at head dim 128), and long K;
-# - 256x128 cooperative, 1x2 cluster, 128-column epilogue, in-order scheduler, evict-last: many
-#   small outputs (B*H large, M, N <= 512), where the store of C bounds the time;
-# - 128x64 cooperative: outputs 64 columns wide (P x V at head dim 64), which 128-column tiles pad.
+_SHORT_E64 = (128, 128, Schedule.PINGPONG, (1, 1), 64, TileScheduler.PERSISTENT, False)
+_CLUSTER_EL = (128, 128, Schedule.PINGPONG, (1, 2), 128, TileScheduler.PERSISTENT, True)
+_LARGE_IO = (256, 128, Schedule.COOPERATIVE, (1, 2), 128, TileScheduler.IN_ORDER, True)
+_NARROW = (128, 64, Schedule.COOPERATIVE, (1, 1), 0, TileScheduler.PERSISTENT, False)
+# The strided default set: in each regime (`regime` below) one of these wins or is within a few
+# percent of the best of a 20-tile pool timed as users call it (eager calls queued) on the H200 and
+# the H100 (bench/results/gemm_tiles_h200.csv, gemm_tiles_h100.csv; bench/NOTES.md experiment 63).
 STRIDED_DEFAULT_TILES: dict[TileKey, str] = {
-    (128, 128, Schedule.PINGPONG, (1, 1), 64, TileScheduler.PERSISTENT, False): "short K",
-    (128, 128, Schedule.PINGPONG, (1, 2), 128, TileScheduler.PERSISTENT, True): "K 128-256, long K",
-    (256, 128, Schedule.COOPERATIVE, (1, 2), 128, TileScheduler.IN_ORDER, True): "many small outputs",
-    (128, 64, Schedule.COOPERATIVE, (1, 1), 0, TileScheduler.PERSISTENT, False): "64-column outputs",
+    _SHORT_E64: "128x128 ping-pong, 64-column epilogue sub-tiles: short K (Q x K^T at head dim 64)",
+    _CLUSTER_EL: ("128x128 ping-pong, 1x2 cluster, 128-column epilogue, evict-last operands: K of 128-256 "
+                  "with N >= 256 (Q x K^T at head dim 128) on the H200, long K"),
+    _LARGE_IO: ("256x128 cooperative, 1x2 cluster, 128-column epilogue, in-order scheduler, evict-last: "
+                "many small outputs, and on the H100 most large ones, where the store of C bounds the time"),
+    _NARROW: "128x64 cooperative: outputs 64 columns wide (P x V at head dim 64), which 128-column tiles pad",
 }
 # Regimes of the measured speeds: K longer than MID_K; many small outputs: M, N <= SMALL_MN with at
 # least MANY_OUTPUTS elements of C in all (B*H in the thousands at M = N = 512), where the largest
@@ -230,10 +230,6 @@ class GpuProfile:
     speeds: dict[TileKey, dict[str, float]]
 
 
-_SHORT_E64 = (128, 128, Schedule.PINGPONG, (1, 1), 64, TileScheduler.PERSISTENT, False)
-_CLUSTER_EL = (128, 128, Schedule.PINGPONG, (1, 2), 128, TileScheduler.PERSISTENT, True)
-_LARGE_IO = (256, 128, Schedule.COOPERATIVE, (1, 2), 128, TileScheduler.IN_ORDER, True)
-_NARROW = (128, 64, Schedule.COOPERATIVE, (1, 1), 0, TileScheduler.PERSISTENT, False)
 # The two GPUs rank the tiles differently where the store of C bounds the time: the H100's memory is
 # slower, and the 256x128 in-order tile wins more of those shapes there, but not those of a small C
 # (bench/NOTES.md, experiment 63). A GPU model not listed takes the H100's profile.
@@ -268,7 +264,8 @@ def regime(problem) -> str:
     outputs = problem.batch_count * problem.m * problem.n
     if problem.m <= SMALL_MN and problem.n <= SMALL_MN and outputs >= MANY_OUTPUTS:
         return "many"
-    if outputs <= profile_for(problem.device.name).small_outputs:
+    small = profile_for(problem.device.name).small_outputs
+    if small and outputs <= small:
         return "small"
     return "short" if problem.k <= SHORT_K else "mid"
 
@@ -287,5 +284,6 @@ def speed(inst: GemmSm90Instance, problem) -> float | None:
 # the reference 128x128 cooperative tile. Each per (dtype, output, layout).
 DEFAULT: tuple[GemmSm90Instance, ...] = tuple(
     inst for inst in SPACE
-    if (tile_key(inst) in STRIDED_DEFAULT_TILES if inst.strategy is Strategy.STRIDED else tile_key(inst) == REFERENCE_TILE)
+    if (tile_key(inst) in STRIDED_DEFAULT_TILES if inst.strategy is Strategy.STRIDED
+        else tile_key(inst) == REFERENCE_TILE)
 )

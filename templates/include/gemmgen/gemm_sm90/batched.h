@@ -18,6 +18,7 @@
 #include "gemmgen/gemm/batched_host.h"
 #include "gemmgen/gemm_sm90/in_order_scheduler.h"
 #include "gemmgen/gemm_sm90/scaled_output.h"
+#include "gemmgen/gemm_sm90/workspace.h"
 #include "gemmgen/smem.h"
 
 namespace gemmgen::gemm_sm90 {
@@ -165,7 +166,7 @@ int launch(typename Traits::Gemm::Arguments& args, cudaStream_t stream, char* er
   size_t bytes = GemmKernel::get_workspace_size(args);
   void* workspace = nullptr;
   if (bytes > 0) {
-    if (cudaError_t e = cudaMallocAsync(&workspace, bytes, stream)) {
+    if (cudaError_t e = workspace_alloc(&workspace, bytes, stream)) {
       return report(err, err_len, GEMMGEN_CUDA_ERROR, "workspace: %s", cudaGetErrorString(e));
     }
   }
