@@ -34,9 +34,39 @@ def test_space_names_unique_and_stable():
 
 
 def test_default_covers_every_dtype_head_dim_mask_once():
-    keys = [(i.dtype, i.head_dim, i.mask) for i in fam.DEFAULT]
+    """One preferred default tile per (dtype, head dim, mask); the other default tiles are the
+    short-sequence tiles, one per dtype for each (head dim, mask) that has one."""
+    keys = [(i.dtype, i.head_dim, i.mask) for i in fam.PREFERRED_DEFAULT]
     assert sorted(keys, key=str) == sorted(set(keys), key=str)
     assert set(keys) == {(dt, d, m) for dt in fam.DTYPES for d in fam.HEAD_DIMS for m in Mask}
+    extra = [i for i in fam.DEFAULT if i not in fam.PREFERRED_DEFAULT]
+    assert len(extra) == len(fam.DTYPES) * len(fam.SHORT_SEQUENCE_TILES)
+    assert all((i.schedule, i.block_m, i.block_n, i.q_buffers) == fam.SHORT_SEQUENCE_TILES[i.head_dim, i.causal]
+               for i in extra)
+
+
+def test_short_sequence_tile_wins_only_short_causal_sequences(tmp_path):
+    """With the default build only, the causal d64 TMA 64x64 tile runs N <= 1024 (its estimate 8%
+    or more below the 256x64 tile's) and the preferred tile every longer sequence (NOTES 64)."""
+    import dataclasses
+
+    from conftest import make_entry, write_build_dir
+    from gemmgen.select import device, registry, selection
+    from gemmgen.select.problem import Problem
+
+    entries = [dataclasses.replace(make_entry(i), gencode=["-gencode=arch=compute_90a,code=sm_90a"])
+               for i in fam.DEFAULT if i.head_dim == 64 and i.dtype.value == "bf16"]
+    registry.set_build_dirs([write_build_dir(tmp_path, entries)])
+    h200 = device.synthetic((9, 0), 132, "NVIDIA H200")
+    try:
+        for n, causal, tile in ((512, True, "tma_m64n64"), (1024, True, "tma_m64n64"), (2048, True, "pingpong_m256n64"),
+                                (16384, True, "pingpong_m256n64"), (512, False, "pingpong_m256n64")):
+            problem = Problem(dtype="bf16", head_dim=64, causal=causal, device=h200, batch_heads=16384 // n * 32,
+                              seqlen_q=n, seqlen_k=n)
+            decision = selection.decide(problem)
+            assert decision.source == "heuristic" and tile in decision.winner.name, (n, causal, decision.report())
+    finally:
+        registry.set_build_dirs(None)
 
 
 def test_every_instance_fits_and_is_built_only_for_sm90():

@@ -23,10 +23,11 @@ own grid: a row tile holds block_m of the Nq * (H / Hkv) rows of one KV head, an
 share its keys, each computing its share of them at no less than STREAM_ROWS rows per key column
 (streaming K and V costs a CTA that much whatever its rows).
 
-The model knows nothing of how efficient each tile's code is, so the family's DEFAULT tile (the
-one measured best at most shapes) keeps the pick unless another candidate's estimate is at least
-PREFER_MARGIN lower. Among estimates within TIE of the best, the tile closest to the default wins
-(fewest doublings between their integer params), then the earlier build directory, then the name.
+The model knows nothing of how efficient each tile's code is, so the family's default tile (the
+one measured best at most shapes; PREFERRED_DEFAULT where a family also builds other tiles by
+default) keeps the pick unless another candidate's estimate is at least PREFER_MARGIN lower.
+Among estimates within TIE of the best, the tile closest to the default wins (fewest doublings
+between their integer params), then the earlier build directory, then the name.
 """
 from __future__ import annotations
 
@@ -187,8 +188,9 @@ def estimate(inst: AttentionInstance, problem: Problem) -> Estimate:
 
 
 def _default_params(params: dict[str, Any], family: Any) -> dict[str, Any] | None:
-    """The params of the first of `family`'s DEFAULT instances that `params` match outside the tile sizes."""
-    for inst in family.DEFAULT:
+    """The params of the first of `family`'s preferred default instances (PREFERRED_DEFAULT where the
+    family names some, else DEFAULT) that `params` match outside the tile sizes."""
+    for inst in getattr(family, "PREFERRED_DEFAULT", family.DEFAULT):
         default = inst.params()
         if all(params.get(k) == v for k, v in default.items() if not _is_size(k, v)):
             return default
