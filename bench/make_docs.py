@@ -34,6 +34,7 @@ CURRENT = {
     "bwd_deterministic_h200.md": "The backward with deterministic=True",
     "context_parallel_h200x2.md": "Context-parallel ring attention over two GPUs",
     "context_parallel_h200x4.md": "Context-parallel ring attention over four GPUs",
+    "fa_short_h200.md": "Short sequences at d64 with the default build, untuned, against torch SDPA",
     "fmha_pick_ab_kernels_h200.md": "The registry's pick against the fastest SDPA backend, kernels alone",
     "fmha_pick_ab_graph_h200.md": "The registry's pick against the fastest SDPA backend, CUDA graph replays",
     "fmha_pick_ab_eager_h200.md": "The registry's pick against the fastest SDPA backend, per call with the host path",
@@ -61,6 +62,8 @@ BUILT_WITH = {
         "with `python bench/fa_sweep.py --kernels`. \"pick\" is the registry's choice from the tuning "
         "database; \"pick/peer\" is the pick against the fastest SDPA backend. Every candidate's figure: "
         "[fa_sweep_h200_candidates.txt](../bench/results/fa_sweep_h200_candidates.txt)."),
+    "fa_short_h200.md": ("`python bench/fa_sweep.py --dtype bf16 fp16 --head-dim 64 --seq-len 512 1024 2048 4096` "
+                         "over the fmha_sm90 default build (`gemmgen generate --arch sm90 --family fmha_sm90`), untuned."),
     "fmha_pick_ab_kernels_h200.md": (
         "The build and tuning of fa_sweep_h200, measured with `python bench/ab_sweep.py --rounds 6 --kernels`."),
     "fmha_pick_ab_graph_h200.md": (
