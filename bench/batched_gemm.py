@@ -115,7 +115,7 @@ def main() -> int:
         f"per call of eager calls queued back to back (bursts of >= {args.burst_ms:g} ms, host path included); "
         f"kernels alone: the median of {args.rounds} alternating rounds of the median of {args.reps} CUDA-event "
         f"timings behind a spin kernel; TFLOP/s = 2*BH*M*N*K/t; strided: "
-        + ("the tuned pick (--tune)" if args.tune else "the untuned pick of the build (heuristic)"))
+        + ("the tuned pick (--tune)" if args.tune else "the registry's pick (the heuristic's where nothing is tuned)"))
     print(header, flush=True)
 
     # Launch overhead on tiny shapes: synchronized, and queued in alternating rounds.
