@@ -30,7 +30,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
-LONG_K = ((32, 2048, 2048), (8, 1024, 4096), (64, 512, 1024))  # (B*H, M = N, K)
+# (B*H, M = N, K) of Q x K^T shapes with a long K; P x V reads the same triples as (B*H, M = K, N).
+LONG_K = ((32, 2048, 2048), (8, 1024, 4096), (64, 512, 1024))
 DTYPES = ("fp16", "bf16")
 
 
