@@ -321,6 +321,7 @@ def test_default_tiles_picked_per_regime(tmp_path):
         assert pick(m=256, n=256, k=64, batch_count=4096) == large
         assert pick(m=2048, n=2048, k=128, batch_count=64, device=h100) == large
         assert pick(m=1024, n=1024, k=64, batch_count=8, device=h100) == e64
+        assert pick(m=4096, n=4096, k=128, batch_count=8, device=h100) in (e64, cluster)
         for device_ in (H200, h100):
             assert pick(m=2048, n=64, k=2048, batch_count=64, b_transposed=False, device=device_) == narrow
             assert pick(m=2048, n=128, k=2048, batch_count=64, b_transposed=False, device=device_) in (e64, narrow)
@@ -358,3 +359,7 @@ def test_regimes():
     assert regime(_problem(m=1024, n=1024, k=128, batch_count=64, device=h100)) == "small"
     assert regime(_problem(m=1024, n=1024, k=128, batch_count=65, device=h100)) == "mid"
     assert regime(_problem(m=1024, n=1024, k=128, batch_count=64)) == "mid"
+    # On the H100 eight matrices or fewer are a small C too, whatever their size (not long K).
+    assert regime(_problem(m=4096, n=4096, k=128, batch_count=8, device=h100)) == "small"
+    assert regime(_problem(m=4096, n=4096, k=128, batch_count=9, device=h100)) == "mid"
+    assert regime(_problem(m=4096, n=4096, k=1024, batch_count=8, device=h100)) == "long"

@@ -224,15 +224,17 @@ class GpuProfile:
     (waves x tile_m x tile_n x K) relative to REFERENCE_TILE's, per regime (the median over the
     regime's shapes of the pool run there with N >= 256; narrower outputs are the padding term's;
     `python bench/gemm_tiles.py --fit bench/results/gemm_tiles_<gpu>.csv`), and the size of C at
-    or below which the "small" regime holds (0: none)."""
+    or below which the "small" regime holds (0: none), and the count of matrices at or below which
+    it holds too."""
 
     small_outputs: int
     speeds: dict[TileKey, dict[str, float]]
+    small_batches: int = 0  # at most this many matrices also make the "small" regime (0: no such rule)
 
 
 # The two GPUs rank the tiles differently where the store of C bounds the time: the H100's memory is
 # slower, and the 256x128 in-order tile wins more of those shapes there, but not those of a small C
-# (bench/NOTES.md, experiment 63). A GPU model not listed takes the H100's profile.
+# or of 8 matrices or fewer (bench/NOTES.md, experiment 63). A GPU model not listed takes the H100's.
 PROFILES: dict[str, GpuProfile] = {
     "NVIDIA H200": GpuProfile(0, {
         REFERENCE_TILE: {"short": 1.0, "mid": 1.0, "long": 1.0, "many": 1.0},
@@ -243,11 +245,11 @@ PROFILES: dict[str, GpuProfile] = {
     }),
     "NVIDIA H100": GpuProfile(2**26, {
         REFERENCE_TILE: {"short": 1.0, "mid": 1.0, "long": 1.0, "many": 1.0, "small": 1.0},
-        _SHORT_E64: {"short": 0.98, "mid": 0.92, "long": 1.07, "many": 0.97, "small": 0.94},
-        _CLUSTER_EL: {"short": 0.98, "mid": 0.89, "long": 1.09, "many": 0.99, "small": 0.93},
-        _LARGE_IO: {"short": 1.10, "mid": 1.06, "long": 1.03, "many": 1.14, "small": 0.88},
-        _NARROW: {"short": 1.03, "mid": 0.77, "long": 0.71, "many": 0.92, "small": 0.91},
-    }),
+        _SHORT_E64: {"short": 0.97, "mid": 0.90, "long": 1.07, "many": 0.97, "small": 0.96},
+        _CLUSTER_EL: {"short": 0.99, "mid": 0.89, "long": 1.09, "many": 0.99, "small": 0.95},
+        _LARGE_IO: {"short": 1.11, "mid": 1.05, "long": 1.03, "many": 1.14, "small": 0.91},
+        _NARROW: {"short": 1.04, "mid": 0.75, "long": 0.71, "many": 0.92, "small": 0.88},
+    }, small_batches=8),
 }
 FALLBACK_GPU = "NVIDIA H100"
 
@@ -264,8 +266,8 @@ def regime(problem) -> str:
     outputs = problem.batch_count * problem.m * problem.n
     if problem.m <= SMALL_MN and problem.n <= SMALL_MN and outputs >= MANY_OUTPUTS:
         return "many"
-    small = profile_for(problem.device.name).small_outputs
-    if small and outputs <= small:
+    profile = profile_for(problem.device.name)
+    if (profile.small_outputs and outputs <= profile.small_outputs) or problem.batch_count <= profile.small_batches:
         return "small"
     return "short" if problem.k <= SHORT_K else "mid"
 
