@@ -7,6 +7,7 @@ kernel to the params a backward instance receives runs as on the GPU."""
 from __future__ import annotations
 
 import math
+import zlib
 
 import pytest
 import torch
@@ -112,7 +113,7 @@ def ref_grads(q, k, v, do, bias=None, causal=False, causal_alignment="top_left",
 @pytest.mark.parametrize("layout", ["bhnd", "bnhd"])
 @pytest.mark.parametrize("causal, alignment", [(False, "top_left"), (True, "top_left"), (True, "bottom_right")])
 def test_gradients_layouts_and_group_sums(cpu_ops, h, hkv, layout, causal, alignment):
-    gen = torch.Generator().manual_seed(hash((h, hkv, layout, causal, alignment)) % 2**31)
+    gen = torch.Generator().manual_seed(zlib.crc32(repr((h, hkv, layout, causal, alignment)).encode()))
     nq, nk, d = 17, 29, 32
 
     def make(heads, n):
@@ -124,7 +125,10 @@ def test_gradients_layouts_and_group_sums(cpu_ops, h, hkv, layout, causal, align
     want = ref_grads(q, k, v, do, causal=causal, causal_alignment=alignment, scale=0.3)
     for name, g, w, x in zip(("dQ", "dK", "dV"), got, want, (q, k, v)):
         assert g.shape == x.shape and g.stride() == x.stride(), f"{name} not in its input's layout"
-        assert torch.allclose(g.double(), w, rtol=1e-2, atol=2e-3), name
+        # dK and dV of a KV head sum h / hkv per-head gradients, each rounded to fp16 first: the
+        # sum carries that many roundings even where it cancels to a small value.
+        atol = 2e-3 * (h // hkv if name != "dQ" else 1)
+        assert torch.allclose(g.double(), w, rtol=1e-2, atol=atol), name
     assert len(FakeKernel.calls) == 1 and FakeKernel.calls[0].heads == h
 
 
