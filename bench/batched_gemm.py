@@ -35,7 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
-from gemm_tiles import LONG_K  # noqa: E402
+from gemm_tiles import LONG_K, operands  # noqa: E402
 
 import gemmgen  # noqa: E402
 from gemmgen.ops import gemm  # noqa: E402
@@ -59,17 +59,6 @@ def wall_us(fn, reps: int = 200) -> float:
         torch.cuda.synchronize()
         times.append((time.perf_counter() - t0) * 1e6)
     return statistics.median(times)
-
-
-def operands(op: str, bh: int, mn: int, k: int, dtype: torch.dtype):
-    """(a, b, c, b as torch.matmul takes it) of one shape: Q x K^T is [M, K] x [N = M, K]^T,
-    P x V is [M, M] probabilities x [M, K] (C is [M, K])."""
-    if op == "qk":
-        a, b = (torch.randn(bh, 1, mn, k, dtype=dtype, device="cuda") for _ in range(2))
-        return a, b, torch.empty(bh, 1, mn, mn, dtype=dtype, device="cuda"), b.transpose(-2, -1)
-    a = torch.randn(bh, 1, mn, mn, dtype=dtype, device="cuda")
-    b = torch.randn(bh, 1, mn, k, dtype=dtype, device="cuda")
-    return a, b, torch.empty(bh, 1, mn, k, dtype=dtype, device="cuda"), b
 
 
 def kernel_names(fn) -> list[str]:

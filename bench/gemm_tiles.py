@@ -49,6 +49,19 @@ def shapes(args) -> list[tuple[str, int, int, int]]:
     return out
 
 
+def operands(op: str, bh: int, mn: int, k: int, dtype):
+    """(a, b, c, b as torch.matmul takes it) of one shape on the GPU: Q x K^T is [M, K] x [N = M, K]^T,
+    P x V is [M, M] probabilities x [M, K] (C is [M, K])."""
+    import torch
+
+    if op == "qk":
+        a, b = (torch.randn(bh, 1, mn, k, dtype=dtype, device="cuda") for _ in range(2))
+        return a, b, torch.empty(bh, 1, mn, mn, dtype=dtype, device="cuda"), b.transpose(-2, -1)
+    a = torch.randn(bh, 1, mn, mn, dtype=dtype, device="cuda")
+    b = torch.randn(bh, 1, mn, k, dtype=dtype, device="cuda")
+    return a, b, torch.empty(bh, 1, mn, k, dtype=dtype, device="cuda"), b
+
+
 def measure(args) -> int:
     import torch
 
@@ -63,15 +76,8 @@ def measure(args) -> int:
     rows = []
     for op, bh, mn, k in shapes(args):
         bt = op == "qk"
-        if bt:
-            a = torch.randn(bh, 1, mn, k, dtype=dtype, device="cuda")
-            b = torch.randn(bh, 1, mn, k, dtype=dtype, device="cuda")
-        else:  # P x V: A [M, M] probabilities, B [M, K]: C [M, K]
-            a = torch.randn(bh, 1, mn, mn, dtype=dtype, device="cuda")
-            b = torch.randn(bh, 1, mn, k, dtype=dtype, device="cuda")
-        n = mn if bt else k
-        c = torch.empty(bh, 1, mn, n, dtype=dtype, device="cuda")
-        bmat = b.transpose(-2, -1) if bt else b
+        a, b, c, bmat = operands(op, bh, mn, k, dtype)
+        n = c.shape[3]
         problem = gemm.strided_problem(a, b, c, b_transposed=bt)
         cands = [cand for cand in gemm_select.candidates(problem)[0] if cand.entry.family == "gemm_sm90"]
         sides = {cand.name: (lambda name=cand.name: gemmgen.batched_gemm(a, b, b_transposed=bt, out=c, instance=name))
