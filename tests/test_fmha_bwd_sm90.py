@@ -33,11 +33,14 @@ def test_family_keeps_the_contract_and_is_registered():
 
 def test_space_names_unique_and_stable():
     names = [inst.name for inst in fam.SPACE]
-    assert len(names) == len(set(names)) == 20
+    assert len(names) == len(set(names)) == 28
     assert all("bwd" in n and n.startswith("fmha_bwd_sm90_") for n in names)
     assert "fmha_bwd_sm90_bf16_d128_causal_m64n128" in names
     assert "fmha_bwd_sm90_fp16_d64_none_m128n128" in names
     assert "fmha_bwd_sm90_fp16_d128_none_m128n128" not in names  # shared memory
+    assert "fmha_bwd_sm90_bf16_d64_none_m64n128_sq" in names
+    assert {n for n in names if n.endswith("_sq")} == {
+        f"fmha_bwd_sm90_{dt}_d{d}_{m}_m64n128_sq" for dt in ("fp16", "bf16") for d in (64, 128) for m in ("none", "causal")}
     assert len({inst.content_hash() for inst in fam.SPACE}) == len(names)
 
 
@@ -46,6 +49,8 @@ def test_default_covers_every_dtype_head_dim_mask_once():
     assert len(keys) == len(set(keys))
     assert set(keys) == {(dt, d, m) for dt in fam.DTYPES for d in fam.HEAD_DIMS for m in Mask}
     assert set(fam.DEFAULT) <= set(fam.SPACE)
+    # The split-dQ mainloop wherever it runs (d64, d128), example 88's at d32.
+    assert all(i.split_dq == (i.head_dim != 32) for i in fam.DEFAULT)
 
 
 def test_built_by_default_for_sm90_only():
@@ -67,6 +72,10 @@ def test_built_by_default_for_sm90_only():
     (dict(head_dim=128, block_m=128), "shared memory"),
     (dict(block_n=64), "tile 64x64"),
     (dict(block_m=192), "tile 192x128"),
+    (dict(split_dq=True), None),
+    (dict(split_dq=True, head_dim=128), None),
+    (dict(split_dq=True, head_dim=32), "split-dQ"),
+    (dict(split_dq=True, block_m=128), "split-dQ"),
 ])
 def test_invalid_reason(change, reason):
     inst = dataclasses.replace(FmhaBwdSm90Instance(DType.BF16, 64, Mask.CAUSAL, 64, 128), **change)
@@ -80,6 +89,7 @@ def test_invalid_reason(change, reason):
     ("fmha_bwd_sm90_fp16_d32_causal_m128n128", 117248),
     ("fmha_bwd_sm90_bf16_d64_none_m128n128", 199168),
     ("fmha_bwd_sm90_bf16_d128_none_m64n128", 214528),
+    ("fmha_bwd_sm90_bf16_d128_none_m64n128_sq", 230912),
 ])
 def test_shared_memory_and_cost_inputs(name, smem):
     inst = next(i for i in fam.SPACE if i.name == name)
@@ -129,7 +139,9 @@ def test_rendered_text():
     text = render.render_text(inst, tc)
     assert '#include "gemmgen/fmha_bwd_sm90/launch.h"' in text
     assert "Config<cutlass::bfloat16_t, /*BlockM=*/64, /*BlockN=*/128," in text
-    assert "/*HeadDim=*/128, /*Causal=*/true>;" in text
+    assert "/*HeadDim=*/128, /*Causal=*/true,\n" in text and "/*SplitDq=*/false>;" in text
+    split = next(i for i in fam.SPACE if i.name == "fmha_bwd_sm90_bf16_d128_causal_m64n128_sq")
+    assert "/*SplitDq=*/true>;" in render.render_text(split, tc)
     sym = inst.symbol
     assert f"GEMMGEN_EXPORT int {sym}(const GemmgenAttnBwdParams* params, void* stream" in text
     assert f"GEMMGEN_EXPORT int64_t {sym}_workspace(const GemmgenAttnBwdParams* params)" in text

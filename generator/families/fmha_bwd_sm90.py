@@ -1,16 +1,17 @@
 """CUTLASS's Hopper FMHA backward (example 88 of the CUTLASS source tree) as a gemmgen family.
 
-The backward kernel is CUTLASS's own (TMA loads, wgmma, a producer warp group and two math warp
+The backward kernel is CUTLASS's (TMA loads, wgmma, a producer warp group and two math warp
 groups, dQ added up in fp32 with TMA reductions), included from the installed nvidia-cutlass
-package; templates/include/gemmgen/fmha_bwd_sm90/launch.h maps gemmgen's backward C ABI
+package, with either its own math warp groups' loop or ours (split_dq.h: dQ's GEMM split between
+the two groups, `_sq`); templates/include/gemmgen/fmha_bwd_sm90/launch.h maps gemmgen's backward C ABI
 (GemmgenAttnBwdParams) onto it, with our own steps around it: D = rowsum(O * dO) and the LSE copy
 before, the fp32 dQ into dQ's dtype and strides after, and our mask (keys past seqlen_k, the partial
 last query tile, top-left causal). Built for sm_90a only: wgmma and setmaxnreg have no other target.
 
 Built by default for sm90: on an H200 its default instances pass the backward GPU suite (odd and
 unequal lengths, both causal cases it accepts) and run the FlashAttention sweep's backward at
-131-273 TFLOP/s, 1.35-8x mea_bwd_sm80 and 0.46-0.77x cuDNN (NOTES 53); mea_bwd_sm80 serves what it
-refuses.
+158-507 TFLOP/s, 0.74-0.96x cuDNN (NOTES 65; example 88's own loop 131-273, NOTES 53); mea_bwd_sm80
+serves what it refuses.
 
 One instance = one (dtype, head_dim, mask, tile): block_m queries per step of a CTA's loop, block_n
 keys per CTA (example 88's TileShape (block_m, block_n, head_dim)). `problem_reason` states what a
@@ -38,6 +39,9 @@ DTYPES = (DType.FP16, DType.BF16)
 HEAD_DIMS = (32, 64, 128)
 MASKS = tuple(Mask)  # causal is top-left only (launch.h's BwdMask)
 TILES = ((64, 128), (128, 128))  # (block_m, block_n): the tiles example 88 runs its backward with
+# Which mainloop: example 88's (dQ on the second math warp group), or split_dq.h's (dQ split
+# between both groups; head dims 64 and 128 at block_m 64): suffix `_sq`.
+SPLIT_DQ = (False, True)
 THREADS = 384  # a producer warp group and two math warp groups of block_n / 2 keys each
 MAX_SMEM = Arch.SM90.max_smem_bytes
 INT32_MAX = 2**31 - 1
@@ -54,10 +58,11 @@ class FmhaBwdSm90Instance(AttentionInstance):
     mask: Mask
     block_m: int
     block_n: int
+    split_dq: bool = False
 
     @property
     def name(self) -> str:
-        return f"{self.name_stem}_m{self.block_m}n{self.block_n}"
+        return f"{self.name_stem}_m{self.block_m}n{self.block_n}" + ("_sq" if self.split_dq else "")
 
     @property
     def stages(self) -> int:
@@ -73,10 +78,11 @@ class FmhaBwdSm90Instance(AttentionInstance):
         """Shared memory of CUTLASS's SharedStorage (the compiled instances report the same figure; a
         test checks one): K or V, four stages of block_n / 2 rows; dS, block_m x block_n; Q or dO,
         four stages of block_m rows; the fp32 dQ tile, two stages; LSE or D, four stages of block_m
-        floats; 512 bytes of pipeline barriers."""
+        floats; 512 bytes of pipeline barriers. The split-dQ mainloop keeps a second dS buffer."""
         e = self.dtype.itemsize
         bm, bn, d = self.block_m, self.block_n, self.head_dim
-        return 2 * bn * d * e + bm * bn * e + 4 * bm * d * e + 2 * bm * d * 4 + 4 * bm * 4 + 512
+        ds_buffers = 2 if self.split_dq else 1
+        return 2 * bn * d * e + ds_buffers * bm * bn * e + 4 * bm * d * e + 2 * bm * d * 4 + 4 * bm * 4 + 512
 
     @property
     def cost_inputs(self) -> CostInputs:
@@ -85,7 +91,7 @@ class FmhaBwdSm90Instance(AttentionInstance):
         return CostInputs(self.block_n, self.block_m, self.stages, self.threads, self.smem_bytes)
 
     def template_values(self) -> dict:
-        return {**super().template_values(), "causal": self.causal}
+        return {**super().template_values(), "causal": self.causal, "split_dq": self.split_dq}
 
 
 INSTANCE = FmhaBwdSm90Instance
@@ -97,6 +103,8 @@ def invalid_reason(inst: FmhaBwdSm90Instance, arch: Arch = Arch.SM90) -> str | N
         return reason
     if (inst.block_m, inst.block_n) not in TILES:
         return f"tile {inst.block_m}x{inst.block_n} not in {TILES}"
+    if inst.split_dq and (inst.head_dim not in (64, 128) or inst.block_m != 64):
+        return "the split-dQ mainloop runs head dims 64 and 128 at block_m 64 (split_dq.h says why)"
     return smem_reason(inst, arch)
 
 
@@ -128,7 +136,8 @@ SPACE: tuple[FmhaBwdSm90Instance, ...] = tuple(
     inst
     for inst in itertools.starmap(
         FmhaBwdSm90Instance,
-        ((dt, d, mask, bm, bn) for dt, d, mask, (bm, bn) in itertools.product(DTYPES, HEAD_DIMS, MASKS, TILES)))
+        ((dt, d, mask, bm, bn, sq)
+         for dt, d, mask, (bm, bn), sq in itertools.product(DTYPES, HEAD_DIMS, MASKS, TILES, SPLIT_DQ)))
     if invalid_reason(inst) is None
 )
 
@@ -138,8 +147,11 @@ SPACE: tuple[FmhaBwdSm90Instance, ...] = tuple(
 # at d32 128x128 was 3% faster on the one shape timed, too little to add a per-shape default.
 DEFAULT_TILE = {32: (64, 128), 64: (64, 128), 128: (64, 128)}
 
+# The split-dQ mainloop where it runs (d64, d128): 1.6-1.8x example 88's at d128 on an H200
+# (NOTES 65); d32 keeps example 88's.
 DEFAULT: tuple[FmhaBwdSm90Instance, ...] = tuple(
-    inst for inst in SPACE if (inst.block_m, inst.block_n) == DEFAULT_TILE[inst.head_dim]
+    inst for inst in SPACE
+    if (inst.block_m, inst.block_n) == DEFAULT_TILE[inst.head_dim] and inst.split_dq == (inst.head_dim in (64, 128))
 )
 
 # Throughput per unit of the cost model's tile work against fa2_sm80's forward: the forward Hopper

@@ -69,6 +69,7 @@ CUTE_HOST_DEVICE constexpr auto make_fragment_like(Tensor<ArrayEngine<float, N>,
 #include "88_hopper_fmha/kernel/fmha_tile_scheduler.hpp"
 
 #include "gemmgen/abi.h"
+#include "gemmgen/fmha_bwd_sm90/split_dq.h"
 #include "gemmgen/fmha_sm90/cutlass_launch.h"
 #include "gemmgen/report.h"
 #include "gemmgen/smem.h"
@@ -120,14 +121,16 @@ struct BwdMask {
   }
 };
 
-template <class Element_, int BlockM, int BlockN, int HeadDim, bool Causal>
+// SplitDq: split_dq.h's mainloop (dQ computed half by each math warp group), else example 88's.
+template <class Element_, int BlockM, int BlockN, int HeadDim, bool Causal, bool SplitDq = false>
 struct Config {
   using Element = Element_;
   // (queries per step, keys per CTA, head dim): example 88's TileShape order. Two math warp groups
   // take block_n / 2 keys each.
   using TileShape = Shape<Int<BlockM>, Int<BlockN>, Int<HeadDim>>;
-  using Mainloop = cutlass::fmha::collective::FmhaBwdMainloopTmaWarpSpecialized<Element, float, TileShape,
-                                                                                 BwdMask<Causal>>;
+  using Mainloop = std::conditional_t<
+      SplitDq, SplitDqMainloop<Element, TileShape, BwdMask<Causal>>,
+      cutlass::fmha::collective::FmhaBwdMainloopTmaWarpSpecialized<Element, float, TileShape, BwdMask<Causal>>>;
   using Epilogue = cutlass::fmha::collective::FmhaBwdEpilogueKV<Element, float, typename Mainloop::TileShapePV>;
   using Kernel = cutlass::fmha::kernel::FmhaKernelTmaWarpSpecialized<
       Mainloop, Epilogue,

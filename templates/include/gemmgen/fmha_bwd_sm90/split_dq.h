@@ -1,0 +1,335 @@
+// The fmha_bwd_sm90 mainloop with dQ split between the two math warp groups (instance suffix `_sq`).
+//
+// Example 88's mainloop (FmhaBwdMainloopTmaWarpSpecialized, included by launch.h) gives each math
+// warp group block_n / 2 keys and, per query tile of block_m rows, runs five GEMMs: S = K Q^T and
+// dP = V dO^T (block_n/2 x block_m x d each), dV += P^T dO and dK += dS^T Q (block_n/2 x d x
+// block_m each), and dQ = dS K (block_m x d x block_n). The last is as large as two of the others and
+// runs on the second warp group only, in turns with the first kept by an ordered barrier: per query
+// tile one group does six units of MMA work and the other four.
+//
+// This mainloop reuses example 88's loads, pipelines, dQ reducer and epilogue and replaces the math
+// warp groups' loop (`compute`): both groups write their dS into shared memory, meet at a named
+// barrier, and each computes half of dQ's columns (block_m x d/2 x block_n, five units per group)
+// with one tiled MMA over the 256 math threads whose two warp groups lie along dQ's columns. dS is
+// double-buffered by the parity of the query tile, so the one barrier per tile also orders a group's
+// write of dS for tile t + 2 after the other group's reads of tile t's (each passes tile t + 1's
+// barrier only after its tile-t GEMMs completed). No ordered barrier turns remain in the loop; the
+// kernel's epilogue keeps its own (it waits for group 0, then group 1).
+//
+// Contract with the kernel (FmhaKernelTmaWarpSpecialized): the same pipelines and the same sequence
+// of query tiles in both math groups (the mask's is_contributing is evaluated on the CTA's coordinate,
+// not the group's), the dQ reducer's stage receives all 256 producer arrivals per tile, and the
+// returned dK and dV fragments are laid out as the base mainloop's (TiledMmaND), which the epilogue
+// reads. Head dims whose half is a whole 64-element (128-byte) swizzle atom of K's shared layout,
+// that is d = 128: the B operand of each half is then one atom column of K.
+#pragma once
+
+#include "cutlass/arch/barrier.h"
+
+namespace gemmgen::fmha_bwd_sm90 {
+
+using namespace cute;
+
+// Named barrier ids 0-7 are taken by CUTLASS's pipelines and ordered barriers in this kernel; the
+// math groups' dS barrier uses one past them.
+constexpr int kDsBarrierId = 8;
+
+template <class Element_, class TileShape_, class Fusion>
+struct SplitDqMainloop
+    : cutlass::fmha::collective::FmhaBwdMainloopTmaWarpSpecialized<Element_, float, TileShape_, Fusion> {
+  using Base = cutlass::fmha::collective::FmhaBwdMainloopTmaWarpSpecialized<Element_, float, TileShape_, Fusion>;
+  using Element = typename Base::Element;
+  using ElementAccumulator = typename Base::ElementAccumulator;
+  using TileShape = typename Base::TileShape;
+  using TileShapeNM = typename Base::TileShapeNM;
+  using TileShapeND = typename Base::TileShapeND;
+  using TileShapeMD = typename Base::TileShapeMD;
+  using TiledMmaNM = typename Base::TiledMmaNM;
+  using TiledMmaND = typename Base::TiledMmaND;
+  using TiledMmaND_SS = typename Base::TiledMmaND_SS;
+  using SmemLayoutK = typename Base::SmemLayoutK;
+  using SmemLayoutQ = typename Base::SmemLayoutQ;
+  using SmemLayoutV = typename Base::SmemLayoutV;
+  using SmemLayoutDO = typename Base::SmemLayoutDO;
+  using SmemLayoutDS = typename Base::SmemLayoutDS;
+  using SmemLayoutKp = typename Base::SmemLayoutKp;
+  using SmemLayoutQp = typename Base::SmemLayoutQp;
+  using SmemLayoutDOp = typename Base::SmemLayoutDOp;
+  using SmemLayoutDQ = typename Base::SmemLayoutDQ;
+  using MainloopPipeline = typename Base::MainloopPipeline;
+  using MainloopPipelineQ = typename Base::MainloopPipelineQ;
+  using PipelineState = typename Base::PipelineState;
+  using PipelineStateQ = typename Base::PipelineStateQ;
+  using Params = typename Base::Params;
+  static constexpr int NumMmaWarpGroups = Base::NumMmaWarpGroups;
+  static constexpr int StageCount = Base::StageCount;
+
+  static constexpr int kBlockM = get<0>(TileShape{});
+  static constexpr int kHeadDim = get<2>(TileShape{});
+  static_assert(NumMmaWarpGroups == 2, "dQ is split in two halves, one per math warp group");
+  // How dQ's GEMM is split, over the 256 math threads, the two warp groups side by side:
+  // - d = 128: dQ = dS K (block_m x d), the groups along d: A = dS (block_m x keys) and B = K viewed
+  //   as (d x keys), both M/N-major in shared memory as in example 88's dQ GEMM; a half of d is one
+  //   64-column swizzle atom of K's layout, so each half is a canonical wgmma operand.
+  // - d = 64 (a half of d would cut K's swizzle atom): dQ^T = K^T dS^T (d x block_m), the groups
+  //   along the queries: A = K^T (d x keys), B = dS^T (queries x keys), whose unswizzled layout
+  //   splits into whole 8-row atoms. wgmma's 64-row minimum rules out d = 32.
+  static constexpr bool kTransposedDq = kHeadDim == 64;
+  static_assert(kHeadDim == 128 || kHeadDim == 64, "dQ splits at head dims 64 and 128");
+  using DqTileMNK = std::conditional_t<kTransposedDq, Shape<Int<kHeadDim>, Int<kBlockM / 2>, _64>,
+                                       Shape<Int<kBlockM>, Int<kHeadDim / 2>, _64>>;
+  using MmaAtomDQ = decltype(cute::GMMA::ss_op_selector<Element, Element, ElementAccumulator, DqTileMNK,
+                                                        cute::GMMA::Major::MN, cute::GMMA::Major::MN>());
+  using TiledMmaDQ = decltype(make_tiled_mma(MmaAtomDQ{}, Layout<Shape<_1, _2, _1>>{}));
+  // The dQ accumulator tile: (block_m, d), or (d, block_m) transposed.
+  using DqShape = std::conditional_t<kTransposedDq, Shape<Int<kHeadDim>, Int<kBlockM>>,
+                                     Shape<Int<kBlockM>, Int<kHeadDim>>>;
+
+  // Example 88's storage with a second dS buffer (tile parity 1 uses it; parity 0 the base's smem_ds).
+  struct SharedStorage : Base::SharedStorage {
+    cute::array_aligned<Element, cute::cosize_v<SmemLayoutDS>> smem_ds_odd;
+  };
+
+  template <class BlkCoord, class ProblemShape, class MainloopPipelineReducer, class PipelineStateReducer,
+            class MathWgOrderBarrier>
+  CUTLASS_DEVICE auto compute(BlkCoord const& blk_coord, BlkCoord const& wg_coord, Params const& params,
+                              ProblemShape const& problem_size, MainloopPipeline& pipeline_inner,
+                              PipelineState& smem_pipe_read_inner, MainloopPipelineQ& pipeline_outer,
+                              PipelineStateQ& smem_pipe_read_outer, MainloopPipelineReducer& pipeline_reducer,
+                              PipelineStateReducer& smem_pipe_write_reducer, SharedStorage& storage,
+                              MathWgOrderBarrier& /*unused: no turns in this loop*/) {
+    const int thread_idx = int(threadIdx.x) % cutlass::NumThreadsPerWarpGroup;
+    const int wg_idx = __shfl_sync(0xffffffff, get<1>(wg_coord) % NumMmaWarpGroups, 0);
+
+    TiledMmaND tiled_mma_nd;
+    Tensor acc_DV = partition_fragment_C(tiled_mma_nd, take<0, 2>(TileShapeND{}));
+    Tensor acc_DK = partition_fragment_C(tiled_mma_nd, take<0, 2>(TileShapeND{}));
+    clear(acc_DV);
+    clear(acc_DK);
+
+    // This group's K and V stages (the kernel advanced smem_pipe_read_outer to them), and the other
+    // group's K stage (two stages on: K and V per group).
+    pipeline_outer.consumer_wait(smem_pipe_read_outer);
+    PipelineStateQ smem_pipe_read_k = smem_pipe_read_outer;
+    ++smem_pipe_read_outer;
+    pipeline_outer.consumer_wait(smem_pipe_read_outer);
+    PipelineStateQ smem_pipe_read_v = smem_pipe_read_outer;
+    PipelineStateQ smem_pipe_read_k_other = smem_pipe_read_k;
+    smem_pipe_read_k_other.advance(2);
+    // K stage of key half w of the CTA's block_n keys.
+    const int k_stage[2] = {wg_idx == 0 ? smem_pipe_read_k.index() : smem_pipe_read_k_other.index(),
+                            wg_idx == 1 ? smem_pipe_read_k.index() : smem_pipe_read_k_other.index()};
+
+    PipelineState smem_pipe_release_inner = smem_pipe_read_inner;
+
+    // S and dP: this group's keys x the query tile (both operands from shared memory).
+    TiledMmaNM tiled_mma_nm;
+    auto thr_mma_nm = tiled_mma_nm.get_thread_slice(thread_idx);
+    Tensor sK = make_tensor(make_smem_ptr(storage.smem_k.data()), SmemLayoutK{});
+    Tensor sQ = make_tensor(make_smem_ptr(storage.smem_q.data()), SmemLayoutQ{});
+    Tensor tSrK = thr_mma_nm.make_fragment_A(thr_mma_nm.partition_A(sK));
+    Tensor tSrQ = thr_mma_nm.make_fragment_B(thr_mma_nm.partition_B(sQ));
+    Tensor sV = make_tensor(make_smem_ptr(storage.smem_v.data()), SmemLayoutV{});
+    Tensor sDO = make_tensor(make_smem_ptr(storage.smem_do.data()), SmemLayoutDO{});
+    Tensor tDPrV = thr_mma_nm.make_fragment_A(thr_mma_nm.partition_A(sV));
+    Tensor tDPrDO = thr_mma_nm.make_fragment_B(thr_mma_nm.partition_B(sDO));
+
+    // dV += P^T dO (P from registers) and dK += dS^T Q (dS from shared memory).
+    auto thr_mma_nd = tiled_mma_nd.get_thread_slice(thread_idx);
+    Tensor sDOp = make_tensor(make_smem_ptr(storage.smem_dop.data()), SmemLayoutDOp{});
+    Tensor tDVrDO = thr_mma_nd.make_fragment_B(thr_mma_nd.partition_B(sDOp));
+    Tensor sQp = make_tensor(make_smem_ptr(storage.smem_qp.data()), SmemLayoutQp{});
+    Tensor tDKrQ = thr_mma_nd.make_fragment_B(thr_mma_nd.partition_B(sQp));
+    auto thr_mma_nd_ss = TiledMmaND_SS{}.get_thread_slice(thread_idx);
+
+    // dQ's half: thread index over both math groups.
+    TiledMmaDQ tiled_mma_dq;
+    auto thr_mma_dq = tiled_mma_dq.get_thread_slice(wg_idx * cutlass::NumThreadsPerWarpGroup + thread_idx);
+    Tensor sKp = make_tensor(make_smem_ptr(storage.smem_kp.data()), SmemLayoutKp{});
+    Tensor sDQ = make_tensor(make_smem_ptr(storage.smem_dq.data()), SmemLayoutDQ{});
+    auto tDQrK = [&] {
+      if constexpr (kTransposedDq) {
+        return thr_mma_dq.make_fragment_A(thr_mma_dq.partition_A(sKp));
+      } else {
+        return thr_mma_dq.make_fragment_B(thr_mma_dq.partition_B(sKp));
+      }
+    }();
+    // The reducer's stages, (block_m, d, stage), or viewed (d, block_m, stage).
+    auto tDQsDQ_full = [&] {
+      if constexpr (kTransposedDq) {
+        Tensor sDQt = sDQ.compose(make_layout(make_shape(size<1>(sDQ), size<0>(sDQ), size<2>(sDQ)),
+                                              make_stride(size<0>(sDQ), _1{}, size<0>(sDQ) * size<1>(sDQ))));
+        return thr_mma_dq.partition_C(sDQt);
+      } else {
+        return thr_mma_dq.partition_C(sDQ);
+      }
+    }();
+
+    // LSE and D (sum of O * dO) of the query tile, broadcast over this group's keys.
+    Tensor sLSE = make_tensor(make_smem_ptr(storage.smem_lse.data()),
+                              make_shape(get<0>(TileShapeNM{}), get<1>(TileShapeNM{}), Int<StageCount>{}),
+                              make_stride(_0{}, _1{}, get<1>(TileShapeNM{})));
+    Tensor tSsLSE = thr_mma_nm.partition_C(sLSE);
+    Tensor sODO = make_tensor(make_smem_ptr(storage.smem_sumOdO.data()),
+                              make_shape(get<0>(TileShapeNM{}), get<1>(TileShapeNM{}), Int<StageCount>{}),
+                              make_stride(_0{}, _1{}, get<1>(TileShapeNM{})));
+    Tensor tDPsODO = thr_mma_nm.partition_C(sODO);
+
+    // Coordinates (key, query) of this thread's scores, for the mask.
+    Tensor cS = make_identity_tensor(take<0, 2>(TileShapeNM{}));
+    Tensor tScS = thr_mma_nm.partition_C(cS);
+    const int n_block = get<1>(wg_coord);
+    tScS.data() = tScS.data() + E<0>{} * n_block * get<0>(TileShapeNM{});
+
+    int inner_tile_count = this->get_inner_tile_count(wg_coord, problem_size);
+    int k_index = 0;
+    int parity = 0;
+    while (inner_tile_count > 0) {
+      while (inner_tile_count > 0) {
+        if (Fusion{}.is_contributing(make_coord(k_index, get<1>(blk_coord)), TileShape{}, problem_size)) break;
+        inner_tile_count -= 1;
+        tScS.data() = tScS.data() + E<1>{} * get<1>(TileShapeNM{});
+        k_index += 1;
+      }
+      if (inner_tile_count == 0) break;
+
+      // dS of this tile's parity: (block_m, keys, group) for the dQ GEMM, (keys, block_m, group)
+      // viewed from the S accumulator's side.
+      Element* ds_ptr = parity ? storage.smem_ds_odd.data() : storage.smem_ds.data();
+      Tensor sDS = make_tensor(make_smem_ptr(ds_ptr), SmemLayoutDS{});
+      Tensor sDSp = sDS.compose(make_layout(make_shape(size<1>(sDS), size<0>(sDS), size<2>(sDS)),
+                                            make_stride(size<0>(sDS), _1{}, size<1>(sDS) * size<0>(sDS))));
+      Tensor tDPsDS = thr_mma_nm.partition_C(sDSp);
+      Tensor tDKrDSp = thr_mma_nd_ss.make_fragment_A(thr_mma_nd_ss.partition_A(sDSp));
+      auto tDQrDS = [&] {
+        if constexpr (kTransposedDq) {
+          return thr_mma_dq.make_fragment_B(thr_mma_dq.partition_B(sDS));
+        } else {
+          return thr_mma_dq.make_fragment_A(thr_mma_dq.partition_A(sDS));
+        }
+      }();
+
+      pipeline_inner.consumer_wait(smem_pipe_read_inner);
+      PipelineState smem_pipe_read_q = smem_pipe_read_inner;
+      ++smem_pipe_read_inner;
+      PipelineState smem_pipe_read_do = smem_pipe_read_inner;
+      ++smem_pipe_read_inner;
+
+      Tensor acc_S = partition_fragment_C(tiled_mma_nm, take<0, 2>(TileShapeNM{}));
+      warpgroup_fence_operand(acc_S);
+      warpgroup_arrive();
+      cutlass::fmha::collective::gemm_zero_acc(tiled_mma_nm, tSrK(_, _, _, smem_pipe_read_k.index()), tSrQ(_, _, _, smem_pipe_read_q.index()),
+                    acc_S);
+      warpgroup_commit_batch();
+
+      pipeline_inner.consumer_wait(smem_pipe_read_do);
+      Tensor acc_DP = partition_fragment_C(tiled_mma_nm, take<0, 2>(TileShapeNM{}));
+      warpgroup_fence_operand(acc_DP);
+      warpgroup_arrive();
+      cutlass::fmha::collective::gemm_zero_acc(tiled_mma_nm, tDPrV(_, _, _, smem_pipe_read_v.index()),
+                    tDPrDO(_, _, _, smem_pipe_read_do.index()), acc_DP);
+      warpgroup_commit_batch();
+
+      // P = exp(scale * S - LSE) while dP runs.
+      Tensor acc_P = make_fragment_like<ElementAccumulator>(acc_S);
+      warpgroup_wait<1>();
+      warpgroup_fence_operand(acc_S);
+      Fusion{}.before_softmax(acc_S, tScS, problem_size);
+      constexpr ElementAccumulator kLog2e = 1.4426950408889634f;
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < size(acc_P); ++i) {
+        acc_P(i) = ::exp2f(params.scale_softmax_log2 * acc_S(i) -
+                           kLog2e * tSsLSE(_, _, _, smem_pipe_read_q.index())(i));
+      }
+
+      // dS = P * (dP - D) * scale, in the element type.
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(acc_DP);
+      auto acc_DS = make_fragment_like<Element>(acc_DP);
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < size(acc_DS); ++i) {
+        acc_DS(i) = acc_P(i) * params.scale_softmax * (acc_DP(i) - tDPsODO(_, _, _, smem_pipe_read_do.index())(i));
+      }
+
+      // dV += P^T dO, issued before dS goes to shared memory.
+      auto op_P = cutlass::fmha::collective::make_acc_into_op<Element>(acc_P, typename TiledMmaND::LayoutA_TV{});
+      warpgroup_fence_operand(acc_DV);
+      warpgroup_fence_operand(op_P);
+      warpgroup_arrive();
+      cute::gemm(tiled_mma_nd, op_P, tDVrDO(_, _, _, smem_pipe_read_do.index()), acc_DV);
+      warpgroup_commit_batch();
+
+      auto tDPsDS_v = recast<uint_bit_t<sizeof_bits_v<Element> * 2>>(tDPsDS);
+      auto acc_DS_v = recast<uint_bit_t<sizeof_bits_v<Element> * 2>>(acc_DS);
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < size(acc_DS_v); ++i) tDPsDS_v(_, _, _, wg_idx)(i) = acc_DS_v(i);
+      cutlass::arch::fence_view_async_shared();
+      // Both groups' dS of this tile are in shared memory past this point.
+      cutlass::arch::NamedBarrier::sync(NumMmaWarpGroups * cutlass::NumThreadsPerWarpGroup, kDsBarrierId);
+
+      // dK += dS^T Q over this group's keys.
+      warpgroup_fence_operand(acc_DK);
+      warpgroup_arrive();
+      cute::gemm(TiledMmaND_SS{}, tDKrDSp(_, _, _, wg_idx), tDKrQ(_, _, _, smem_pipe_read_q.index()), acc_DK);
+      warpgroup_commit_batch();
+
+      // This group's half of dQ = dS K over all block_n keys (key half w: dS slot w, K stage of group w).
+      Tensor acc_DQ = partition_fragment_C(tiled_mma_dq, DqShape{});
+      warpgroup_fence_operand(acc_DQ);
+      warpgroup_arrive();
+      if constexpr (kTransposedDq) {
+        cutlass::fmha::collective::gemm_zero_acc(tiled_mma_dq, tDQrK(_, _, _, k_stage[0]), tDQrDS(_, _, _, 0), acc_DQ);
+        cute::gemm(tiled_mma_dq, tDQrK(_, _, _, k_stage[1]), tDQrDS(_, _, _, 1), acc_DQ);
+      } else {
+        cutlass::fmha::collective::gemm_zero_acc(tiled_mma_dq, tDQrDS(_, _, _, 0), tDQrK(_, _, _, k_stage[0]), acc_DQ);
+        cute::gemm(tiled_mma_dq, tDQrDS(_, _, _, 1), tDQrK(_, _, _, k_stage[1]), acc_DQ);
+      }
+      warpgroup_commit_batch();
+
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(acc_DV);
+      warpgroup_fence_operand(acc_DK);
+      warpgroup_fence_operand(acc_DQ);
+
+      // The dQ half into the reducer's stage; the reducer warp adds the whole tile to global memory.
+      pipeline_reducer.producer_acquire(smem_pipe_write_reducer);
+      auto tDQsDQ = tDQsDQ_full(_, _, _, smem_pipe_write_reducer.index());
+      if constexpr (kTransposedDq) {
+        // Neighbouring accumulators are neighbouring queries here, d floats apart in the stage.
+        CUTLASS_PRAGMA_UNROLL
+        for (int i = 0; i < size(acc_DQ); ++i) tDQsDQ(i) = acc_DQ(i);
+      } else {
+        using Vec = uint_bit_t<sizeof_bits_v<ElementAccumulator> * 2>;
+        auto tDQsDQ_v = recast<Vec>(tDQsDQ);
+        auto acc_DQ_v = recast<Vec>(acc_DQ);
+        CUTLASS_PRAGMA_UNROLL
+        for (int i = 0; i < size(acc_DQ_v); ++i) tDQsDQ_v(i) = acc_DQ_v(i);
+      }
+      cutlass::arch::fence_view_async_shared();
+      pipeline_reducer.producer_commit(smem_pipe_write_reducer);
+      ++smem_pipe_write_reducer;
+
+      --inner_tile_count;
+      pipeline_inner.consumer_release(smem_pipe_release_inner);
+      ++smem_pipe_release_inner;
+      pipeline_inner.consumer_release(smem_pipe_release_inner);
+      ++smem_pipe_release_inner;
+
+      tScS.data() = tScS.data() + E<1>{} * get<1>(TileShapeNM{});
+      k_index += 1;
+      parity ^= 1;
+    }
+
+    pipeline_outer.consumer_release(smem_pipe_read_k);
+    pipeline_outer.consumer_release(smem_pipe_read_outer);
+    pipeline_reducer.producer_tail(smem_pipe_write_reducer);
+    ++smem_pipe_read_outer;
+
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(acc_DK);
+    warpgroup_fence_operand(acc_DV);
+    return make_tuple(acc_DK, acc_DV);
+  }
+};
+
+}  // namespace gemmgen::fmha_bwd_sm90
