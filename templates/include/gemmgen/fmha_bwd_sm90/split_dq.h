@@ -30,9 +30,9 @@ namespace gemmgen::fmha_bwd_sm90 {
 
 using namespace cute;
 
-// Named barrier ids 0-7 are taken by CUTLASS's pipelines and ordered barriers in this kernel; the
-// math groups' dS barrier uses one past them.
-constexpr int kDsBarrierId = 8;
+// The math groups' dS barrier, as an id after CUTLASS's reserved ones (NamedBarrier adds
+// ReservedNamedBarrierCount: hardware id 8 of 16).
+constexpr int kDsBarrier = 0;
 
 template <class Element_, class TileShape_, class Fusion>
 struct SplitDqMainloop
@@ -265,7 +265,7 @@ struct SplitDqMainloop
       for (int i = 0; i < size(acc_DS_v); ++i) tDPsDS_v(_, _, _, wg_idx)(i) = acc_DS_v(i);
       cutlass::arch::fence_view_async_shared();
       // Both groups' dS of this tile are in shared memory past this point.
-      cutlass::arch::NamedBarrier::sync(NumMmaWarpGroups * cutlass::NumThreadsPerWarpGroup, kDsBarrierId);
+      cutlass::arch::NamedBarrier::sync(NumMmaWarpGroups * cutlass::NumThreadsPerWarpGroup, kDsBarrier);
 
       // dK += dS^T Q over this group's keys.
       warpgroup_fence_operand(acc_DK);

@@ -100,8 +100,6 @@ struct GroupEpilogue {
   static constexpr int kRows = size<0>(TileShapePV{});
   static constexpr int kCols = size<1>(TileShapePV{});
   static constexpr int kThreads = cutlass::NumThreadsPerWarpGroup;
-  // Named barriers 0 (__syncthreads) and CUTLASS's reserved ones stay free.
-  static constexpr int kFirstBarrier = static_cast<int>(cutlass::arch::ReservedNamedBarriers::FirstUserBarrier);
   using StrideO = cute::tuple<int, _1, cute::tuple<int, int>>;  // (row, 1, (batch, head)) in elements
   using StrideLSE = cute::tuple<_1, cute::tuple<int, int>>;
   using TileMN = Shape<Int<kRows>, Int<kCols>>;
@@ -157,7 +155,9 @@ struct GroupEpilogue {
   CUTLASS_DEVICE void operator()(BlkCoord const& blk, Result const& result, TiledMma const& mma,
                                  ProblemShape const& ps, Params const& params, TensorStorage& smem) const {
     const int tid = threadIdx.x % kThreads;
-    const int barrier = kFirstBarrier + threadIdx.x / kThreads;  // one per warp group
+    // One named barrier per consumer warp group (1-3; NamedBarrier adds CUTLASS's reserved count, so
+    // hardware ids 9-11 of 16: __syncthreads' 0 and the reserved ones stay free).
+    const int barrier = threadIdx.x / kThreads;
     auto const& acc = get<0>(result);
     auto const& lse = get<1>(result);
 
