@@ -31,6 +31,7 @@ CURRENT = {
     "gqa_prefill_h200.md": "GQA prefill and chunked prefill against torch SDPA",
     "model_h200.md": "A GPT-style model's training step and generation, torch SDPA with and without gemmgen",
     "bwd_sweep_h200.md": "The backward against torch SDPA's backward",
+    "bwd_sweep_h100.md": "The backward against torch SDPA's backward on an H100",
     "bwd_deterministic_h200.md": "The backward with deterministic=True",
     "context_parallel_h200x2.md": "Context-parallel ring attention over two GPUs",
     "context_parallel_h200x4.md": "Context-parallel ring attention over four GPUs",
