@@ -14,7 +14,7 @@ import torch
 
 import gemmgen
 from gemmgen.kernels import launch
-from gemmgen.ops import torch_op
+from gemmgen.ops import attention, torch_op
 from gemmgen.select.reference import causal_offset
 
 FP16 = torch.float16
@@ -70,17 +70,20 @@ class FakeKernel:
         FakeKernel.calls.append(p)
 
 
+def cpu_forward(q, k, v, causal=False, causal_alignment="top_left", scale=None, return_lse=False, instance=None,
+                dropout_p=0.0, seed=None, offset=0, bias=None, deterministic=False):
+    """The forward op's outputs from the float64 reference, in q's layout."""
+    o, lse = ref_forward(q, k, v, causal, causal_alignment, scale, bias)
+    out = launch.empty_like_layout(q)
+    out.copy_(o)
+    return out, (lse.float() if return_lse else torch.empty(0))
+
+
 @pytest.fixture
 def cpu_ops(monkeypatch, cpu_ops_library):
     """CPU implementations of the forward (float64 reference) and the real backward implementation
     with FakeKernel behind it; removed afterwards."""
-    def forward(q, k, v, causal=False, causal_alignment="top_left", scale=None, return_lse=False, instance=None,
-                dropout_p=0.0, seed=None, offset=0, bias=None, deterministic=False):
-        o, lse = ref_forward(q, k, v, causal, causal_alignment, scale, bias)
-        out = launch.empty_like_layout(q)
-        out.copy_(o)
-        return out, (lse.float() if return_lse else torch.empty(0))
-
+    forward = cpu_forward
     real_params = launch.params_bwd
 
     def params_bwd(q, k, v, o, d_o, lse, dq, dk, dv, **kw):
@@ -160,6 +163,31 @@ def test_mask_gradient(cpu_ops):
     for g, w in zip(got, want):
         assert torch.allclose(g.double(), w, rtol=1e-2, atol=2e-3)
     assert FakeKernel.calls[-1].dbias != 0
+
+
+@pytest.mark.parametrize("h, hkv", [(4, 4), (8, 2)], ids=["mha", "gqa4"])
+def test_eager_training_calls_run_the_ops_pieces(cpu_ops, monkeypatch, h, hkv):
+    """gemmgen.fused_attention on tensors that require grad, in plain eager mode, records the op's
+    forward and backward implementations in a torch.autograd.Function (no dispatcher): the same
+    gradients, checks and saved tensors as the op."""
+    monkeypatch.setattr(torch_op, "_fused_attention", cpu_forward)
+    monkeypatch.setattr(attention, "_check_device", lambda *args: None)
+    gen = torch.Generator().manual_seed(zlib.crc32(repr((h, hkv)).encode()))
+    q, do = (torch.randn(2, h, 19, 32, generator=gen).to(FP16) for _ in range(2))
+    k, v = (torch.randn(2, hkv, 23, 32, generator=gen).to(FP16) for _ in range(2))
+    leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+    o = gemmgen.fused_attention(*leaves, causal=True, causal_alignment="bottom_right", scale=0.3)
+    assert type(o.grad_fn).__name__ == "_EagerTrainingBackward"
+    got = torch.autograd.grad(o, leaves, do, retain_graph=True)
+    want = ref_grads(q, k, v, do, causal=True, causal_alignment="bottom_right", scale=0.3)
+    for name, g, w in zip(("dQ", "dK", "dV"), got, want):
+        atol = 2e-3 * (h // hkv if name != "dQ" else 1)
+        assert torch.allclose(g.double(), w, rtol=1e-2, atol=atol), name
+    with pytest.raises(gemmgen.InputError, match="double backward"):
+        torch.autograd.grad(o, leaves, do, create_graph=True)
+    monkeypatch.setattr(torch_op, "run_fused_attention", cpu_forward)
+    with torch.no_grad():  # nothing to record: the implementation itself
+        assert gemmgen.fused_attention(*leaves).grad_fn is None
 
 
 def test_lse_has_no_gradient_and_double_backward_raises(cpu_ops):

@@ -61,6 +61,27 @@ def test_runs_directly_only_where_the_dispatcher_has_nothing_to_do():
     assert seen == [False]
 
 
+def test_runs_eagerly_allows_autograd_but_nothing_traced_or_transformed():
+    q, k, v = qkv()
+    k.requires_grad_()
+    assert eager.runs_eagerly(q, k, None, v) and not eager.runs_directly(q, k, v)
+    assert not eager.runs_eagerly(torch.nn.Parameter(q), v)  # a subclass goes through the op
+    with _Function():
+        assert not eager.runs_eagerly(q, v)
+    with _Dispatch():
+        assert not eager.runs_eagerly(q, v)
+    assert torch.vmap(lambda x: torch.tensor(float(eager.runs_eagerly(x))))(q).eq(0).all()
+    assert torch.func.grad(lambda x: x.sum() * float(eager.runs_eagerly(x)) + x.sum())(q).eq(1).all()
+    seen = []
+
+    def traced(x):
+        seen.append(eager.runs_eagerly(x))
+        return x + 1
+
+    torch.compile(traced, backend="eager", fullgraph=True)(q)
+    assert seen and not any(seen)
+
+
 def test_signature_reads_metadata_and_refuses_unstrided_tensors():
     q, k, _ = qkv()
     assert eager.signature(q, None) == ((q.shape, q.stride(), q.dtype, q.device, False), None)
@@ -78,7 +99,7 @@ def fast_path(monkeypatch):
     metadata checks counted."""
     monkeypatch.setattr(attention, "_CHECKED", eager.Checked())
     monkeypatch.setattr(attention, "_check_device", lambda *args: None)
-    calls = {"validate": 0, "direct": 0, "op": 0}
+    calls = {"validate": 0, "direct": 0, "op": 0, "training": 0}
     validate = attention._validate
 
     def counting_validate(*args, **kwargs):
@@ -93,9 +114,14 @@ def fast_path(monkeypatch):
         calls["op"] += 1
         return torch.empty_like(q), torch.empty(0)
 
+    def training(q, *args):
+        calls["training"] += 1
+        return torch.empty_like(q), torch.empty(0)
+
     monkeypatch.setattr(attention, "_validate", counting_validate)
     monkeypatch.setattr(torch_op, "run_fused_attention", direct)
     monkeypatch.setattr(torch_op, "fused_attention_op", op)
+    monkeypatch.setattr(torch_op, "run_fused_attention_training", training)
     return calls
 
 
@@ -103,7 +129,7 @@ def test_a_signature_is_checked_once_and_pointers_every_call(fast_path):
     q, k, v = qkv()
     gemmgen.fused_attention(q, k, v, causal=True)
     gemmgen.fused_attention(*qkv(seed=1), causal=False)  # new data, same signature
-    assert fast_path == {"validate": 1, "direct": 2, "op": 0}
+    assert fast_path == {"validate": 1, "direct": 2, "op": 0, "training": 0}
     gemmgen.fused_attention(q.transpose(1, 2).contiguous().transpose(1, 2), k, v)  # new strides: checked
     assert fast_path["validate"] == 2
     store = torch.empty(q.numel() + 8, dtype=FP16)
@@ -118,10 +144,11 @@ def test_training_calls_and_grad_free_calls_of_grad_tensors(fast_path):
     q, k, v = qkv()
     q.requires_grad_()
     gemmgen.fused_attention(q, k, v)
-    assert fast_path["op"] == 1 and fast_path["direct"] == 0  # autograd records it
+    # autograd records it: eager, by the op's pieces in a torch.autograd.Function
+    assert fast_path["training"] == 1 and fast_path["op"] == 0 and fast_path["direct"] == 0
     with torch.no_grad():
         gemmgen.fused_attention(q, k, v)
-    assert fast_path["direct"] == 1
+    assert fast_path["direct"] == 1 and fast_path["training"] == 1
     with pytest.raises(InputError, match="out= has no backward"):  # never skipped by a checked signature
         gemmgen.fused_attention(q, k, v, out=torch.empty_like(q))
 

@@ -33,14 +33,15 @@ def test_family_keeps_the_contract_and_is_registered():
 
 def test_space_names_unique_and_stable():
     names = [inst.name for inst in fam.SPACE]
-    assert len(names) == len(set(names)) == 28
+    assert len(names) == len(set(names)) == 32
     assert all("bwd" in n and n.startswith("fmha_bwd_sm90_") for n in names)
     assert "fmha_bwd_sm90_bf16_d128_causal_m64n128" in names
     assert "fmha_bwd_sm90_fp16_d64_none_m128n128" in names
     assert "fmha_bwd_sm90_fp16_d128_none_m128n128" not in names  # shared memory
     assert "fmha_bwd_sm90_bf16_d64_none_m64n128_sq" in names
     assert {n for n in names if n.endswith("_sq")} == {
-        f"fmha_bwd_sm90_{dt}_d{d}_{m}_m64n128_sq" for dt in ("fp16", "bf16") for d in (64, 128) for m in ("none", "causal")}
+        f"fmha_bwd_sm90_{dt}_d{d}_{m}_m{bm}n128_sq" for dt in ("fp16", "bf16") for m in ("none", "causal")
+        for d, bm in ((64, 64), (64, 128), (128, 64))}
     assert len({inst.content_hash() for inst in fam.SPACE}) == len(names)
 
 
@@ -75,7 +76,8 @@ def test_built_by_default_for_sm90_only():
     (dict(split_dq=True), None),
     (dict(split_dq=True, head_dim=128), None),
     (dict(split_dq=True, head_dim=32), "split-dQ"),
-    (dict(split_dq=True, block_m=128), "split-dQ"),
+    (dict(split_dq=True, block_m=128), None),  # d64 128x128: the d64 default
+    (dict(split_dq=True, head_dim=128, block_m=128), "shared memory"),
 ])
 def test_invalid_reason(change, reason):
     inst = dataclasses.replace(FmhaBwdSm90Instance(DType.BF16, 64, Mask.CAUSAL, 64, 128), **change)
@@ -90,6 +92,7 @@ def test_invalid_reason(change, reason):
     ("fmha_bwd_sm90_bf16_d64_none_m128n128", 199168),
     ("fmha_bwd_sm90_bf16_d128_none_m64n128", 214528),
     ("fmha_bwd_sm90_bf16_d128_none_m64n128_sq", 230912),
+    ("fmha_bwd_sm90_bf16_d64_none_m128n128_sq", 231936),
 ])
 def test_shared_memory_and_cost_inputs(name, smem):
     inst = next(i for i in fam.SPACE if i.name == name)

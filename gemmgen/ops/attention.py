@@ -248,7 +248,12 @@ def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
         offset += base
     features = (dropout_p, seed, offset, bias)
     if out is None:
-        op = torch_op.run_fused_attention if direct else torch_op.fused_attention_op
+        if direct:
+            op = torch_op.run_fused_attention
+        elif training and eager.runs_eagerly(q, k, v, attn_mask):
+            op = torch_op.run_fused_attention_training
+        else:
+            op = torch_op.fused_attention_op
         o, lse = op(q, k, v, causal, causal_alignment, scale, return_lse or training, instance, *features,
                     deterministic)
     else:

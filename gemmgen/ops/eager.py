@@ -7,8 +7,9 @@ skip two things that cannot change the outcome of a plain eager call:
   is active, no functorch transform runs, every tensor is a plain torch.Tensor and no autograd
   graph is recorded (grad mode off, or no input requires grad), the dispatcher would only route
   the call to the op's CUDA implementation; the operation calls that implementation itself.
-  Everything else (torch.compile, torch.jit.trace, FakeTensor, DTensor, vmap, training) goes
-  through the op.
+  Everything else (torch.compile, torch.jit.trace, FakeTensor, DTensor, vmap) goes through the op.
+  An eager call that records a graph (training) runs the op's forward and backward pieces in a
+  torch.autograd.Function (runs_eagerly), not through torch.library's autograd wrapper.
 - Checked: metadata checks already passed. The checks that read only the tensors' metadata
   (shape, strides, dtype, device, requires_grad) give the same answer for the same signature, so
   a signature that passed once passes again; the arguments' checks (cheap) and the per-call facts
@@ -26,17 +27,22 @@ from gemmgen.generator import space
 _Tensor = torch.Tensor
 
 
-def runs_directly(*tensors: torch.Tensor | None) -> bool:
-    """Whether an eager call on `tensors` (None entries ignored) may run the op's implementation
-    without torch's dispatcher (see the module doc)."""
+def runs_eagerly(*tensors: torch.Tensor | None) -> bool:
+    """Whether a call on `tensors` (None entries ignored) is plain eager: nothing traced, no torch
+    function or dispatch mode, no functorch transform, every tensor a plain torch.Tensor. Such a
+    call may record an autograd graph with a torch.autograd.Function of the op's own pieces."""
     if torch.compiler.is_compiling() or torch.jit.is_tracing() or torch._C._is_torch_function_mode_enabled() or \
             is_in_torch_dispatch_mode() or torch._C._are_functorch_transforms_active():
         return False
-    grad = torch.is_grad_enabled()
-    for t in tensors:
-        if t is not None and (type(t) is not _Tensor or (grad and t.requires_grad)):
-            return False
-    return True
+    return all(t is None or type(t) is _Tensor for t in tensors)
+
+
+def runs_directly(*tensors: torch.Tensor | None) -> bool:
+    """Whether an eager call on `tensors` (None entries ignored) may run the op's implementation
+    without torch's dispatcher (see the module doc): plain eager, and no autograd graph to record."""
+    if not runs_eagerly(*tensors):
+        return False
+    return not torch.is_grad_enabled() or not any(t is not None and t.requires_grad for t in tensors)
 
 
 def signature(*tensors: torch.Tensor | None) -> tuple | None:

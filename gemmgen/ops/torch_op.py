@@ -23,7 +23,8 @@ torch.compile traces them without a graph break and CUDA graphs capture them:
         -> (O [B, Nq, H, d], LSE [B, H, Nq] float32 or an empty tensor); k, v appended into the caches
 
 fused_attention and fused_attention_backward are joined by torch.library.register_autograd, and so
-are fused_attention_varlen and fused_attention_varlen_backward: a forward whose inputs require grad
+are fused_attention_varlen and fused_attention_varlen_backward (plain eager training calls of
+gemmgen.fused_attention run the same pieces in a torch.autograd.Function, _EagerTraining): a forward whose inputs require grad
 saves q, k, v, O, LSE and the mask (varlen: the cu_seqlens), and the backward op computes the
 gradients from them (LSE is saved, not recomputed; it is returned without a gradient of its own).
 Such a forward needs return_lse=True (the gemmgen functions pass it) and, with dropout, an explicit
@@ -414,11 +415,40 @@ def _check_saves(op: str, return_lse: bool, dropout_p: float, seed: int | None) 
 
 
 def _autograd_backward(ctx, grad_o, grad_lse):
+    return _gradients(ctx, grad_o, fused_attention_backward_op)
+
+
+def _gradients(ctx, grad_o, backward: Callable) -> tuple:
+    """The gradients of fused_attention's 13 inputs from what _setup_context saved, computed by
+    `backward` (the backward op, or its implementation in eager calls)."""
     q, k, v, o, lse, bias = ctx.saved_tensors
     causal, alignment, scale, dropout_p, seed, offset, bias_grad, deterministic = ctx.args
-    dq, dk, dv, dbias = fused_attention_backward_op(grad_o, q, k, v, o, lse, causal, alignment, scale, dropout_p,
-                                                    seed, offset, bias, bias_grad, deterministic)
+    dq, dk, dv, dbias = backward(grad_o, q, k, v, o, lse, causal, alignment, scale, dropout_p, seed, offset, bias,
+                                 bias_grad, deterministic)
     return dq, dk, dv, None, None, None, None, None, None, None, None, dbias if bias_grad else None, None
+
+
+class _EagerTraining(torch.autograd.Function):
+    """fused_attention's op and its registered autograd in one torch.autograd.Function, for eager
+    calls that record a graph (gemmgen.ops.eager.runs_eagerly): the same forward, checks, saved
+    tensors and backward (_setup_context, _autograd_backward) without torch.library's autograd
+    wrapper and the dispatcher, which cost a small call about 100 us of host time per forward.
+    Traced, compiled and transformed calls go through the op."""
+
+    @staticmethod
+    def forward(ctx, *inputs):
+        output = _fused_attention(*inputs)
+        _setup_context(ctx, inputs, output)
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_o, grad_lse):
+        return _gradients(ctx, grad_o, _fused_attention_backward)
+
+
+def run_fused_attention_training(*inputs):
+    """fused_attention_op's result for an eager call whose inputs require grad (_EagerTraining)."""
+    return _EagerTraining.apply(*inputs)
 
 
 # ---- variable-length backward: packed q [Tq, H, d], k, v [Tk, Hkv, d] -----------------------------

@@ -10,8 +10,8 @@ last query tile, top-left causal). Built for sm_90a only: wgmma and setmaxnreg h
 
 Built by default for sm90: on an H200 its default instances pass the backward GPU suite (odd and
 unequal lengths, both causal cases it accepts) and run the FlashAttention sweep's backward at
-158-507 TFLOP/s, 0.74-0.96x cuDNN (NOTES 65; example 88's own loop 131-273, NOTES 53); mea_bwd_sm80
-serves what it refuses.
+155-520 TFLOP/s, 0.84-0.99x cuDNN at N >= 1024 on an H100 and an H200 (NOTES 65; example 88's own
+loop 131-273, NOTES 53); mea_bwd_sm80 serves what it refuses.
 
 One instance = one (dtype, head_dim, mask, tile): block_m queries per step of a CTA's loop, block_n
 keys per CTA (example 88's TileShape (block_m, block_n, head_dim)). `problem_reason` states what a
@@ -40,7 +40,7 @@ HEAD_DIMS = (32, 64, 128)
 MASKS = tuple(Mask)  # causal is top-left only (launch.h's BwdMask)
 TILES = ((64, 128), (128, 128))  # (block_m, block_n): the tiles example 88 runs its backward with
 # Which mainloop: example 88's (dQ on the second math warp group), or split_dq.h's (dQ split
-# between both groups; head dims 64 and 128 at block_m 64): suffix `_sq`.
+# between both groups; head dims 64 and 128): suffix `_sq`.
 SPLIT_DQ = (False, True)
 THREADS = 384  # a producer warp group and two math warp groups of block_n / 2 keys each
 MAX_SMEM = Arch.SM90.max_smem_bytes
@@ -103,8 +103,8 @@ def invalid_reason(inst: FmhaBwdSm90Instance, arch: Arch = Arch.SM90) -> str | N
         return reason
     if (inst.block_m, inst.block_n) not in TILES:
         return f"tile {inst.block_m}x{inst.block_n} not in {TILES}"
-    if inst.split_dq and (inst.head_dim not in (64, 128) or inst.block_m != 64):
-        return "the split-dQ mainloop runs head dims 64 and 128 at block_m 64 (split_dq.h says why)"
+    if inst.split_dq and inst.head_dim not in (64, 128):
+        return "the split-dQ mainloop runs head dims 64 and 128 (split_dq.h says why)"
     return smem_reason(inst, arch)
 
 
@@ -141,14 +141,14 @@ SPACE: tuple[FmhaBwdSm90Instance, ...] = tuple(
     if invalid_reason(inst) is None
 )
 
-# Default tile per head dim: 64x128, the one tile example 88 runs at every head dim and the only one
-# of TILES that fits d128's shared memory. Timed against 128x128 (H200, bf16, NOTES 53): 64x128 is
-# 1.17-1.20x faster at d64 (ptxas: 128x128 spills about 90 bytes per thread there, 64x128 about 20);
-# at d32 128x128 was 3% faster on the one shape timed, too little to add a per-shape default.
-DEFAULT_TILE = {32: (64, 128), 64: (64, 128), 128: (64, 128)}
+# Default tile per head dim. With example 88's loop 64x128 was 1.17-1.20x faster than 128x128 at
+# d64 (H200, bf16, NOTES 53); with the split-dQ loop 128x128 is 1.05-1.20x faster there (H100, NOTES
+# 65: twice the queries per barrier, wgmma N = 128 for S and dP). d128 fits 64x128 only; at d32
+# 128x128 was 3% faster on the one shape timed, too little to add a per-shape default.
+DEFAULT_TILE = {32: (64, 128), 64: (128, 128), 128: (64, 128)}
 
-# The split-dQ mainloop where it runs (d64, d128): 1.6-1.8x example 88's at d128 on an H200
-# (NOTES 65); d32 keeps example 88's.
+# The split-dQ mainloop where it runs (d64, d128): 1.4-1.8x example 88's (NOTES 65); d32 keeps
+# example 88's.
 DEFAULT: tuple[FmhaBwdSm90Instance, ...] = tuple(
     inst for inst in SPACE
     if (inst.block_m, inst.block_n) == DEFAULT_TILE[inst.head_dim] and inst.split_dq == (inst.head_dim in (64, 128))
