@@ -9,19 +9,18 @@
 //
 // This mainloop reuses example 88's loads, pipelines, dQ reducer and epilogue and replaces the math
 // warp groups' loop (`compute`): both groups write their dS into shared memory, meet at a named
-// barrier, and each computes half of dQ's columns (block_m x d/2 x block_n, five units per group)
-// with one tiled MMA over the 256 math threads whose two warp groups lie along dQ's columns. dS is
-// double-buffered by the parity of the query tile, so the one barrier per tile also orders a group's
-// write of dS for tile t + 2 after the other group's reads of tile t's (each passes tile t + 1's
-// barrier only after its tile-t GEMMs completed). No ordered barrier turns remain in the loop; the
-// kernel's epilogue keeps its own (it waits for group 0, then group 1).
+// barrier, and each computes half of dQ (five units per group) with one tiled MMA over the 256 math
+// threads, the two warp groups side by side (TiledMmaDQ: along d at d128, along the queries at
+// d64). dS is double-buffered by the parity of the query tile, so the one barrier per tile also
+// orders a group's write of dS for tile t + 2 after the other group's reads of tile t's (each passes
+// tile t + 1's barrier only after its tile-t GEMMs completed). No ordered barrier turns remain in
+// the loop; the kernel's epilogue keeps its own (it waits for group 0, then group 1).
 //
 // Contract with the kernel (FmhaKernelTmaWarpSpecialized): the same pipelines and the same sequence
 // of query tiles in both math groups (the mask's is_contributing is evaluated on the CTA's coordinate,
 // not the group's), the dQ reducer's stage receives all 256 producer arrivals per tile, and the
 // returned dK and dV fragments are laid out as the base mainloop's (TiledMmaND), which the epilogue
-// reads. Head dims whose half is a whole 64-element (128-byte) swizzle atom of K's shared layout,
-// that is d = 128: the B operand of each half is then one atom column of K.
+// reads. Head dims 64 and 128, block_m 64 or 128 where the second dS buffer fits shared memory.
 #pragma once
 
 #include "cutlass/arch/barrier.h"
@@ -218,8 +217,8 @@ struct SplitDqMainloop
       Tensor acc_S = partition_fragment_C(tiled_mma_nm, take<0, 2>(TileShapeNM{}));
       warpgroup_fence_operand(acc_S);
       warpgroup_arrive();
-      cutlass::fmha::collective::gemm_zero_acc(tiled_mma_nm, tSrK(_, _, _, smem_pipe_read_k.index()), tSrQ(_, _, _, smem_pipe_read_q.index()),
-                    acc_S);
+      cutlass::fmha::collective::gemm_zero_acc(tiled_mma_nm, tSrK(_, _, _, smem_pipe_read_k.index()),
+                                               tSrQ(_, _, _, smem_pipe_read_q.index()), acc_S);
       warpgroup_commit_batch();
 
       pipeline_inner.consumer_wait(smem_pipe_read_do);
@@ -227,7 +226,7 @@ struct SplitDqMainloop
       warpgroup_fence_operand(acc_DP);
       warpgroup_arrive();
       cutlass::fmha::collective::gemm_zero_acc(tiled_mma_nm, tDPrV(_, _, _, smem_pipe_read_v.index()),
-                    tDPrDO(_, _, _, smem_pipe_read_do.index()), acc_DP);
+                                               tDPrDO(_, _, _, smem_pipe_read_do.index()), acc_DP);
       warpgroup_commit_batch();
 
       // P = exp(scale * S - LSE) while dP runs.
