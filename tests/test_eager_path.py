@@ -33,6 +33,26 @@ class _Dispatch(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def _refused_unless_plain_eager(check, q, v):
+    """`check` is False under a torch function or dispatch mode, vmap and torch.compile; returns a
+    function that records check's answers for tracing, and the list they go to."""
+    with _Function():
+        assert not check(q, v)
+    with _Dispatch():
+        assert not check(q, v)
+    assert torch.vmap(lambda x: torch.tensor(float(check(x))))(q).eq(0).all()
+    seen = []
+
+    def traced(x):
+        seen.append(check(x))
+        return x + 1
+
+    torch.compile(traced, backend="eager", fullgraph=True)(q)
+    assert seen and not any(seen)
+    seen.clear()
+    return traced, seen
+
+
 def test_runs_directly_only_where_the_dispatcher_has_nothing_to_do():
     q, k, v = qkv()
     assert eager.runs_directly(q, k, None, v)
@@ -43,20 +63,7 @@ def test_runs_directly_only_where_the_dispatcher_has_nothing_to_do():
     with torch.inference_mode():
         assert eager.runs_directly(q, k.detach(), v)
     assert not eager.runs_directly(torch.nn.Parameter(q, requires_grad=False), v)  # a subclass
-    with _Function():
-        assert not eager.runs_directly(q, v)
-    with _Dispatch():
-        assert not eager.runs_directly(q, v)
-    assert torch.vmap(lambda x: torch.tensor(float(eager.runs_directly(x))))(q).eq(0).all()
-    seen = []
-
-    def traced(x):
-        seen.append(eager.runs_directly(x))
-        return x + 1
-
-    torch.compile(traced, backend="eager", fullgraph=True)(q)
-    assert seen and not any(seen)
-    seen.clear()
+    traced, seen = _refused_unless_plain_eager(eager.runs_directly, q, v)
     torch.jit.trace(traced, (q,), check_trace=False)
     assert seen == [False]
 
@@ -66,20 +73,8 @@ def test_runs_eagerly_allows_autograd_but_nothing_traced_or_transformed():
     k.requires_grad_()
     assert eager.runs_eagerly(q, k, None, v) and not eager.runs_directly(q, k, v)
     assert not eager.runs_eagerly(torch.nn.Parameter(q), v)  # a subclass goes through the op
-    with _Function():
-        assert not eager.runs_eagerly(q, v)
-    with _Dispatch():
-        assert not eager.runs_eagerly(q, v)
-    assert torch.vmap(lambda x: torch.tensor(float(eager.runs_eagerly(x))))(q).eq(0).all()
     assert torch.func.grad(lambda x: x.sum() * float(eager.runs_eagerly(x)) + x.sum())(q).eq(1).all()
-    seen = []
-
-    def traced(x):
-        seen.append(eager.runs_eagerly(x))
-        return x + 1
-
-    torch.compile(traced, backend="eager", fullgraph=True)(q)
-    assert seen and not any(seen)
+    _refused_unless_plain_eager(eager.runs_eagerly, q, v)
 
 
 def test_signature_reads_metadata_and_refuses_unstrided_tensors():
