@@ -24,13 +24,13 @@ torch.compile traces them without a graph break and CUDA graphs capture them:
 
 fused_attention and fused_attention_backward are joined by torch.library.register_autograd, and so
 are fused_attention_varlen and fused_attention_varlen_backward (plain eager training calls of
-gemmgen.fused_attention run the same pieces in a torch.autograd.Function, _EagerTraining): a forward whose inputs require grad
-saves q, k, v, O, LSE and the mask (varlen: the cu_seqlens), and the backward op computes the
-gradients from them (LSE is saved, not recomputed; it is returned without a gradient of its own).
-Such a forward needs return_lse=True (the gemmgen functions pass it) and, with dropout, an explicit
-seed (the gemmgen functions draw one), and it checks at once that a backward instance can run the
-call. fused_attention_out has no backward: it refuses inputs that require grad (check_no_grad).
-Double backward raises.
+gemmgen.fused_attention run the same pieces in a torch.autograd.Function, _EagerTraining): a
+forward whose inputs require grad saves q, k, v, O, LSE and the mask (varlen: the cu_seqlens), and
+the backward op computes the gradients from them (LSE is saved, not recomputed; it is returned
+without a gradient of its own). Such a forward needs return_lse=True (the gemmgen functions pass
+it) and, with dropout, an explicit seed (the gemmgen functions draw one), and it checks at once
+that a backward instance can run the call. fused_attention_out has no backward: it refuses inputs
+that require grad (check_no_grad). Double backward raises.
 
 bias is the additive mask as [B, H, Nq, Nk] by its strides (gemmgen.ops.attention broadcasts and pads it).
 A seed of None draws one from torch's CUDA generator when the op runs (not when it is traced).
@@ -431,9 +431,10 @@ def _gradients(ctx, grad_o, backward: Callable) -> tuple:
 class _EagerTraining(torch.autograd.Function):
     """fused_attention's op and its registered autograd in one torch.autograd.Function, for eager
     calls that record a graph (gemmgen.ops.eager.runs_eagerly): the same forward, checks, saved
-    tensors and backward (_setup_context, _autograd_backward) without torch.library's autograd
-    wrapper and the dispatcher, which cost a small call about 100 us of host time per forward.
-    Traced, compiled and transformed calls go through the op."""
+    tensors and gradients (_setup_context, _gradients with the backward op's implementation)
+    without torch.library's autograd wrapper and the dispatcher, which cost a small call about
+    100 us of host time per forward (bench/NOTES.md experiment 66). Traced, compiled and
+    transformed calls go through the op."""
 
     @staticmethod
     def forward(ctx, *inputs):

@@ -3,8 +3,8 @@
 The backward kernel is CUTLASS's (TMA loads, wgmma, a producer warp group and two math warp
 groups, dQ added up in fp32 with TMA reductions), included from the installed nvidia-cutlass
 package, with either its own math warp groups' loop or ours (split_dq.h: dQ's GEMM split between
-the two groups, `_sq`); templates/include/gemmgen/fmha_bwd_sm90/launch.h maps gemmgen's backward C ABI
-(GemmgenAttnBwdParams) onto it, with our own steps around it: D = rowsum(O * dO) and the LSE copy
+the two groups, `_sq`); templates/include/gemmgen/fmha_bwd_sm90/launch.h maps gemmgen's backward
+C ABI (GemmgenAttnBwdParams) onto it, with our own steps around it: D = rowsum(O * dO) and the LSE copy
 before, the fp32 dQ into dQ's dtype and strides after, and our mask (keys past seqlen_k, the partial
 last query tile, top-left causal). Built for sm_90a only: wgmma and setmaxnreg have no other target.
 

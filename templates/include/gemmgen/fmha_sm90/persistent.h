@@ -155,8 +155,8 @@ struct GroupEpilogue {
   CUTLASS_DEVICE void operator()(BlkCoord const& blk, Result const& result, TiledMma const& mma,
                                  ProblemShape const& ps, Params const& params, TensorStorage& smem) const {
     const int tid = threadIdx.x % kThreads;
-    // One named barrier per consumer warp group (1-3; NamedBarrier adds CUTLASS's reserved count, so
-    // hardware ids 9-11 of 16: __syncthreads' 0 and the reserved ones stay free).
+    // One named barrier per consumer warp group (1-4; NamedBarrier adds CUTLASS's reserved count, so
+    // hardware ids 9-12 of 16: __syncthreads' 0 and the reserved ones stay free).
     const int barrier = threadIdx.x / kThreads;
     auto const& acc = get<0>(result);
     auto const& lse = get<1>(result);
