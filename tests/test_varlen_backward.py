@@ -153,8 +153,12 @@ class VarlenKernel:
 @pytest.fixture
 def cpu_ops(monkeypatch, cpu_ops_library):
     """CPU implementations of the varlen forward (the stand-in) and of its backward (the real one,
-    with VarlenKernel behind the params); the public function's device check passes CPU tensors."""
+    with VarlenKernel behind the params), for the op and for the public function's eager paths
+    (the implementation called directly, or in a torch.autograd.Function when training); the
+    public function's device check passes CPU tensors."""
     monkeypatch.setattr(torch_op, "_varlen_bwd_kernel", lambda q, *a, **kw: VarlenKernel(q.dtype))
+    monkeypatch.setattr(torch_op, "_fused_attention_varlen", forward_standin)
+    monkeypatch.setattr(torch_op, "run_fused_attention_varlen", forward_standin)
     monkeypatch.setattr(attention, "_check_device", lambda *a: None)
     VarlenKernel.calls = []
     cpu_ops_library(fused_attention_varlen=forward_standin,
@@ -208,7 +212,21 @@ def varlen_grads(q, k, v, do, lens_q, lens_k, cu_q=None, cu_k=None, **kw):
     cu_q = cu(lens_q) if cu_q is None else cu_q
     cu_k = cu(lens_k) if cu_k is None else cu_k
     o = gemmgen.fused_attention_varlen(*leaves, cu_q, cu_k, max(lens_q), max(lens_k), **kw)
+    # A plain eager call: the op's pieces in a torch.autograd.Function (torch_op._eager_training).
+    assert type(o.grad_fn).__name__ == "_EagerTrainingVarlenBackward"
     return torch.autograd.grad(o, leaves, do)
+
+
+def test_the_op_and_the_eager_path_give_the_same_gradients(cpu_ops):
+    gen = torch.Generator().manual_seed(7)
+    lens_q, lens_k = [3, 0, 9], [5, 4, 9]
+    q, do = packed(gen, sum(lens_q), 4, 16), packed(gen, sum(lens_q), 4, 16)
+    k, v = packed(gen, sum(lens_k), 2, 16), packed(gen, sum(lens_k), 2, 16)
+    eager_grads = varlen_grads(q, k, v, do, lens_q, lens_k, causal=True)
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    o, _ = torch.ops.gemmgen.fused_attention_varlen(*leaves, cu(lens_q), cu(lens_k), 9, 9, True, return_lse=True)
+    for got, want in zip(torch.autograd.grad(o, leaves, do), eager_grads):
+        assert torch.equal(got, want)
 
 
 def is_dense(t: torch.Tensor) -> bool:

@@ -338,9 +338,15 @@ def fused_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
         draws = (cu_seqlens_q.shape[0] - 1) * q.shape[1] * max_seqlen_q * max_seqlen_k
         seed, base = launch.draw_seed(q.get_device(), draws)
         offset += base
-    o, lse = torch_op.fused_attention_varlen_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                                bool(causal), scale, return_lse or training, instance, dropout_p,
-                                                seed, offset)
+    tensors = (q, k, v, cu_seqlens_q, cu_seqlens_k)
+    if eager.runs_directly(*tensors):
+        op = torch_op.run_fused_attention_varlen
+    elif training and eager.runs_eagerly(*tensors):
+        op = torch_op.run_fused_attention_varlen_training
+    else:
+        op = torch_op.fused_attention_varlen_op
+    o, lse = op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, bool(causal), scale,
+                return_lse or training, instance, dropout_p, seed, offset)
     return (o, lse) if return_lse else o
 
 

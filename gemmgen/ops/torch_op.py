@@ -24,13 +24,14 @@ torch.compile traces them without a graph break and CUDA graphs capture them:
 
 fused_attention and fused_attention_backward are joined by torch.library.register_autograd, and so
 are fused_attention_varlen and fused_attention_varlen_backward (plain eager training calls of
-gemmgen.fused_attention run the same pieces in a torch.autograd.Function, _EagerTraining): a
-forward whose inputs require grad saves q, k, v, O, LSE and the mask (varlen: the cu_seqlens), and
-the backward op computes the gradients from them (LSE is saved, not recomputed; it is returned
-without a gradient of its own). Such a forward needs return_lse=True (the gemmgen functions pass
-it) and, with dropout, an explicit seed (the gemmgen functions draw one), and it checks at once
-that a backward instance can run the call. fused_attention_out has no backward: it refuses inputs
-that require grad (check_no_grad). Double backward raises.
+gemmgen.fused_attention and gemmgen.fused_attention_varlen run the same pieces in a
+torch.autograd.Function, _eager_training): a forward whose inputs require grad saves q, k, v, O,
+LSE and the mask (varlen: the cu_seqlens), and the backward op computes the gradients from them
+(LSE is saved, not recomputed; it is returned without a gradient of its own). Such a forward needs
+return_lse=True (the gemmgen functions pass it) and, with dropout, an explicit seed (the gemmgen
+functions draw one), and it checks at once that a backward instance can run the call.
+fused_attention_out has no backward: it refuses inputs that require grad (check_no_grad). Double
+backward raises.
 
 bias is the additive mask as [B, H, Nq, Nk] by its strides (gemmgen.ops.attention broadcasts and pads it).
 A seed of None draws one from torch's CUDA generator when the op runs (not when it is traced).
@@ -428,28 +429,23 @@ def _gradients(ctx, grad_o, backward: Callable) -> tuple:
     return dq, dk, dv, None, None, None, None, None, None, None, None, dbias if bias_grad else None, None
 
 
-class _EagerTraining(torch.autograd.Function):
-    """fused_attention's op and its registered autograd in one torch.autograd.Function, for eager
-    calls that record a graph (gemmgen.ops.eager.runs_eagerly): the same forward, checks, saved
-    tensors and gradients (_setup_context, _gradients with the backward op's implementation)
-    without torch.library's autograd wrapper and the dispatcher, which cost a small call about
-    100 us of host time per forward (bench/NOTES.md experiment 66). Traced, compiled and
-    transformed calls go through the op."""
+def _eager_training(name: str, forward: Callable, setup_context: Callable, gradients: Callable) -> type:
+    """A torch.autograd.Function named `name` made of an op's pieces, for eager calls that record a
+    graph (gemmgen.ops.eager.runs_eagerly): the op's forward implementation, its setup_context (the
+    checks and saves of its registered autograd) and gradients(ctx, grad_o, implementation of the
+    backward op). The same results as the op, without torch.library's autograd wrapper and the
+    dispatcher, which cost a small call about 100 us of host time per forward (bench/NOTES.md
+    experiment 66). Traced, compiled and transformed calls go through the op."""
 
-    @staticmethod
-    def forward(ctx, *inputs):
-        output = _fused_attention(*inputs)
-        _setup_context(ctx, inputs, output)
+    def run_forward(ctx, *inputs):
+        output = forward(*inputs)
+        setup_context(ctx, inputs, output)
         return output
 
-    @staticmethod
-    def backward(ctx, grad_o, grad_lse):
-        return _gradients(ctx, grad_o, _fused_attention_backward)
-
-
-def run_fused_attention_training(*inputs):
-    """fused_attention_op's result for an eager call whose inputs require grad (_EagerTraining)."""
-    return _EagerTraining.apply(*inputs)
+    return type(name, (torch.autograd.Function,), {
+        "forward": staticmethod(run_forward),
+        "backward": staticmethod(lambda ctx, grad_o, grad_lse: gradients(ctx, grad_o)),
+    })
 
 
 # ---- variable-length backward: packed q [Tq, H, d], k, v [Tk, Hkv, d] -----------------------------
@@ -543,8 +539,14 @@ def _setup_context_varlen(ctx, inputs, output) -> None:
 
 
 def _autograd_backward_varlen(ctx, grad_o, grad_lse):
+    return _gradients_varlen(ctx, grad_o, fused_attention_varlen_backward_op)
+
+
+def _gradients_varlen(ctx, grad_o, backward: Callable) -> tuple:
+    """The gradients of fused_attention_varlen's 14 inputs from what _setup_context_varlen saved,
+    computed by `backward` (the backward op, or its implementation in eager calls)."""
     q, k, v, o, lse, cu_q, cu_k = ctx.saved_tensors
-    dq, dk, dv = fused_attention_varlen_backward_op(grad_o, q, k, v, o, lse, cu_q, cu_k, *ctx.args)
+    dq, dk, dv = backward(grad_o, q, k, v, o, lse, cu_q, cu_k, *ctx.args)
     return (dq, dk, dv) + (None,) * 11  # the offsets, sizes and flags have no gradient
 
 
@@ -664,6 +666,7 @@ def _chunk_as_dense(q, k_cache, v_cache, seqlens, block_table, o, lse, causal, s
 # The implementations the operations call directly on the eager fast path (gemmgen.ops.eager).
 run_fused_attention = _fused_attention
 run_fused_attention_out = _fused_attention_out
+run_fused_attention_varlen = _fused_attention_varlen
 run_fused_attention_with_kvcache = _fused_attention_with_kvcache
 
 
@@ -688,6 +691,25 @@ torch.library.register_autograd("gemmgen::fused_attention", _autograd_backward, 
                                 lib=_LIB)
 torch.library.register_autograd("gemmgen::fused_attention_varlen", _autograd_backward_varlen,
                                 setup_context=_setup_context_varlen, lib=_LIB)
+
+
+# The pieces are looked up when called (tests replace the implementations).
+_EagerTraining = _eager_training(
+    "_EagerTraining", lambda *inputs: _fused_attention(*inputs), lambda *a: _setup_context(*a),
+    lambda ctx, grad_o: _gradients(ctx, grad_o, _fused_attention_backward))
+_EagerTrainingVarlen = _eager_training(
+    "_EagerTrainingVarlen", lambda *inputs: _fused_attention_varlen(*inputs), lambda *a: _setup_context_varlen(*a),
+    lambda ctx, grad_o: _gradients_varlen(ctx, grad_o, _fused_attention_varlen_backward))
+
+
+def run_fused_attention_training(*inputs):
+    """fused_attention_op's result for a plain eager call whose inputs require grad."""
+    return _EagerTraining.apply(*inputs)
+
+
+def run_fused_attention_varlen_training(*inputs):
+    """fused_attention_varlen_op's result for a plain eager call whose inputs require grad."""
+    return _EagerTrainingVarlen.apply(*inputs)
 
 
 fused_attention_op = torch.ops.gemmgen.fused_attention.default
