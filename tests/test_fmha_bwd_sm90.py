@@ -130,6 +130,9 @@ CAUSAL_64 = FmhaBwdSm90Instance(DType.BF16, 64, Mask.CAUSAL, 64, 128)
     (dict(causal_alignment="bottom_right", seqlen_q=1000), None),  # no mask: the alignment is moot
     (dict(max_offset=2**31), "int32"),
     (dict(batch_heads=2**16, seqlen_q=2**10), "accumulator"),
+    (dict(batch_heads=1, seqlen_q=1, seqlen_k=65535 * 128 + 1, causal=True), "key tiles"),  # grid y
+    (dict(batch_heads=1, seqlen_q=1, seqlen_k=65535 * 128, causal=True), None),
+    (dict(batch_heads=1, seqlen_q=1, seqlen_k=65535 * 128 + 1), None),  # no mask: key tiles in grid x
 ])
 def test_problem_reason(kw, reason):
     got = fam.problem_reason(CAUSAL_64, problem(**kw))

@@ -8,10 +8,11 @@ C ABI (GemmgenAttnBwdParams) onto it, with our own steps around it: D = rowsum(O
 before, the fp32 dQ into dQ's dtype and strides after, and our mask (keys past seqlen_k, the partial
 last query tile, top-left causal). Built for sm_90a only: wgmma and setmaxnreg have no other target.
 
-Built by default for sm90: on an H200 its default instances pass the backward GPU suite (odd and
-unequal lengths, both causal cases it accepts) and run the FlashAttention sweep's backward at
-155-520 TFLOP/s, 0.84-0.99x cuDNN at N >= 1024 on an H100 and an H200 (NOTES 65; example 88's own
-loop 131-273, NOTES 53); mea_bwd_sm80 serves what it refuses.
+Built by default for sm90: on an H100 and an H200 its default instances pass the backward GPU
+suite (odd and unequal lengths, both causal cases it accepts) and run the FlashAttention sweep's
+backward at 155-584 TFLOP/s, 0.93-1.13x cuDNN at N >= 1024 but one H100 row at 0.74 (NOTES 67;
+example 88's own loop 131-273, NOTES 53); mea_bwd_sm80 serves what it refuses. Causal instances
+start their CTAs in tile_order.h's order.
 
 One instance = one (dtype, head_dim, mask, tile): block_m queries per step of a CTA's loop, block_n
 keys per CTA (example 88's TileShape (block_m, block_n, head_dim)). `problem_reason` states what a
@@ -45,6 +46,7 @@ SPLIT_DQ = (False, True)
 THREADS = 384  # a producer warp group and two math warp groups of block_n / 2 keys each
 MAX_SMEM = Arch.SM90.max_smem_bytes
 INT32_MAX = 2**31 - 1
+MAX_GRID_YZ = 65535  # a CUDA grid's y and z limit (launch.h's kMaxGridYZ)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,6 +131,9 @@ def problem_reason(inst: FmhaBwdSm90Instance, problem) -> str | None:
         return f"{FAMILY} indexes with int32; this call reaches element {problem.max_offset}"
     if problem.batch_heads * problem.seqlen_q * problem.head_dim > INT32_MAX:
         return f"{FAMILY} indexes dQ's fp32 accumulator with int32; B*H*Nq*d passes it"
+    if problem.causal and -(-problem.seqlen_k // inst.block_n) > MAX_GRID_YZ:
+        # tile_order.h: the causal grid's y dimension counts key tiles.
+        return f"{FAMILY} causal takes at most {MAX_GRID_YZ} key tiles of {inst.block_n} keys"
     return None
 
 

@@ -136,6 +136,29 @@ def test_every_backward_instance():
     assert ran > 0, "no backward instance accepted any test problem"
 
 
+@pytest.mark.parametrize("d, heads", [(64, 32), (128, 16)])
+def test_causal_backward_over_twice_l2(d, heads):
+    """fmha_bwd_sm90's causal instances where the heads' Q, dO and dQ accumulators (8 * N * d bytes
+    each) exceed twice L2, so that one backward runs in several launches of fewer heads
+    (launch.h's causal_heads_per_launch): every head against float64."""
+    n = 16384
+    if heads * 8 * n * d <= 2 * torch.cuda.get_device_properties(0).L2_cache_size:
+        pytest.skip("this GPU's L2 holds the problem in one launch")
+    cands = [c for c in backward_candidates() if c.entry.family == "fmha_bwd_sm90"
+             and c.instance.head_dim == d and c.instance.causal]
+    if not cands:
+        pytest.skip(f"no causal d{d} fmha_bwd_sm90 instance is built")
+    for cand in cands:
+        dtype = launch.TORCH_DTYPES[cand.instance.dtype.value]
+        q, k, v, do = make(1, heads, heads, n, n, d, dtype, (cand.name, "launches"))
+        got = run_instance(cand, q, k, v, do, causal=True, alignment="top_left")
+        assert got is not None, f"{cand.name} rejected a causal {n}x{n} problem"
+        for h in range(heads):
+            want = ref_grads(*(t[:, h:h + 1] for t in (q, k, v, do)), causal=True)
+            for name, g, w in zip(("dQ", "dK", "dV"), got, want):
+                assert_close(f"{cand.name} head {h} {name}", g[:, h:h + 1], w, dtype)
+
+
 def train_grads(q, k, v, do, **kw):
     """(dQ, dK, dV) through gemmgen.fused_attention's autograd."""
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]

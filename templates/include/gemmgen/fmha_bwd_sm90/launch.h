@@ -26,6 +26,7 @@
 // tile's rows past seqlen_q load Q, dO, LSE and D as zeros, so they add nothing), and causal is
 // top-left: key j is visible to query i iff j <= i (causal_offset 0).
 #pragma once
+#include <algorithm>
 #include <cfloat>
 #include <cmath>
 #include <cstdint>
@@ -70,6 +71,7 @@ CUTE_HOST_DEVICE constexpr auto make_fragment_like(Tensor<ArrayEngine<float, N>,
 
 #include "gemmgen/abi.h"
 #include "gemmgen/fmha_bwd_sm90/split_dq.h"
+#include "gemmgen/fmha_bwd_sm90/tile_order.h"
 #include "gemmgen/fmha_sm90/cutlass_launch.h"
 #include "gemmgen/report.h"
 #include "gemmgen/smem.h"
@@ -134,7 +136,8 @@ struct Config {
   using Epilogue = cutlass::fmha::collective::FmhaBwdEpilogueKV<Element, float, typename Mainloop::TileShapePV>;
   using Kernel = cutlass::fmha::kernel::FmhaKernelTmaWarpSpecialized<
       Mainloop, Epilogue,
-      cutlass::fmha::kernel::TileSchedulerBwdAdapter<cutlass::fmha::kernel::IndividualTileScheduler>>;
+      cutlass::fmha::kernel::TileSchedulerBwdAdapter<std::conditional_t<
+          Causal, gemmgen::fmha_bwd_sm90::CausalKeyTileOrder, cutlass::fmha::kernel::IndividualTileScheduler>>>;
   static constexpr int kHeadDim = HeadDim;
   static constexpr int kBlockM = BlockM;
   static constexpr int kBlockN = BlockN;
@@ -148,6 +151,28 @@ constexpr int64_t kWorkspaceAlign = 256;
 constexpr int kVec = 8;                 // elements per 16-byte access (fp16/bf16)
 
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+// Heads per launch of a causal instance (tile_order.h: within a launch and batch entry, every head's
+// key tile 0 starts first, then key tile 1, and so on). All of them where their Q, dO and dQ
+// accumulator (8 * seqlen_q * d bytes per head) take at most twice L2 (NOTES 67: 64 MB of them
+// over a 50 MB L2 ran faster, 256 MB slower than the heads one after another); else as many as
+// that holds, at least enough that a launch's work spread over the SMs covers its longest CTA
+// (2 * SMs / key tiles heads), in launches of equal size.
+inline int64_t causal_heads_per_launch(int64_t heads, int64_t nq, int64_t d, int64_t key_tiles, int device) {
+  int l2 = 0, sms = 0;
+  if (cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return heads;
+  }
+  const int64_t per_head = 8 * nq * d;
+  if (heads * per_head <= 2 * int64_t(l2)) return heads;
+  const int64_t fit = std::max<int64_t>(1, 2 * int64_t(l2) / per_head);
+  const int64_t want = (2 * int64_t(sms) + key_tiles - 1) / key_tiles;
+  const int64_t most = std::min(heads, std::max(fit, want));
+  const int64_t launches = (heads + most - 1) / most;
+  return (heads + launches - 1) / launches;
+}
 
 // The workspace, in order: the LSE copy and D ([B, H, round_up(Nq, kRowPad)] fp32 each), then dQ's
 // accumulator ([B, H, Nq, d] fp32, dense); each part starts kWorkspaceAlign-aligned.
@@ -356,6 +381,12 @@ int run(const GemmgenAttnBwdParams* p, cudaStream_t stream, char* err, int err_l
                   static_cast<long long>(p->workspace_bytes));
   }
 
+  if (Cfg::kCausal && (nk + Cfg::kBlockN - 1) / Cfg::kBlockN > kMaxGridYZ) {
+    return report(err, err_len, GEMMGEN_INVALID_ARGUMENT,
+                  "seqlen_k %lld: this family's causal grid takes at most %lld key tiles of %d keys",
+                  static_cast<long long>(nk), static_cast<long long>(kMaxGridYZ), Cfg::kBlockN);
+  }
+
   constexpr int kSmem = Kernel::SharedStorageSize;
   if (int status = opt_in_smem<cutlass::device_kernel<Kernel>>(kSmem, err, err_len); status != GEMMGEN_OK) {
     return status;
@@ -399,11 +430,14 @@ int run(const GemmgenAttnBwdParams* p, cudaStream_t stream, char* err, int err_l
   const int64_t rp = ws.rows_padded;
   // (batch, head, row, 1) in elements: the int strides CUTLASS's arguments take.
   auto s3 = [](const View& t) { return make_stride(int(t.sb), int(t.sh), int(t.sr), _1{}); };
-  // Chunks keep batch and heads within the grid's y and z limits.
+  // Chunks keep batch and heads within the grid's y and z limits (causal: the batch in z, the key
+  // tiles in y, and the heads per launch of causal_heads_per_launch).
+  const int64_t key_tiles = (nk + Cfg::kBlockN - 1) / Cfg::kBlockN;
+  const int64_t head_step = Cfg::kCausal ? causal_heads_per_launch(h, nq, D, key_tiles, device) : kMaxGridYZ;
   for (int64_t b0 = 0; b0 < b; b0 += kMaxGridYZ) {
-    for (int64_t h0 = 0; h0 < h; h0 += kMaxGridYZ) {
+    for (int64_t h0 = 0; h0 < h; h0 += head_step) {
       const int nb = static_cast<int>(std::min(kMaxGridYZ, b - b0));
-      const int nh = static_cast<int>(std::min(kMaxGridYZ, h - h0));
+      const int nh = static_cast<int>(std::min(head_step, h - h0));
       auto at = [&](auto* ptr, const View& t) { return ptr + b0 * t.sb + h0 * t.sh; };
       const int64_t vec0 = b0 * h + h0;  // first (batch, head) row of the workspace vectors
       typename Kernel::Arguments args{
