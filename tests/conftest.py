@@ -78,7 +78,7 @@ def cpu_ops_library(monkeypatch: pytest.MonkeyPatch):
     the real Python path from autograd to the C ABI params runs without a GPU."""
     from gemmgen.kernels import launch
 
-    monkeypatch.setattr(launch, "run_bwd", lambda kernel, p, index: kernel.run(p, None))
+    monkeypatch.setattr(launch, "run_bwd", lambda kernel, p, index, workspace_bytes=None: kernel.run(p, None))
     monkeypatch.setattr(torch.Tensor, "get_device", lambda self: 0)
     lib = torch.library.Library("gemmgen", "IMPL")
 

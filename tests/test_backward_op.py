@@ -39,7 +39,7 @@ def ref_forward(q, k, v, causal, alignment, scale, bias=None):
 
 class FakeKernel:
     """A backward "instance" that computes the gradients in float64 from the tensors behind the
-    params' pointers (kept by the patched params_bwd) and checks what the C ABI promises it."""
+    params' pointers (kept by the patched set_bwd_pointers) and checks what the C ABI promises it."""
 
     calls: list = []
 
@@ -48,6 +48,9 @@ class FakeKernel:
 
     def run(self, p, stream):
         t = p._tensors
+        for name in ("q", "k", "v", "o", "d_o", "lse", "dq", "dk", "dv", "bias", "dbias"):
+            if t[name] is not None:  # this call's pointers, not an earlier call's of the same key
+                assert getattr(p, name) == t[name].data_ptr(), f"{name}'s pointer"
         q, k, v, d_o, lse = t["q"], t["k"], t["v"], t["d_o"], t["lse"]
         assert k.shape[1] == q.shape[1] and p.heads_kv == p.heads, "K and V reach the kernel with Q's heads"
         for name in ("q", "k", "v", "o", "d_o", "dq", "dk", "dv"):
@@ -84,15 +87,14 @@ def cpu_ops(monkeypatch, cpu_ops_library):
     """CPU implementations of the forward (float64 reference) and the real backward implementation
     with FakeKernel behind it; removed afterwards."""
     forward = cpu_forward
-    real_params = launch.params_bwd
+    real_set = launch.set_bwd_pointers
 
-    def params_bwd(q, k, v, o, d_o, lse, dq, dk, dv, **kw):
-        p = real_params(q, k, v, o, d_o, lse, dq, dk, dv, **kw)
-        p._tensors = dict(q=q, k=k, v=v, o=o, d_o=d_o, lse=lse, dq=dq, dk=dk, dv=dv, bias=kw.get("bias"),
-                          dbias=kw.get("dbias"))
-        return p
+    def set_bwd_pointers(p, q, k, v, o, d_o, lse, dq, dk, dv, bias=None, dbias=None):
+        real_set(p, q, k, v, o, d_o, lse, dq, dk, dv, bias, dbias)
+        p._tensors = dict(q=q, k=k, v=v, o=o, d_o=d_o, lse=lse, dq=dq, dk=dk, dv=dv, bias=bias, dbias=dbias)
 
-    monkeypatch.setattr(launch, "params_bwd", params_bwd)
+    monkeypatch.setattr(launch, "set_bwd_pointers", set_bwd_pointers)
+    monkeypatch.setattr(torch_op, "_kernels", {})  # plans of FakeKernel stay in this test
     monkeypatch.setattr(torch_op, "_bwd_kernel", lambda *a, **kw: FakeKernel())
     FakeKernel.calls = []
     cpu_ops_library(fused_attention=forward, fused_attention_backward=torch_op._fused_attention_backward)
@@ -133,6 +135,17 @@ def test_gradients_layouts_and_group_sums(cpu_ops, h, hkv, layout, causal, align
         atol = 2e-3 * (h // hkv if name != "dQ" else 1)
         assert torch.allclose(g.double(), w, rtol=1e-2, atol=atol), name
     assert len(FakeKernel.calls) == 1 and FakeKernel.calls[0].heads == h
+
+
+def test_calls_of_one_key_share_a_plan_with_their_own_pointers(cpu_ops):
+    gen = torch.Generator().manual_seed(11)
+    for _ in range(2):  # the second call copies the first's params and sets its own pointers
+        q, k, v, do = (torch.randn(1, 2, 9, 16, generator=gen, dtype=torch.float64).to(FP16) for _ in range(4))
+        got = grads_of(q, k, v, do, causal=True)
+        for name, g, w in zip(("dQ", "dK", "dV"), got, ref_grads(q, k, v, do, causal=True)):
+            assert torch.allclose(g.double(), w, rtol=1e-2, atol=2e-3), name
+    assert len(FakeKernel.calls) == 2
+    assert [key[0] for key in torch_op._kernels] == ["bwd plan"]
 
 
 def test_grad_out_the_kernel_cannot_read_is_copied(cpu_ops):

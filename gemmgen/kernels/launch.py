@@ -172,10 +172,19 @@ def params_bwd_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torc
 def _bwd_pointers(q, k, v, o, d_o, lse, dq, dk, dv) -> abi.AttnBwdParams:
     """Backward params with the tensors' data pointers set (everything else zero)."""
     p = abi.AttnBwdParams()
-    for name, t in (("q", q), ("k", k), ("v", v), ("o", o), ("d_o", d_o), ("lse", lse), ("dq", dq), ("dk", dk),
-                    ("dv", dv)):
-        setattr(p, name, t.data_ptr())
+    set_bwd_pointers(p, q, k, v, o, d_o, lse, dq, dk, dv)
     return p
+
+
+def set_bwd_pointers(p: abi.AttnBwdParams, q, k, v, o, d_o, lse, dq, dk, dv, bias=None, dbias=None) -> None:
+    """Set one backward call's data pointers in `p` (params_bwd's params, or a copy of another
+    call's with the same key): the tensors', and the mask's and its gradient's where given."""
+    p.q, p.k, p.v, p.o, p.d_o = q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), d_o.data_ptr()
+    p.lse, p.dq, p.dk, p.dv = lse.data_ptr(), dq.data_ptr(), dk.data_ptr(), dv.data_ptr()
+    if bias is not None:
+        p.bias = bias.data_ptr()
+    if dbias is not None:
+        p.dbias = dbias.data_ptr()
 
 
 def expanded_layout(t: torch.Tensor, group: int, device: str | torch.device | None = None) -> torch.Tensor:
@@ -214,11 +223,13 @@ def _set_workspace(p: Any, size: int, index: int) -> torch.Tensor:
     return workspace
 
 
-def run_bwd(kernel: Any, p: abi.AttnBwdParams, index: int) -> None:
+def run_bwd(kernel: Any, p: abi.AttnBwdParams, index: int, workspace_bytes: int | None = None) -> None:
     """Run the backward instance `kernel` with `p` on CUDA device `index` and its current stream,
-    with a workspace made for the call (bwd_workspace)."""
+    with a workspace made for the call: `workspace_bytes` (what the kernel asked of params with the
+    same sizes), else bwd_workspace's."""
     with torch.cuda.device(index):
-        workspace = bwd_workspace(kernel, p, index)
+        workspace = (bwd_workspace(kernel, p, index) if workspace_bytes is None
+                     else _set_workspace(p, workspace_bytes, index))
         kernel.run(p, _raw_stream(index))
         del workspace  # freed in stream order, after the launch
 

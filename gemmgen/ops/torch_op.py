@@ -87,9 +87,10 @@ def autotune_enabled() -> bool:
 
 
 class _Plan:
-    """What a call key launches: the kernel, its num_splits and, built at the first launch, the C
-    ABI params of the key with every field but the per-call ones (data pointers, dropout seed and
-    offset) set, and the workspace they need. A call key holds everything those fields depend on."""
+    """What a call key launches: the kernel, its num_splits (None for a backward) and, built at the
+    first launch, the C ABI params of the key with every field but the per-call ones (data
+    pointers, dropout seed and offset) set, and the workspace they need. A call key holds
+    everything those fields depend on."""
 
     __slots__ = ("kernel", "splits", "proto", "workspace")
 
@@ -97,10 +98,12 @@ class _Plan:
         self.kernel, self.splits, self.proto, self.workspace = kernel, splits, None, 0
 
     def params(self, build: Callable[[], Any]) -> Any:
-        """A fresh copy of the key's params (build() makes them at the first call)."""
+        """A fresh copy of the key's params (build() makes them at the first call; a backward plan,
+        splits None, has no num_splits)."""
         if self.proto is None:
             p = build()
-            p.num_splits = self.splits
+            if self.splits is not None:
+                p.num_splits = self.splits
             self.workspace = self.kernel.workspace_bytes(p)
             self.proto = p
         return type(self.proto).from_buffer_copy(self.proto)
@@ -327,6 +330,18 @@ def _cached_bwd_kernel(key: tuple, problem_of: Callable[[], Problem]) -> Any:
     return kernel
 
 
+def _bwd_plan(key: tuple, kernel_of: Callable[[], Any]) -> _Plan:
+    """The backward plan cached under `key`: the kernel (kernel_of() at the first call) and, once
+    launched, its params and workspace size (_Plan)."""
+    plan = _kernels.get(key)
+    if plan is None:
+        plan = _Plan(kernel_of(), None)
+        if len(_kernels) >= _MAX_CACHED:
+            _kernels.clear()
+        _kernels[key] = plan
+    return plan
+
+
 def _refuse_double_backward(op: str, tensors: tuple[torch.Tensor, ...]) -> None:
     """The backward ops have no backward of their own: building a graph through them raises."""
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
@@ -363,12 +378,23 @@ def _fused_attention_backward(grad_out, q, k, v, out, lse, causal, causal_alignm
     d_o = grad_out if _kernel_ready(grad_out) else launch.empty_like_layout(out).copy_(grad_out)
     lse = lse.contiguous()
     index = q.get_device()
-    kernel = _bwd_kernel(q, kk, causal, causal_alignment, scale, dropout_p, bias, bias_grad, deterministic,
-                         (vv, out, d_o, dq, dkk, dvv))
-    p = launch.params_bwd(q, kk, vv, out, d_o, lse, dq, dkk, dvv, causal=causal, causal_alignment=causal_alignment,
-                          scale=scale, dropout_p=dropout_p, seed=seed, offset=offset, bias=bias,
-                          dbias=dbias if bias_grad else None, deterministic=deterministic)
-    launch.run_bwd(kernel, p, index)
+    dbias_arg = dbias if bias_grad else None
+    # Everything the kernel's selection and the params look at but the data pointers and dropout's
+    # seed and offset (the strides also fix max_offset; every tensor here is 16-byte aligned).
+    key = ("bwd plan", index, q.dtype, q.shape, kk.shape,
+           *(t.stride() for t in (q, kk, vv, out, d_o, dq, dkk, dvv)), causal,
+           causal_alignment if causal else None, scale, dropout_p, None if bias is None else bias.stride(),
+           bias_grad, deterministic)
+    plan = _bwd_plan(key, lambda: _bwd_kernel(q, kk, causal, causal_alignment, scale, dropout_p, bias, bias_grad,
+                                              deterministic, (vv, out, d_o, dq, dkk, dvv)))
+    p = plan.params(lambda: launch.params_bwd(q, kk, vv, out, d_o, lse, dq, dkk, dvv, causal=causal,
+                                              causal_alignment=causal_alignment, scale=scale, dropout_p=dropout_p,
+                                              seed=seed, offset=offset, bias=bias, dbias=dbias_arg,
+                                              deterministic=deterministic))
+    launch.set_bwd_pointers(p, q, kk, vv, out, d_o, lse, dq, dkk, dvv, bias, dbias_arg)
+    if dropout_p > 0.0:
+        p.dropout_seed, p.dropout_offset = seed, offset
+    launch.run_bwd(plan.kernel, p, index, plan.workspace)
     if group > 1:  # GQA/MQA: dK and dV summed over the query heads of each key/value head
         _sum_groups(dk, dkk, hkv, group)
         _sum_groups(dv, dvv, hkv, group)
