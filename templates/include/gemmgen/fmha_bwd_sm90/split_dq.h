@@ -19,7 +19,7 @@
 // Within a tile each group issues its dQ half before its dK, stores dQ into the reducer's stage
 // while dK still runs, and lets dK complete under the next tile's wait for S (wgmma batches
 // complete in order); the tile's Q and dO stages go back to the producer only then. The tensor
-// cores stay busy through dQ's store and the next tile's first issue (NOTES 67: +4-13%).
+// cores stay busy through dQ's store and the next tile's first issue (NOTES 67: +2-13%).
 //
 // Contract with the kernel (FmhaKernelTmaWarpSpecialized): the same pipelines and the same sequence
 // of query tiles in both math groups (the mask's is_contributing is evaluated on the CTA's coordinate,
