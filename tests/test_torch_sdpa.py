@@ -598,6 +598,31 @@ def test_a_registry_refresh_forgets_remembered_failures(stand_ins, impl_over_tor
     assert torch_sdpa.counts()["_scaled_dot_product_flash_attention"] == {"gemmgen": 1, "torch": 1}
 
 
+def test_remembered_forwards_are_forgotten_on_refresh_and_family_changes(monkeypatch):
+    """The repeated-call path (GPU-tested in tests/gpu/test_torch_sdpa_gpu.py) keeps what a key's
+    first call decided only while the build and the family list stay as they were."""
+    repeats = torch_sdpa._Repeats()
+    entry = torch_sdpa._Repeat(False, ((1, 2, 3, 8), (48, 8, 16, 1)), None, True, None, print, print, print)
+    repeats.add(("op", 1), entry)
+    assert repeats.get(("op", 1)) is entry and repeats.get(("op", 2)) is None
+    gemmgen.refresh()  # a new build
+    assert repeats.get(("op", 1)) is None
+    repeats.add(("op", 1), entry)
+    version = torch_sdpa._space().version()
+    monkeypatch.setattr(torch_sdpa._space(), "version", lambda: version + 1)  # the family list changed
+    assert repeats.get(("op", 1)) is None
+    repeats.add(("op", 1), entry)
+    assert repeats.get(("op", 1)) is entry
+
+
+def test_cpu_calls_are_not_remembered(stand_ins, cpu_impl):
+    q, k, v, _ = inputs(grad=False)
+    for _ in range(2):
+        aten._scaled_dot_product_flash_attention(q, k, v)
+    assert not torch_sdpa._repeats._by_key
+    assert len(stand_ins.forward) == 2  # both calls went through gemmgen.fused_attention
+
+
 def test_unsupported_arguments_fall_back(stand_ins, impl_over_torch):
     q, k, v, _ = inputs(grad=False)
     aten._scaled_dot_product_flash_attention(q, k, v, 0.0, False, True)  # return_debug_mask

@@ -162,6 +162,67 @@ def test_dropout_mask_reaches_the_backward(active):
     assert served(SDPA) == (3, 0) and served(SDPA_BWD) == (2, 0), torch_sdpa.fallback_reasons()
 
 
+@pytest.mark.filterwarnings("ignore:Lower right causal bias")
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
+def test_repeated_calls_take_the_remembered_path_and_match(active, monkeypatch, grad):
+    """The second and later calls of one metadata run through the remembered path (torch_sdpa's
+    _serve_again) with fresh values each time: SDPA's op (GQA, causal) and the [B, N, H, d] flash op,
+    O and LSE against float64; with grad, the backward of a remembered forward too."""
+    again = []
+    real = torch_sdpa._serve_again
+
+    def counting(r, args):
+        result = real(r, args)
+        again.append(result is not None)
+        return result
+
+    monkeypatch.setattr(torch_sdpa, "_serve_again", counting)
+    dtype, d = torch.bfloat16, 64
+    q0, k0, v0, _ = make(2, 8, 2, 1, 77, d, dtype, "repeat-probe")
+    require_gemmgen(q0, k0, v0, causal=True)
+    for i in range(3):
+        q, k, v, do = make(2, 8, 2, 1, 77, d, dtype, ("repeat", grad, i))
+        with torch.set_grad_enabled(grad), sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=False, enable_gqa=True)
+        if grad:
+            o.backward(do)
+            assert_matches_reference(o, q, k, v, do, dtype)
+        else:
+            assert_close("O", o, reference(q, k, v, do)[0], dtype)
+    # The [B, N, H, d] op with its LSE, bottom-right causal at Nq != Nk.
+    for i in range(3):
+        q, k, v, do = make(1, 4, 4, 33, 150, d, dtype, ("repeat-bnhd", grad, i))
+        with torch.set_grad_enabled(grad):
+            outs = torch.ops.aten._flash_attention_forward(*(t.transpose(1, 2) for t in (q, k, v)), None, None,
+                                                           33, 150, 0.0, True, False)
+        o = outs[0].transpose(1, 2)
+        want_o, _ = reference(q, k, v, do, causal=True)
+        assert_close("O", o, want_o, dtype)
+        s = (q.detach().double() @ k.detach().double().transpose(-2, -1)) / math.sqrt(d)
+        s = s.masked_fill(torch.arange(150, device="cuda")[None, :] > torch.arange(33, device="cuda")[:, None] + 117,
+                          float("-inf"))
+        assert_close("LSE", outs[1], torch.logsumexp(s, -1), dtype)
+    assert again == [True, True, True, True], again  # the first call of each metadata ran the full path
+    assert served(SDPA) == (3, 0) and served("_flash_attention_forward") == (3, 0), torch_sdpa.fallback_reasons()
+
+
+def test_a_repeated_call_with_a_misaligned_pointer_takes_the_full_path(active):
+    """Alignment is a per-call fact: the remembered path declines a call whose metadata it knows but
+    whose q starts off a 16-byte boundary (the full path then reports it and torch's kernel runs it)."""
+    dtype = torch.bfloat16
+    q, k, v, do = (t.detach() for t in make(1, 4, 4, 40, 40, 64, dtype, "misaligned", layout="bhnd"))
+    require_gemmgen(q, k, v)
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        F.scaled_dot_product_attention(q, k, v)
+    (repeat,) = torch_sdpa._repeats._by_key.values()
+    base = torch.empty(q.numel() + 8, dtype=dtype, device="cuda")
+    shifted = base[4:4 + q.numel()].view(q.shape).copy_(q)  # q's shape and strides, 8 bytes off
+    assert torch_sdpa._serve_again(repeat, (shifted, k, v)) is None
+    outs = torch_sdpa._serve_again(repeat, (q, k, v))
+    assert outs is not None
+    assert_close("O", outs[0], reference(q, k, v, do)[0], dtype)
+
+
 def no_instance(*args, **kwargs):
     raise NoInstanceError("No built instance runs this call (a test's stand-in)")
 
