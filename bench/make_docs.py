@@ -29,7 +29,8 @@ CURRENT = {
     "decode_grid_h200.md": "Decode and key-value caches against torch SDPA, the whole grid",
     "decode_h200.md": "Decode and key-value caches against torch SDPA, the quick grid",
     "gqa_prefill_h200.md": "GQA prefill and chunked prefill against torch SDPA",
-    "model_h200.md": "A GPT-style model's training step and generation, torch SDPA with and without gemmgen",
+    "model_h100.md": "A GPT-style model's training step and generation, torch SDPA with and without gemmgen",
+    "model_h200.md": "A GPT-style model's training step and generation, torch SDPA with and without gemmgen (before the Hopper backward)",
     "bwd_sweep_h200.md": "The backward against torch SDPA's backward",
     "bwd_sweep_h100.md": "The backward against torch SDPA's backward on an H100",
     "bwd_deterministic_h200.md": "The backward with deterministic=True",
@@ -86,6 +87,7 @@ BUILT_WITH = {
                        "sm90`) and mea_sm80, untuned; the dense causal rate of the chunked-prefill line is fmha_sm90's."),
     "decode_grid_h200.md": ("`python bench/decode.py --max-cache-gib 40` over the default build (`gemmgen generate "
                             "--arch sm80 --arch sm90`) and mea_sm80, untuned."),
+    "model_h100.md": "`python bench/model.py` over the default build (`gemmgen generate --arch sm80 --arch sm90`), untuned.",
     "model_h200.md": "`python bench/model.py` over the default build (`gemmgen generate --arch sm80 --arch sm90`), untuned.",
     "gqa_prefill_h200.md": ("`python bench/gqa_prefill.py` over the default build (`gemmgen generate --arch sm80 "
                             "--arch sm90`), untuned."),

@@ -160,8 +160,7 @@ def main() -> int:
     head = header(f"GPT-style model, {args.layers} layers, width {args.width}, {args.heads} heads (d "
                   f"{args.width // args.heads}), bf16; torch's default SDPA against gemmgen.activate() with SDPA "
                   f"restricted to its flash path; median over {args.rounds} rounds in alternating order of "
-                  f"the median of {args.reps} steps; command: python bench/model.py"
-                  + (f" --out {args.out}" if args.out else ""))
+                  f"the median of {args.reps} steps; command: python bench/model.py {' '.join(sys.argv[1:])}".rstrip())
     table = ["| workload | torch SDPA tokens/s | gemmgen tokens/s | gemmgen / torch |", "|---|---|---|---|"]
     table += [f"| {label} | {a:,.0f} | {b:,.0f} | {b / a:.2f} |" for label, a, b in rows]
     text = head + "\n\n" + "\n".join(table) + f"\n\n- calls run on gemmgen per op: {ran}\n" + \
