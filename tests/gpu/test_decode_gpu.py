@@ -285,6 +285,28 @@ def test_one_split_and_many_splits():
         check_result(case, lengths, o, lse)
 
 
+@pytest.mark.parametrize("splits", [2, 3, 4, 5, 17, 64])
+@pytest.mark.parametrize("d", [64, 128])
+def test_forced_split_counts(monkeypatch, splits, d):
+    """The combine's two layouts (a row's splits over two warps below four splits, four warps from
+    four on) at split counts the heuristic may not pick for these shapes: per-sequence lengths with
+    empty splits (short and empty sequences), Nq 2 with GQA 4, paged; and a bad length's NaN rows
+    beside good ones."""
+    from gemmgen.ops import torch_op
+
+    monkeypatch.setattr(selection, "splits", lambda cand, problem: splits)
+    monkeypatch.setattr(torch_op, "_kernels", {})  # plans made under the real split count stay out
+    lengths = [4097, 0, 17, 1300, 64]
+    case = make_case(5, 2, 8, 2, d, torch.bfloat16, lengths, page_size=64, nnew=1, key=("forced", splits, d))
+    o, lse = run(case)
+    check_result(case, lengths, o, lse)
+    case.seqlens[1] = -3  # a bad length: NaN rows there, the others unchanged
+    o2, lse2 = run(case)
+    assert torch.isnan(o2[1]).all() and torch.isnan(lse2[1]).all()
+    for i in (0, 2, 3, 4):
+        assert torch.equal(o2[i], o[i]) and torch.equal(lse2[i], lse[i]), f"sequence {i} changed"
+
+
 def test_every_default_instance():
     """Each default instance forced by name (both tiles, both head dims, both dtypes)."""
     dtypes = {"fp16": torch.float16, "bf16": torch.bfloat16}

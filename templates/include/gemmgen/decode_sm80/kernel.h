@@ -138,8 +138,12 @@ CUTE_DEVICE void write_empty(GemmgenAttnParams const& p, Work const& w, int spli
   for (int r = threadIdx.x; r < Traits::kBlockM; r += Traits::kNThreads) {
     RowId id;
     if (!row_id(p, w, m_block * Traits::kBlockM + r, id)) continue;
-    if (p.num_splits > 1) {
+    if (p.num_splits > 1) {  // the combine reads every split's O_s: zeros (NaN for a bad length)
       ws_lse[split * all_rows + id.flat] = lse;
+      float* ws_o = static_cast<float*>(p.workspace) + workspace_lse_floats(p) +
+                    (split * all_rows + id.flat) * int64_t(Traits::kHeadDim);
+      const float o_fill = w.bad ? NAN : 0.f;
+      for (int c = 0; c < Traits::kHeadDim; c += 2) *reinterpret_cast<float2*>(ws_o + c) = make_float2(o_fill, o_fill);
       continue;
     }
     Element* o = static_cast<Element*>(p.o) + w.b * p.o_batch_stride + id.h * p.o_head_stride + id.i * p.o_row_stride;
@@ -411,63 +415,83 @@ __global__ void __launch_bounds__(Traits::kNThreads) decode_kernel(const Gemmgen
 }
 
 // Merges the splits of every output row: LSE = log sum_s exp(LSE_s), O = sum_s exp(LSE_s - LSE) O_s.
-// One warp per row: the lanes share out the splits for the LSE, then each lane sums its columns over
-// the splits with the weights staged in shared memory (independent loads, unrolled). Splits whose
-// LSE is -inf saw no key and are skipped (their O_s is never written); a NaN LSE (a bad page or
-// length) makes the row NaN.
+// A row's splits are shared out over `warps_per_row` warps of the CTA (1, 2 or 4; a CTA holds
+// 4 / warps_per_row rows): every warp of the row computes its LSE (the lanes share out the splits),
+// then sums O_s * weight over its splits (s = its index, + warps_per_row, ...) with no branch
+// between the loads, so they are all in flight at once; the row's warps add up through shared
+// memory. Every split writes all its rows' O_s (zeros where it saw no key, whose LSE is -inf and
+// weight 0); a NaN LSE (a bad page or length) makes the row NaN.
 constexpr int kCombineWarps = 4;
-template <class Element, int HeadDim, int MaxSplits>
-__global__ void __launch_bounds__(32 * kCombineWarps) combine_kernel(const GemmgenAttnParams p) {
-  __shared__ float s_weight[kCombineWarps][MaxSplits];
+template <class Element, int HeadDim>
+__global__ void __launch_bounds__(32 * kCombineWarps) combine_kernel(const GemmgenAttnParams p, int warps_per_row) {
+  constexpr int kCols = (HeadDim + 63) / 64;  // float2 columns per lane
+  __shared__ float2 s_part[kCombineWarps][kCols][32];
   const int64_t all_rows = int64_t(p.batch) * p.heads * p.seqlen_q;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int64_t row = int64_t(blockIdx.x) * kCombineWarps + warp;
-  if (row >= all_rows) return;
+  const int part = warp % warps_per_row;
+  const int64_t row = int64_t(blockIdx.x) * (kCombineWarps / warps_per_row) + warp / warps_per_row;
+  const bool live = row < all_rows;
   const float* ws_lse = static_cast<const float*>(p.workspace);
   const float* ws_o = ws_lse + workspace_lse_floats(p);
   const int splits = p.num_splits;
-  float top = -INFINITY;
+  float top = -INFINITY, lse = -INFINITY;
   bool nan = false;
-  for (int s = lane; s < splits; s += 32) {
-    const float l = ws_lse[s * all_rows + row];
-    nan |= isnan(l);
-    top = fmaxf(top, l);
+  float2 acc[kCols];
+  CUTE_UNROLL
+  for (int j = 0; j < kCols; ++j) acc[j] = make_float2(0.f, 0.f);
+  if (live) {
+    for (int s = lane; s < splits; s += 32) {
+      const float l = ws_lse[s * all_rows + row];
+      nan |= isnan(l);
+      top = fmaxf(top, l);
+    }
+    for (int o = 16; o > 0; o /= 2) {
+      top = fmaxf(top, __shfl_xor_sync(0xffffffff, top, o));
+      nan |= __shfl_xor_sync(0xffffffff, int(nan), o) != 0;
+    }
+    float sum = 0.f;
+    if (top != -INFINITY && !nan) {
+      for (int s = lane; s < splits; s += 32) sum += __expf(ws_lse[s * all_rows + row] - top);
+    }
+    for (int o = 16; o > 0; o /= 2) sum += __shfl_xor_sync(0xffffffff, sum, o);
+    lse = nan ? NAN : top == -INFINITY ? -INFINITY : top + __logf(sum);
+    const float* o_row = ws_o + row * HeadDim;
+    const int64_t split_stride = all_rows * HeadDim;
+    #pragma unroll 4
+    for (int s = part; s < splits; s += warps_per_row) {
+      const float l = ws_lse[s * all_rows + row];
+      const float wgt = (nan || l == -INFINITY) ? 0.f : __expf(l - lse);
+      CUTE_UNROLL
+      for (int j = 0; j < kCols; ++j) {
+        const int c = lane * 2 + 64 * j;
+        if (c < HeadDim) {
+          const float2 v = *reinterpret_cast<const float2*>(o_row + s * split_stride + c);
+          acc[j].x += wgt * v.x;
+          acc[j].y += wgt * v.y;
+        }
+      }
+    }
   }
-  for (int o = 16; o > 0; o /= 2) {
-    top = fmaxf(top, __shfl_xor_sync(0xffffffff, top, o));
-    nan |= __shfl_xor_sync(0xffffffff, int(nan), o) != 0;
-  }
-  float sum = 0.f;
-  if (top != -INFINITY && !nan) {
-    for (int s = lane; s < splits; s += 32) sum += __expf(ws_lse[s * all_rows + row] - top);
-  }
-  for (int o = 16; o > 0; o /= 2) sum += __shfl_xor_sync(0xffffffff, sum, o);
-  const float lse = nan ? NAN : top == -INFINITY ? -INFINITY : top + __logf(sum);
-  for (int s = lane; s < splits; s += 32) {
-    const float l = ws_lse[s * all_rows + row];
-    s_weight[warp][s] = (nan || l == -INFINITY) ? 0.f : __expf(l - lse);
-  }
-  __syncwarp();
+  CUTE_UNROLL
+  for (int j = 0; j < kCols; ++j) s_part[warp][j][lane] = acc[j];
+  __syncthreads();
+  if (!live || part != 0) return;
   const int i = int(row % p.seqlen_q);
   const int64_t bh = row / p.seqlen_q;
   const int b = int(bh / p.heads), h = int(bh % p.heads);
   Element* o = static_cast<Element*>(p.o) + b * p.o_batch_stride + h * p.o_head_stride + i * p.o_row_stride;
-  const float* part = ws_o + row * HeadDim;
-  const int64_t split_stride = all_rows * HeadDim;
-  for (int c = lane * 2; c < HeadDim; c += 64) {
-    float a0 = 0.f, a1 = 0.f;
-    #pragma unroll 8
-    for (int s = 0; s < splits; ++s) {
-      const float wgt = s_weight[warp][s];
-      if (wgt != 0.f) {
-        const float2 v = *reinterpret_cast<const float2*>(part + s * split_stride + c);
-        a0 += wgt * v.x;
-        a1 += wgt * v.y;
-      }
+  CUTE_UNROLL
+  for (int j = 0; j < kCols; ++j) {
+    const int c = lane * 2 + 64 * j;
+    if (c >= HeadDim) continue;
+    float2 a = acc[j];
+    for (int w = 1; w < warps_per_row; ++w) {
+      a.x += s_part[warp + w][j][lane].x;
+      a.y += s_part[warp + w][j][lane].y;
     }
-    if (nan) a0 = a1 = NAN;
-    o[c] = Element(a0);
-    o[c + 1] = Element(a1);
+    if (nan) a = make_float2(NAN, NAN);
+    o[c] = Element(a.x);
+    o[c + 1] = Element(a.y);
   }
   if (lane == 0 && p.lse != nullptr) p.lse[row] = lse;
 }

@@ -53,9 +53,14 @@ int run(const GemmgenAttnParams* p, cudaStream_t stream, char* err, int err_len)
   const dim3 grid(splits, static_cast<unsigned>(m_blocks), static_cast<unsigned>(bkv));
   decode_kernel<Traits><<<grid, Traits::kNThreads, kSmem, stream>>>(params);
   if (splits > 1) {
+    // A row's splits over up to four warps: one row per CTA from four splits on, two rows of two
+    // warps each below (many rows, few splits: the large batches).
+    const int warps_per_row = splits >= 4 ? 4 : 2;
+    const int rows_per_cta = kCombineWarps / warps_per_row;
     const int64_t all_rows = int64_t(p->batch) * p->heads * p->seqlen_q;
-    combine_kernel<typename Traits::Element, Traits::kHeadDim, kMaxSplits>
-        <<<static_cast<unsigned>((all_rows + kCombineWarps - 1) / kCombineWarps), 32 * kCombineWarps, 0, stream>>>(params);
+    combine_kernel<typename Traits::Element, Traits::kHeadDim>
+        <<<static_cast<unsigned>((all_rows + rows_per_cta - 1) / rows_per_cta), 32 * kCombineWarps, 0, stream>>>(
+            params, warps_per_row);
   }
   cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) {
