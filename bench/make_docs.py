@@ -26,7 +26,8 @@ OUT = ROOT / "docs" / "benchmarks.md"
 # result file follows under "Experiment tables", in the order of the first experiment citing it.
 CURRENT = {
     "fa_sweep_h200.md": "All attention families against torch SDPA (the FlashAttention sweep)",
-    "decode_grid_h200.md": "Decode and key-value caches against torch SDPA, the whole grid",
+    "decode_grid_h100.md": "Decode and key-value caches against torch SDPA, the whole grid, on an H100",
+    "decode_grid_h200.md": "Decode and key-value caches against torch SDPA, the whole grid (before NOTES 71's combine)",
     "decode_h200.md": "Decode and key-value caches against torch SDPA, the quick grid",
     "gqa_prefill_h200.md": "GQA prefill and chunked prefill against torch SDPA",
     "model_h100.md": "A GPT-style model's training step and generation, torch SDPA with and without gemmgen",
@@ -85,6 +86,8 @@ BUILT_WITH = {
     "overhead_h200.md": "`python bench/overhead.py` over the default build (`gemmgen generate --arch sm80 --arch sm90`).",
     "decode_h200.md": ("`python bench/decode.py --quick` over the default build (`gemmgen generate --arch sm80 --arch "
                        "sm90`) and mea_sm80, untuned; the dense causal rate of the chunked-prefill line is fmha_sm90's."),
+    "decode_grid_h100.md": ("`python bench/decode.py --max-cache-gib 40` over the default build (`gemmgen generate "
+                            "--arch sm80 --arch sm90`) and mea_sm80, untuned."),
     "decode_grid_h200.md": ("`python bench/decode.py --max-cache-gib 40` over the default build (`gemmgen generate "
                             "--arch sm80 --arch sm90`) and mea_sm80, untuned."),
     "model_h100.md": "`python bench/model.py` over the default build (`gemmgen generate --arch sm80 --arch sm90`), untuned.",
