@@ -25,16 +25,24 @@ from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 from gemmgen.generator import space
 
 _Tensor = torch.Tensor
+_strided = torch.strided
+_is_compiling = torch.compiler.is_compiling
+_is_tracing = torch.jit.is_tracing
+_function_mode = torch._C._is_torch_function_mode_enabled
+_functorch = torch._C._are_functorch_transforms_active
 
 
 def runs_eagerly(*tensors: torch.Tensor | None) -> bool:
     """Whether a call on `tensors` (None entries ignored) is plain eager: nothing traced, no torch
     function or dispatch mode, no functorch transform, every tensor a plain torch.Tensor. Such a
     call may record an autograd graph with a torch.autograd.Function of the op's own pieces."""
-    if torch.compiler.is_compiling() or torch.jit.is_tracing() or torch._C._is_torch_function_mode_enabled() or \
-            is_in_torch_dispatch_mode() or torch._C._are_functorch_transforms_active():
+    # Plain loops, not generator expressions: this runs on every small call (bench/NOTES.md, 72).
+    if _is_compiling() or _is_tracing() or _function_mode() or is_in_torch_dispatch_mode() or _functorch():
         return False
-    return all(t is None or type(t) is _Tensor for t in tensors)
+    for t in tensors:
+        if t is not None and type(t) is not _Tensor:
+            return False
+    return True
 
 
 def runs_directly(*tensors: torch.Tensor | None) -> bool:
@@ -42,16 +50,26 @@ def runs_directly(*tensors: torch.Tensor | None) -> bool:
     without torch's dispatcher (see the module doc): plain eager, and no autograd graph to record."""
     if not runs_eagerly(*tensors):
         return False
-    return not torch.is_grad_enabled() or not any(t is not None and t.requires_grad for t in tensors)
+    if not torch.is_grad_enabled():
+        return True
+    for t in tensors:
+        if t is not None and t.requires_grad:
+            return False
+    return True
 
 
 def signature(*tensors: torch.Tensor | None) -> tuple | None:
     """What the metadata checks read of `tensors` (plain tensors or None): shape, strides, dtype,
     device, requires_grad; None when one is not strided (it has no strides: the checks report it)."""
+    parts = []
     for t in tensors:
-        if t is not None and t.layout is not torch.strided:
+        if t is None:
+            parts.append(None)
+        elif t.layout is not _strided:
             return None
-    return tuple(None if t is None else (t.shape, t.stride(), t.dtype, t.device, t.requires_grad) for t in tensors)
+        else:
+            parts.append((t.shape, t.stride(), t.dtype, t.device, t.requires_grad))
+    return tuple(parts)
 
 
 class Checked:

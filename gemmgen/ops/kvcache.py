@@ -183,10 +183,14 @@ def fused_attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache
         if checked:
             _CHECKED.add(checked)
     if direct or _has_memory(q, k_cache, v_cache, cache_seqlens, block_table, k, v):
-        for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v)):
-            if t is not None and t.data_ptr() % ALIGN_BYTES:
-                raise InputError(f"{name}'s data pointer is not {ALIGN_BYTES}-byte aligned "
-                                 f"(storage offset {t.storage_offset()})")
+        pointers = q.data_ptr() | k_cache.data_ptr() | v_cache.data_ptr()
+        if k is not None:
+            pointers |= k.data_ptr() | v.data_ptr()
+        if pointers % ALIGN_BYTES:
+            for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v)):
+                if t is not None and t.data_ptr() % ALIGN_BYTES:
+                    raise InputError(f"{name}'s data pointer is not {ALIGN_BYTES}-byte aligned "
+                                     f"(storage offset {t.storage_offset()})")
         if check_values:
             capacity = k_cache.shape[1] * (1 if block_table is None else block_table.shape[1])
             _check_values(cache_seqlens, block_table, 0 if k is None else k.shape[1], capacity, k_cache.shape[0])
