@@ -20,6 +20,7 @@ backward is at or above the fastest SDPA backend's, and which shapes fall below.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 
 import torch
@@ -28,6 +29,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import gemmgen
 from common import add_sweep_args, fa_shapes, header, rounds_method
+from gemmgen.ops import padding
 from gemmgen.select import calls, selection, timing
 
 BACKENDS = {"FA2": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
@@ -48,9 +50,17 @@ def attend(backend, deterministic=False):
 
 
 def backward_instance(q, k, causal, deterministic=False) -> str:
-    """The backward instance the registry picks for this call (what the gemmgen column ran)."""
+    """The backward instance the registry picks for this call (what the gemmgen column ran); a head
+    dim without tiles runs padded (gemmgen.ops.padding), and so is its backward."""
+    dp = padding.needs_padding(q, k)
+    if dp is not None:
+        q, k = padding.pad(q, dp), padding.pad(k, dp)
     try:
-        return selection.select(calls.problem_for_bwd(q, k, causal, deterministic=deterministic)).name
+        problem = calls.problem_for_bwd(q, k, causal, deterministic=deterministic)
+        at = selection.padded_backward_head_dim(problem)  # the backward pads on its own account too
+        if at == problem.head_dim:
+            return selection.select(problem).name
+        return f"{selection.select(dataclasses.replace(problem, head_dim=at)).name} (padded to d{at})"
     except gemmgen.GemmgenError:
         return "-"
 

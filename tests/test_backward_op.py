@@ -96,6 +96,8 @@ def cpu_ops(monkeypatch, cpu_ops_library):
     monkeypatch.setattr(launch, "set_bwd_pointers", set_bwd_pointers)
     monkeypatch.setattr(torch_op, "_kernels", {})  # plans of FakeKernel stay in this test
     monkeypatch.setattr(torch_op, "_bwd_kernel", lambda *a, **kw: FakeKernel())
+    # The selection stood in: the backward runs at q's own head dim (padding: tests/test_padding.py).
+    monkeypatch.setattr(torch_op, "_bwd_head_dim", lambda q, *a, **kw: q.shape[-1])
     FakeKernel.calls = []
     cpu_ops_library(fused_attention=forward, fused_attention_backward=torch_op._fused_attention_backward)
 
@@ -112,6 +114,27 @@ def ref_grads(q, k, v, do, bias=None, causal=False, causal_alignment="top_left",
     b64 = [bias.detach().double().requires_grad_()] if bias is not None else []
     o, _ = ref_forward(*leaves, causal, causal_alignment, scale, *b64)
     return torch.autograd.grad(o, leaves + b64, do.double())
+
+
+@pytest.mark.parametrize("scale", [None, 0.3])
+def test_a_backward_padded_to_a_larger_head_dim(cpu_ops, monkeypatch, scale):
+    """Where selection weighs a larger head dim faster (gemmgen.ops.padding), the backward runs on
+    zero-padded copies of dO, Q, K, V and O at the real head dim's scale, and its gradients come back
+    cut to that head dim in the inputs' layouts: GQA, [B, N, H, d] views, causal bottom-right."""
+    monkeypatch.setattr(torch_op, "_bwd_head_dim", lambda q, *a, **kw: 32 if q.shape[-1] == 24 else q.shape[-1])
+    gen = torch.Generator().manual_seed(24)
+
+    def make(heads, n):
+        return torch.randn(2, n, heads, 24, generator=gen, dtype=torch.float64).to(FP16).transpose(1, 2)
+
+    q, k, v, do = make(8, 17), make(2, 29), make(2, 29), make(8, 17)
+    got = grads_of(q, k, v, do, causal=True, causal_alignment="bottom_right", scale=scale)
+    want = ref_grads(q, k, v, do, causal=True, causal_alignment="bottom_right", scale=scale)
+    for name, g, w, x in zip(("dQ", "dK", "dV"), got, want, (q, k, v)):
+        assert g.shape == x.shape and g.stride() == x.stride(), f"{name} not in its input's layout"
+        assert torch.allclose(g.double(), w, rtol=1e-2, atol=8e-3), name
+    (p,) = FakeKernel.calls
+    assert p.head_dim == 32 and p.scale == pytest.approx(0.3 if scale is not None else 24 ** -0.5)
 
 
 @pytest.mark.parametrize("h, hkv", [(4, 4), (8, 2), (4, 1)], ids=["mha", "gqa4", "mqa"])

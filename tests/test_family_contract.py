@@ -142,11 +142,16 @@ def _qkv(d: int) -> tuple[torch.Tensor, ...]:
     return tuple(torch.randn(1, 2, 16, d, dtype=torch.float16) for _ in range(3))
 
 
-def test_head_dim_80_passes_validation_and_81_does_not():
-    with pytest.raises(DeviceError):  # past every argument check: CPU tensors
-        gemmgen.fused_attention(*_qkv(80))
-    with pytest.raises(InputError, match="a multiple of 8 up to 256; got 81, 81, 81"):
-        gemmgen.fused_attention(*_qkv(81))
+def test_head_dims_1_to_256_pass_validation_and_others_do_not():
+    for d in (80, 81, 1, 59, 256):  # past every argument check (head dims without tiles padded): CPU tensors
+        with pytest.raises(DeviceError):
+            gemmgen.fused_attention(*_qkv(d))
+    for d in (257, 0):
+        with pytest.raises(InputError, match=f"from 1 to 256 .*; got {d}, {d}, {d}"):
+            gemmgen.fused_attention(*_qkv(d))
+    with pytest.raises(InputError, match="got 80, 81, 80"):  # no padding where they differ
+        q, k, v = _qkv(80)
+        gemmgen.fused_attention(q, torch.randn(1, 2, 16, 81, dtype=torch.float16), v)
 
 
 def _problem(**kw) -> Problem:

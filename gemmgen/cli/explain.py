@@ -11,12 +11,14 @@ kernel, and `gemmgen explain` says so.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import re
 import sys
 
 from gemmgen.select import device, registry, selection, tuning_db
 from gemmgen.errors import DeviceError, InputError
-from gemmgen.generator.space import describe_head_dims, supported_head_dims
+from gemmgen.generator.space import supported_head_dims
+from gemmgen.ops import padding
 from gemmgen.select.problem import ALIGN_BYTES, BwdProblem, Problem
 from gemmgen.select.shapes import parse_shape
 
@@ -83,8 +85,8 @@ def empty_report(sizes: list[int], *, causal: bool, dtype: str, heads_kv: int | 
     kv = h if heads_kv is None else heads_kv
     if kv < 1 or h % kv:
         raise InputError(f"key/value heads {kv} (--heads-kv, default H) must be at least 1 and divide H = {h}")
-    if d not in supported_head_dims():
-        raise InputError(f"head dim {d} is not supported; supported: {describe_head_dims(supported_head_dims())}")
+    if d not in supported_head_dims() and padding.padded_head_dim(d) == d:
+        raise InputError(f"head dim {d} is not supported; supported: {padding.describe()}")
     n = f"Nq=Nk={nq}" if nq == nk else f"Nq={nq} Nk={nk}"
     lines = [f"shape: B={b} H={h}{f' Hkv={kv}' if kv != h else ''} {n} d={d} {dtype}{' causal' if causal else ''}"]
     if b * h * nq == 0:
@@ -117,18 +119,28 @@ def run(args: argparse.Namespace) -> int:
     shape = parse_shape(args.shape, dtype=args.dtype, causal=args.causal, heads_kv=args.heads_kv,
                         layout=args.layout)
     facts, db = device_facts(args)
-    fields = dict(dtype=shape.dtype, head_dim=shape.head_dim, causal=shape.causal, device=facts,
+    head_dim = padding.padded_head_dim(shape.head_dim)  # the backward of a padded call is padded too
+    fields = dict(dtype=shape.dtype, head_dim=head_dim, causal=shape.causal, device=facts,
                   batch_heads=shape.batch * shape.heads, seqlen_q=shape.seqlen_q, seqlen_k=shape.seqlen_k,
                   gqa=shape.heads // shape.kv_heads, layout=shape.layout, align=ALIGN_BYTES,
                   causal_alignment=args.causal_alignment)
+    notes = [] if head_dim == shape.head_dim else [
+        f"head_dim {shape.head_dim} has no tile: the call runs on copies of q, k, v padded to {head_dim}"]
     if args.backward:  # the backward reads K and V expanded to Q's heads (GQA summed afterwards)
         problem = BwdProblem(**{**fields, "gqa": 1}, deterministic=args.deterministic)
+        bwd_dim = selection.padded_backward_head_dim(problem)
+        if bwd_dim != head_dim:
+            notes.append(f"the backward runs padded to head_dim {bwd_dim}: its family there weighs faster "
+                         f"than head_dim {head_dim}'s")
+            problem = dataclasses.replace(problem, head_dim=bwd_dim)
     elif args.deterministic:
         raise InputError("--deterministic describes a backward: add --backward")
     else:
         problem = Problem(**fields)
     decision = selection.decide(problem, args.instance, db=db)
     print(f"shape: {shape.describe()}")
+    for note in notes:
+        print(note)
     print(decision.report())
     sys.stdout.flush()
     return 0

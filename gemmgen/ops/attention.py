@@ -8,13 +8,13 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from gemmgen.kernels import launch
 from gemmgen.select import calls, selection
-from gemmgen.ops import eager, torch_op
+from gemmgen.ops import eager, padding, torch_op
 from gemmgen.ops.checks import check_4d, check_bool, check_dense, check_finite, check_instance, check_no_overlap
 from gemmgen.ops.grad import check_no_grad
 from gemmgen.errors import DeviceError, InputError
 from gemmgen.select.problem import ALIGN_BYTES
 from gemmgen.ops.reference import ALIGNMENTS
-from gemmgen.generator.space import describe_head_dims, supported_head_dims
+from gemmgen.generator.space import supported_head_dims
 
 DTYPES = launch.DTYPE_NAMES
 ALIGN_ELEMENTS = 8  # strides in elements: 8 x 2 bytes keeps every row start 16-byte aligned
@@ -33,7 +33,9 @@ def _check_strides(name: str, t: torch.Tensor) -> None:
                          f"elements (16 bytes) outside the last dim")
 
 
-def _check_out(out: torch.Tensor, q: torch.Tensor) -> None:
+def _check_out(out: torch.Tensor, q: torch.Tensor, *, kernel_writes: bool = True) -> None:
+    """out=: q's shape and dtype, elements that do not overlap, and (where the kernel writes it,
+    not a copy) the kernels' stride rules."""
     if not isinstance(out, torch.Tensor):
         raise InputError(f"out must be a torch.Tensor, got {type(out).__name__}")
     if out.shape != q.shape or out.dtype != q.dtype:
@@ -42,7 +44,8 @@ def _check_out(out: torch.Tensor, q: torch.Tensor) -> None:
     dims = sorted((s, n) for s, n in zip(out.stride(), out.shape) if n > 1)
     if any(s2 < s1 * n1 for (s1, n1), (s2, _) in zip(dims, dims[1:])) or (dims and dims[0][0] == 0):
         raise InputError(f"out's elements overlap (strides {tuple(out.stride())})")
-    _check_strides("out", out)
+    if kernel_writes:
+        _check_strides("out", out)
 
 
 def _validate(q, k, v, out, *, device: bool = True) -> None:
@@ -54,8 +57,7 @@ def _validate(q, k, v, out, *, device: bool = True) -> None:
                          f"{q.dtype}, {k.dtype}, {v.dtype}")
     (b, h, _, d), (bk, hk, nk, dk), (bv, hv, nv, dv) = q.shape, k.shape, v.shape
     if not d == dk == dv or d not in supported_head_dims():  # what the families serve, together
-        raise InputError(f"head_dim must be equal across q, k, v and {describe_head_dims(supported_head_dims())}; "
-                         f"got {d}, {dk}, {dv}")
+        raise InputError(f"head_dim must be equal across q, k, v and {padding.describe()}; got {d}, {dk}, {dv}")
     if not b == bk == bv:
         raise InputError(f"batch must be equal across q, k, v; got {b}, {bk}, {bv}")
     if nk != nv:
@@ -196,7 +198,9 @@ def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
 
     q: [B, H, Nq, d]; k, v: [B, Hkv, Nk, d], Hkv dividing H (GQA/MQA); fp16 or bf16; any strides
     with a contiguous last dim, other strides multiples of 8 elements and 16-byte aligned data
-    (a [B, N, H, d] tensor passes as x.transpose(1, 2)). causal_alignment "top_left" (torch's) lets
+    (a [B, N, H, d] tensor passes as x.transpose(1, 2)). d from 1 to 256: a head dim the default
+    families have no tile for (one of 32, 64, 96, 128, 160, 192, 256) runs on copies of q, k, v
+    padded with zero columns to the next of them (gemmgen.ops.padding), at its own scale. causal_alignment "top_left" (torch's) lets
     query i see keys j <= i; "bottom_right" (FlashAttention's) keys j <= i + Nk - Nq. scale defaults
     to 1/sqrt(d). O comes back in q's layout (or is written into `out`); with return_lse, also the
     float32 natural-log LSE [B, H, Nq] (-inf and O = 0 for a row that sees no key).
@@ -224,6 +228,10 @@ def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
     check_instance(instance)
     scale = _check_args(causal_alignment, scale)
     dropout_p = _check_dropout(dropout_p, seed, offset)
+    if (dp := padding.needs_padding(q, k, v)) is not None:
+        return _fused_attention_padded(q, k, v, dp, out, return_lse, scale, attn_mask, causal=causal,
+                                       causal_alignment=causal_alignment, instance=instance, dropout_p=dropout_p,
+                                       seed=seed, offset=offset, deterministic=deterministic)
     direct = eager.runs_directly(q, k, v, out, attn_mask)
     training = not direct and torch.is_grad_enabled() and any(
         isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v, attn_mask))  # direct: no graph
@@ -263,6 +271,26 @@ def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
     return (o, lse) if return_lse else o
 
 
+def _fused_attention_padded(q, k, v, dp: int, out, return_lse: bool, scale: float | None, attn_mask, **kw):
+    """fused_attention of a head dim without tiles, at head dim dp (gemmgen.ops.padding): q, k, v
+    padded with zero columns, at the real head dim's scale; O cut back into q's layout (or out=)."""
+    if out is not None:  # out= is checked against the caller's q (a copy fills it), and has no backward
+        _check_out(out, q, kernel_writes=False)
+        _check_out_overlap(out, q, k, v, attn_mask)
+        check_no_grad("fused_attention with out=", q=q, k=k, v=v, attn_mask=attn_mask,
+                      hint="call it without out= to get gradients")
+    res = fused_attention(padding.pad(q, dp), padding.pad(k, dp), padding.pad(v, dp), attn_mask=attn_mask,
+                          scale=padding.default_scale(scale, q.shape[-1]), return_lse=return_lse, **kw)
+    o, lse = res if return_lse else (res, None)
+    if out is not None:
+        with torch.no_grad():
+            out.copy_(o[..., :q.shape[-1]])
+        o = out
+    else:
+        o = padding.cut(o, q)
+    return (o, lse) if return_lse else o
+
+
 def _check_cu_seqlens(name: str, cu: torch.Tensor, total: int, max_seqlen: int, device: torch.device) -> None:
     if not isinstance(cu, torch.Tensor) or cu.dtype != torch.int32 or cu.dim() != 1 or cu.shape[0] < 2:
         raise InputError(f"{name} must be a 1-D torch.int32 tensor of batch + 1 offsets; got "
@@ -298,8 +326,8 @@ def fused_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
     cu_seqlens_q[b + 1] of q and cu_seqlens_k[b] to cu_seqlens_k[b + 1] of k and v (int32, batch + 1
     entries, starting at 0); max_seqlen_q/k bound the lengths. causal is top-left within each
     sequence (query i sees keys j <= i). Returns O [Tq, H, d] and with return_lse the float32 LSE
-    [B, H, max_seqlen_q] (-inf past a sequence's end and where no key is seen). dropout_p, seed and
-    offset as in fused_attention. The cu_seqlens values are checked (a device-to-host copy) outside
+    [B, H, max_seqlen_q] (-inf past a sequence's end and where no key is seen). d from 1 to 256,
+    padded where no tile has it, and dropout_p, seed and offset, as in fused_attention. The cu_seqlens values are checked (a device-to-host copy) outside
     torch.compile and CUDA graph capture; a non-contiguous cu_seqlens view is copied to a contiguous
     one (the kernel reads the offsets as an array).
 
@@ -318,6 +346,14 @@ def fused_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
     check_instance(instance)
     scale = _check_args("top_left", scale)
     dropout_p = _check_dropout(dropout_p, seed, offset)
+    if (dp := padding.needs_padding(q, k, v)) is not None:  # a head dim without tiles: gemmgen.ops.padding
+        res = fused_attention_varlen(padding.pad(q, dp), padding.pad(k, dp), padding.pad(v, dp), cu_seqlens_q,
+                                     cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
+                                     scale=padding.default_scale(scale, q.shape[-1]), return_lse=return_lse,
+                                     instance=instance, dropout_p=dropout_p, seed=seed, offset=offset)
+        o, lse = res if return_lse else (res, None)
+        o = padding.cut(o, q)
+        return (o, lse) if return_lse else o
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 3:
             raise InputError(f"{name} must be a 3-D torch.Tensor ([total_tokens, heads, head_dim]); got "
@@ -354,10 +390,13 @@ def explain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool =
             causal_alignment: str = "top_left", instance: str | None = None, dropout_p: float = 0.0,
             attn_mask: torch.Tensor | None = None) -> selection.Decision:
     """The decision fused_attention makes for these tensors: candidates, rejects with their reasons,
-    winner and its source (decision.report() gives the text `gemmgen explain` prints)."""
+    winner and its source (decision.report() gives the text `gemmgen explain` prints). A head dim
+    without tiles is explained as the padded call it runs (gemmgen.ops.padding)."""
     check_bool("causal", causal)
     check_instance(instance)
     _check_args(causal_alignment, None)
+    if (dp := padding.needs_padding(q, k, v)) is not None:  # the padded call it runs
+        q, k, v = (padding.pad(t, dp) for t in (q, k, v))
     _validate(q, k, v, None, device=False)
     dropout_p = _check_dropout(dropout_p, None, 0)
     _check_mask(attn_mask, q, k)
@@ -373,5 +412,7 @@ def selected_instance(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, caus
     check_bool("causal", causal)
     check_instance(instance)
     _check_args(causal_alignment, None)
+    if (dp := padding.needs_padding(q, k, v)) is not None:  # the padded call it runs
+        q, k, v = (padding.pad(t, dp) for t in (q, k, v))
     _validate(q, k, v, None)
     return selection.select(calls.problem_for(q, k, causal, causal_alignment=causal_alignment), instance).name

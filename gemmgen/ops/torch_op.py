@@ -53,6 +53,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from gemmgen.select import calls, jit, registry, selection
 from gemmgen.kernels import launch
 from gemmgen.errors import InputError
+from gemmgen.ops import padding
 from gemmgen.ops.grad import check_no_grad
 from gemmgen.select.problem import ALIGN_BYTES, Problem
 
@@ -356,11 +357,34 @@ def _sum_groups(dst: torch.Tensor, grads: torch.Tensor, heads_kv: int, group: in
     dst.copy_(grads.unflatten(1, (heads_kv, group)).sum(2, dtype=torch.float32))
 
 
+def _bwd_head_dim(q, k, causal, causal_alignment, scale, dropout_p, bias, bias_grad, deterministic) -> int:
+    """The head dim a backward runs at (selection.padded_backward_head_dim), decided once per call key."""
+    qs, ks = q.stride(), k.stride()
+    key = ("bwd head dim", q.get_device(), q.dtype, q.shape, k.shape, qs[2] <= qs[1], ks[2] <= ks[1], causal,
+           causal_alignment if causal else None, _sign(scale), dropout_p > 0.0, bias is not None, bias_grad,
+           deterministic)
+    found = _kernels.get(key)
+    if found is None:
+        kk = launch.expanded_layout(k, q.shape[1] // k.shape[1], "meta")  # as the kernels read K: Q's heads
+        found = selection.padded_backward_head_dim(
+            _bwd_problem(q, kk, causal, causal_alignment, scale, dropout_p, bias, bias_grad, deterministic))
+        if len(_kernels) >= _MAX_CACHED:
+            _kernels.clear()
+        _kernels[key] = found
+    return found
+
+
 def _fused_attention_backward(grad_out, q, k, v, out, lse, causal, causal_alignment, scale, dropout_p, seed,
                               offset, bias, bias_grad, deterministic):
     _refuse_double_backward("fused_attention", (grad_out, q, k, v, out))
     b, h, nq, d = q.shape
     hkv, nk = k.shape[1], k.shape[2]
+    if q.numel() and nk and (dp := _bwd_head_dim(q, k, causal, causal_alignment, scale, dropout_p, bias, bias_grad,
+                                                  deterministic)) != d:
+        grads = _fused_attention_backward(*(padding.pad(t, dp) for t in (grad_out, q, k, v, out)), lse, causal,
+                                          causal_alignment, padding.default_scale(scale, d), dropout_p, seed,
+                                          offset, bias, bias_grad, deterministic)
+        return (*(padding.cut(g, t) for g, t in zip(grads[:3], (q, k, v))), grads[3])
     dq, dk, dv = launch.empty_like_layout(q), launch.empty_like_layout(k), launch.empty_like_layout(v)
     dbias = torch.empty((b, h, nq, nk) if bias_grad else (0,), dtype=q.dtype, device=q.device)
     if q.numel() == 0 or nk == 0:  # no score: every gradient is zero

@@ -3,7 +3,10 @@ problem's `kind` names its Kind (attention forward and backward, batched GEMM, r
 caches the winner per problem and instance name. refresh() of the registry forgets the cache."""
 from __future__ import annotations
 
-from gemmgen.generator.space import family_named
+import dataclasses
+
+from gemmgen.errors import GemmgenError
+from gemmgen.generator.space import FAMILIES, family_named
 from gemmgen.select import (attention_bwd_select, attention_select, engine, gemm_select, heuristic, registry,
                             softmax_select)
 from gemmgen.select.engine import NEAREST_MAX_DISTANCE, SOURCES, WRONG_RESULT, Decision  # noqa: F401 (the engine's names, for callers of this module)
@@ -44,6 +47,36 @@ def splits(cand: Candidate, problem: engine.KindProblem) -> int:
     if not getattr(family_named(cand.instance.family), "PACKS_GQA", False):
         return 0
     return heuristic.split_plan(cand.instance, problem)[1]
+
+
+def padded_backward_head_dim(problem) -> int:
+    """The head dim a backward `problem` (a BwdProblem) runs at: its own, or a larger one its
+    inputs are padded to with zero columns (gemmgen.ops.padding), where that one's best instance
+    belongs to a family enough faster: its RELATIVE_SPEED times d / D (the extra columns' cost)
+    above that of the best instance at d. The larger head dims tried are each default-built backward
+    family's next one above d (fmha_bwd_sm90's 128 for 96 on Hopper, where only mea_bwd_sm80 runs
+    96). `problem.head_dim` when nothing is built for it (selection reports that)."""
+    d = problem.head_dim
+    try:
+        best, found = family_named(select(problem).entry.family).RELATIVE_SPEED, d
+    except GemmgenError:
+        return d
+    for dp in _next_backward_head_dims(d):
+        padded = dataclasses.replace(problem, head_dim=dp, max_offset=problem.max_offset * dp // d + dp)
+        try:
+            speed = family_named(select(padded).entry.family).RELATIVE_SPEED * d / dp
+        except GemmgenError:
+            continue
+        if speed > best:
+            best, found = speed, dp
+    return found
+
+
+def _next_backward_head_dims(d: int) -> list[int]:
+    """Each default-built backward family's smallest head dim above d."""
+    nxt = {min((x for x in f.HEAD_DIMS if x > d), default=None)
+           for f in FAMILIES if f.KIND == "attention_bwd" and f.BUILT_BY_DEFAULT}
+    return sorted(x for x in nxt if x is not None)
 
 
 def needs_tuning(problem: engine.KindProblem) -> bool:

@@ -11,6 +11,7 @@ import torch
 
 import gemmgen
 from gemmgen.ops.reference import attention_reference
+from gemmgen.select import registry
 from gemmgen.generator.space import supported_head_dims
 
 pytestmark = pytest.mark.gpu
@@ -232,3 +233,70 @@ def test_every_built_instance():
                       instance=entry.name)
             except AssertionError as e:
                 raise AssertionError(f"{entry.name} at Nq={nq} Nk={nk}: {e}") from None
+
+
+# ---- head dims without tiles: run padded (gemmgen.ops.padding) ------------------------------------
+# 1, 59 and 111 are not multiples of 8: no family could run them unpadded.
+
+@pytest.mark.parametrize("mask", MASKS, ids=MASK_IDS)
+@pytest.mark.parametrize("head_dim", [1, 40, 59, 80, 111, 224])
+def test_head_dims_without_tiles_run_padded(head_dim, mask):
+    causal, alignment = mask
+    for dtype, (nq, nk) in ((torch.bfloat16, (129, 127)), (torch.float16, (127, 129))):
+        q, k, v = make_qkv(2, 4, 2, nq, nk, head_dim, dtype, ("pad", head_dim, mask, nq))  # GQA 2:1
+        o_out = check(q, k, v, causal=causal, alignment=alignment)  # into a NaN-poisoned out=
+        o = gemmgen.fused_attention(q, k, v, causal=causal, causal_alignment=alignment)
+        assert o.shape == q.shape and o.stride() == q.stride()
+        assert torch.equal(o, o_out)
+
+
+@pytest.mark.parametrize("alignment", ["top_left", "bottom_right"])
+@pytest.mark.parametrize("head_dim", [59, 80, 96])
+def test_head_dims_without_tiles_backward(head_dim, alignment):
+    """dQ, dK, dV of a padded call through autograd: [B, N, H, d] views, GQA 4:1, causal with
+    Nq != Nk, against the float64 reference. 80 runs its forward at 96, and 96 (a forward tile) its
+    backward at 128 on Hopper where fmha_bwd_sm90 is built and runs the mask (top-left; it has
+    bottom-right only at Nq = Nk): selection weighs it above mea_bwd_sm80 at 96."""
+    from test_attention_bwd_gpu import assert_close as assert_grad_close
+    from gemmgen.ops import torch_op
+
+    dtype = torch.bfloat16
+    bases = [randn((2, n, h, head_dim), dtype, ("padbwd", head_dim, name)).requires_grad_()
+             for name, n, h in (("q", 100, 8), ("k", 130, 2), ("v", 130, 2))]
+    do = randn((2, 8, 100, head_dim), dtype, ("padbwd", head_dim, "do"))
+    o = gemmgen.fused_attention(*(t.transpose(1, 2) for t in bases), causal=True, causal_alignment=alignment)
+    o.backward(do)
+    leaves = [t.detach().double().requires_grad_() for t in bases]
+    want, _ = attention_reference(*(t.transpose(1, 2) for t in leaves), True, alignment)
+    want.backward(do.double())
+    assert_grad_close("O", o, want, dtype)
+    for name, got, ref in zip(("dQ", "dK", "dV"), bases, leaves):
+        assert_grad_close(name, got.grad, ref.grad, dtype)
+    if head_dim > 64 and alignment == "top_left" and torch.cuda.get_device_capability() == (9, 0) and any(
+            c.entry.family == "fmha_bwd_sm90" and c.instance.head_dim == 128 for c in registry.load()[0]):
+        ran = {key[3][-1]: dim for key, dim in torch_op._kernels.items() if key[0] == "bwd head dim"}
+        assert ran.get(96) == 128, ran
+
+
+def test_head_dim_without_tiles_varlen():
+    """fused_attention_varlen of head dim 80 (padded to 96), forward and backward, an empty
+    sequence among them, against the float64 reference per sequence."""
+    from test_attention_bwd_gpu import assert_close as assert_grad_close
+
+    dtype, d, lengths = torch.bfloat16, 80, [17, 0, 129]
+    cu = torch.tensor([0, 17, 17, 146], dtype=torch.int32, device="cuda")
+    q, k, v, do = (randn((146, 4, d), dtype, ("padvarlen", name)) for name in ("q", "k", "v", "do"))
+    leaves = [t.requires_grad_() for t in (q, k, v)]
+    try:
+        o = gemmgen.fused_attention_varlen(*leaves, cu, cu, 129, 129, causal=True)
+    except gemmgen.NoInstanceError as exc:
+        pytest.skip(f"no instance serves packed sequences at head dim 96 here: {exc}")
+    o.backward(do)
+    assert o.shape == q.shape
+    for start, end in ((0, 17), (17, 146)):
+        views = [t[start:end].detach().double().transpose(0, 1).unsqueeze(0).requires_grad_() for t in (q, k, v)]
+        want, _ = attention_reference(*views, True, "top_left")
+        want.backward(do[start:end].double().transpose(0, 1).unsqueeze(0))
+        assert_grad_close(f"O {start}:{end}", o[start:end], want[0].transpose(0, 1), dtype)
+        for name, t, ref in zip(("dQ", "dK", "dV"), leaves, views):
+            assert_grad_close(f"{name} {start}:{end}", t.grad[start:end], ref.grad[0].transpose(0, 1), dtype)
