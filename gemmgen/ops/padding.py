@@ -55,6 +55,9 @@ def needs_padding(*tensors: object, dim: int = -1) -> int | None:
     """The padded head dim when every one of `tensors` is a torch.Tensor with the same head dim (size
     of `dim`) and that head dim has no tile; else None (the call runs as it is, and its checks report
     what is wrong with it)."""
+    first = tensors[0] if tensors else None
+    if isinstance(first, torch.Tensor) and first.dim() and first.shape[dim] in tile_head_dims():
+        return None  # the common case, first: a tile head dim (the others equal it, or the checks say so)
     d = None
     for t in tensors:
         if not isinstance(t, torch.Tensor) or t.dim() == 0:
