@@ -217,11 +217,27 @@ def varlen_grads(q, k, v, do, lens_q, lens_k, cu_q=None, cu_k=None, **kw):
     return torch.autograd.grad(o, leaves, do)
 
 
+def test_a_head_dim_without_tiles_runs_padded(cpu_ops):
+    """Head dim 24 runs on copies padded to 32 (gemmgen.ops.padding): the kernel sees 32, at the
+    scale of 24, and the gradients come back at 24."""
+    gen = torch.Generator().manual_seed(24)
+    lens_q, lens_k = [3, 0, 9], [5, 4, 9]
+    q, do = packed(gen, sum(lens_q), 4, 24), packed(gen, sum(lens_q), 4, 24)
+    k, v = packed(gen, sum(lens_k), 2, 24), packed(gen, sum(lens_k), 2, 24)
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    o = gemmgen.fused_attention_varlen(*leaves, cu(lens_q), cu(lens_k), 9, 9, causal=True)
+    got = torch.autograd.grad(o, leaves, do)
+    want = reference_grads(q, k, v, do, lens_q, lens_k, causal=True)
+    assert_grads(got, want, (q, k, v), "padded")
+    (params,) = VarlenKernel.calls
+    assert params.head_dim == 32 and params.scale == pytest.approx(24 ** -0.5)
+
+
 def test_the_op_and_the_eager_path_give_the_same_gradients(cpu_ops):
     gen = torch.Generator().manual_seed(7)
     lens_q, lens_k = [3, 0, 9], [5, 4, 9]
-    q, do = packed(gen, sum(lens_q), 4, 16), packed(gen, sum(lens_q), 4, 16)
-    k, v = packed(gen, sum(lens_k), 2, 16), packed(gen, sum(lens_k), 2, 16)
+    q, do = packed(gen, sum(lens_q), 4, 32), packed(gen, sum(lens_q), 4, 32)
+    k, v = packed(gen, sum(lens_k), 2, 32), packed(gen, sum(lens_k), 2, 32)
     eager_grads = varlen_grads(q, k, v, do, lens_q, lens_k, causal=True)
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]
     o, _ = torch.ops.gemmgen.fused_attention_varlen(*leaves, cu(lens_q), cu(lens_k), 9, 9, True, return_lse=True)
@@ -282,7 +298,7 @@ def test_strided_views_and_offsets(cpu_ops, layout):
     the inputs' dim order (dense)."""
     gen = torch.Generator().manual_seed(7)
     lens_q, lens_k = [5, 0, 17, 1], [9, 3, 17, 2]
-    h, hkv, d = 4, 2, 16
+    h, hkv, d = 4, 2, 32
     q, do = packed(gen, sum(lens_q), h, d, layout, 2), packed(gen, sum(lens_q), h, d, layout, 1)
     k, v = packed(gen, sum(lens_k), hkv, d, layout, 1), packed(gen, sum(lens_k), hkv, d, layout, 2)
     cu_q, cu_k = (torch.stack([cu(n), cu(n) + 100]).t().reshape(-1)[::2] for n in (lens_q, lens_k))
@@ -305,8 +321,8 @@ def test_tensors_the_kernel_cannot_read_are_copied(cpu_ops):
     inputs' shapes."""
     gen = torch.Generator().manual_seed(11)
     lens_q, lens_k = [3, 17], [17, 5]
-    q, k = packed(gen, 20, 1, 16).expand(20, 4, 16), packed(gen, 22, 1, 16).expand(22, 2, 16)
-    v = packed(gen, 22, 2, 16)
+    q, k = packed(gen, 20, 1, 32).expand(20, 4, 32), packed(gen, 22, 1, 32).expand(22, 2, 32)
+    v = packed(gen, 22, 2, 32)
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]
     gemmgen.fused_attention_varlen(*leaves, cu(lens_q), cu(lens_k), 17, 17).sum().backward()  # dO: strides 0
     want = reference_grads(q, k, v, torch.ones_like(q), lens_q, lens_k)
@@ -316,8 +332,8 @@ def test_tensors_the_kernel_cannot_read_are_copied(cpu_ops):
 def test_empty_totals_give_zero_gradients_without_a_kernel(cpu_ops):
     gen = torch.Generator().manual_seed(13)
     for lens_q, lens_k in (([0, 0], [5, 3]), ([4, 2], [0, 0]), ([0], [0])):
-        q, do = packed(gen, sum(lens_q), 2, 16), packed(gen, sum(lens_q), 2, 16)
-        k, v = packed(gen, sum(lens_k), 1, 16), packed(gen, sum(lens_k), 1, 16)
+        q, do = packed(gen, sum(lens_q), 2, 32), packed(gen, sum(lens_q), 2, 32)
+        k, v = packed(gen, sum(lens_k), 1, 32), packed(gen, sum(lens_k), 1, 32)
         for g, x in zip(varlen_grads(q, k, v, do, lens_q, lens_k, causal=True), (q, k, v)):
             assert g.shape == x.shape and torch.equal(g, torch.zeros_like(g))
     assert VarlenKernel.calls == []
@@ -336,8 +352,8 @@ def test_dropout_backward_regenerates_the_forward_mask(cpu_ops, monkeypatch, see
     monkeypatch.setattr(launch, "draw_seed", draw_seed)
     gen = torch.Generator().manual_seed(17)
     lens_q, lens_k, h, p = [6, 0, 17], [9, 4, 17], 4, 0.3
-    q, do = packed(gen, 23, h, 16), packed(gen, 23, h, 16)
-    k, v = packed(gen, 30, 2, 16), packed(gen, 30, 2, 16)
+    q, do = packed(gen, 23, h, 32), packed(gen, 23, h, 32)
+    k, v = packed(gen, 30, 2, 32), packed(gen, 30, 2, 32)
     got = varlen_grads(q, k, v, do, lens_q, lens_k, causal=True, dropout_p=p, seed=seed, offset=8)
     want_seed, want_offset = (99, 64 + 8) if seed is None else (seed, 8)
     assert drawn == ([3 * h * 17 * 17] if seed is None else [])
