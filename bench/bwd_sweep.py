@@ -20,7 +20,6 @@ backward is at or above the fastest SDPA backend's, and which shapes fall below.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 
 import torch
@@ -60,7 +59,7 @@ def backward_instance(q, k, causal, deterministic=False) -> str:
         at = selection.padded_backward_head_dim(problem)  # the backward pads on its own account too
         if at == problem.head_dim:
             return selection.select(problem).name
-        return f"{selection.select(dataclasses.replace(problem, head_dim=at)).name} (padded to d{at})"
+        return f"{selection.select(selection.at_head_dim(problem, at)).name} (padded to d{at})"
     except gemmgen.GemmgenError:
         return "-"
 

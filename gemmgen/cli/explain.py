@@ -11,7 +11,6 @@ kernel, and `gemmgen explain` says so.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import re
 import sys
 
@@ -132,7 +131,7 @@ def run(args: argparse.Namespace) -> int:
         if bwd_dim != head_dim:
             notes.append(f"the backward runs padded to head_dim {bwd_dim}: its family there weighs faster "
                          f"than head_dim {head_dim}'s")
-            problem = dataclasses.replace(problem, head_dim=bwd_dim)
+            problem = selection.at_head_dim(problem, bwd_dim)
     elif args.deterministic:
         raise InputError("--deterministic describes a backward: add --backward")
     else:

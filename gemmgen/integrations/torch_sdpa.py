@@ -702,6 +702,8 @@ def _remember(call: _Call, bnhd: bool, causal: bool, scale: float | None, dropou
     q = call["query"]
     if call.key is None or dropout_p > 0.0 or not q.is_cuda:
         return
+    if q.shape[-1] not in importlib.import_module("gemmgen.ops.padding").tile_head_dims():
+        return  # fused_attention pads such a head dim (gemmgen.ops.padding); the direct launch would not
     out_layout, lse_layout = call.layout(0), call.layout(1)
     if out_layout is None:
         return

@@ -194,16 +194,18 @@ def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
                     out: torch.Tensor | None = None, dropout_p: float = 0.0, seed: int | None = None,
                     offset: int = 0, attn_mask: torch.Tensor | None = None,
                     deterministic: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """O = softmax(scale * Q K^T + mask) V on the GPU, without copying the inputs.
+    """O = softmax(scale * Q K^T + mask) V on the GPU, reading the inputs where they are (at a tile
+    head dim; see d below).
 
     q: [B, H, Nq, d]; k, v: [B, Hkv, Nk, d], Hkv dividing H (GQA/MQA); fp16 or bf16; any strides
     with a contiguous last dim, other strides multiples of 8 elements and 16-byte aligned data
     (a [B, N, H, d] tensor passes as x.transpose(1, 2)). d from 1 to 256: a head dim the default
     families have no tile for (one of 32, 64, 96, 128, 160, 192, 256) runs on copies of q, k, v
-    padded with zero columns to the next of them (gemmgen.ops.padding), at its own scale. causal_alignment "top_left" (torch's) lets
-    query i see keys j <= i; "bottom_right" (FlashAttention's) keys j <= i + Nk - Nq. scale defaults
-    to 1/sqrt(d). O comes back in q's layout (or is written into `out`); with return_lse, also the
-    float32 natural-log LSE [B, H, Nq] (-inf and O = 0 for a row that sees no key).
+    padded with zero columns to the next of them (gemmgen.ops.padding), at its own scale.
+    causal_alignment "top_left" (torch's) lets query i see keys j <= i; "bottom_right"
+    (FlashAttention's) keys j <= i + Nk - Nq. scale defaults to 1/sqrt(d). O comes back in q's
+    layout (or is written into `out`); with return_lse, also the float32 natural-log LSE
+    [B, H, Nq] (-inf and O = 0 for a row that sees no key).
     `instance` forces a built instance by name. Runs on the inputs' device and current stream, as
     the torch custom op torch.ops.gemmgen.fused_attention (torch.compile and CUDA graphs work).
 
@@ -327,9 +329,10 @@ def fused_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
     entries, starting at 0); max_seqlen_q/k bound the lengths. causal is top-left within each
     sequence (query i sees keys j <= i). Returns O [Tq, H, d] and with return_lse the float32 LSE
     [B, H, max_seqlen_q] (-inf past a sequence's end and where no key is seen). d from 1 to 256,
-    padded where no tile has it, and dropout_p, seed and offset, as in fused_attention. The cu_seqlens values are checked (a device-to-host copy) outside
-    torch.compile and CUDA graph capture; a non-contiguous cu_seqlens view is copied to a contiguous
-    one (the kernel reads the offsets as an array).
+    padded where no tile has it, and dropout_p, seed and offset, as in fused_attention. The
+    cu_seqlens values are checked (a device-to-host copy) outside torch.compile and CUDA graph
+    capture; a non-contiguous cu_seqlens view is copied to a contiguous one (the kernel reads the
+    offsets as an array).
 
     Differentiable: when q, k or v require grad (grad mode on), autograd gets dQ, dK and dV (summed
     over each group for GQA/MQA; zero for rows of sequences without keys, and for keys of sequences
@@ -346,7 +349,7 @@ def fused_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
     check_instance(instance)
     scale = _check_args("top_left", scale)
     dropout_p = _check_dropout(dropout_p, seed, offset)
-    if (dp := padding.needs_padding(q, k, v)) is not None:  # a head dim without tiles: gemmgen.ops.padding
+    if (dp := padding.needs_padding(q, k, v, ndim=3)) is not None:  # a head dim without tiles: gemmgen.ops.padding
         res = fused_attention_varlen(padding.pad(q, dp), padding.pad(k, dp), padding.pad(v, dp), cu_seqlens_q,
                                      cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
                                      scale=padding.default_scale(scale, q.shape[-1]), return_lse=return_lse,

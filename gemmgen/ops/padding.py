@@ -51,20 +51,20 @@ def describe() -> str:
             f"padded to the next of them)")
 
 
-def needs_padding(*tensors: object, dim: int = -1) -> int | None:
-    """The padded head dim when every one of `tensors` is a torch.Tensor with the same head dim (size
-    of `dim`) and that head dim has no tile; else None (the call runs as it is, and its checks report
-    what is wrong with it)."""
+def needs_padding(*tensors: object, ndim: int = 4) -> int | None:
+    """The padded head dim when every one of `tensors` is an `ndim`-D torch.Tensor with the same head
+    dim (last size) and that head dim has no tile; else None (the call runs as it is, and its checks
+    report what is wrong with it)."""
     first = tensors[0] if tensors else None
-    if isinstance(first, torch.Tensor) and first.dim() and first.shape[dim] in tile_head_dims():
+    if isinstance(first, torch.Tensor) and first.dim() == ndim and first.shape[-1] in tile_head_dims():
         return None  # the common case, first: a tile head dim (the others equal it, or the checks say so)
     d = None
     for t in tensors:
-        if not isinstance(t, torch.Tensor) or t.dim() == 0:
+        if not isinstance(t, torch.Tensor) or t.dim() != ndim:
             return None
         if d is None:
-            d = t.shape[dim]
-        elif t.shape[dim] != d:
+            d = t.shape[-1]
+        elif t.shape[-1] != d:
             return None
     if d is None:
         return None

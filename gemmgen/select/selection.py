@@ -62,14 +62,19 @@ def padded_backward_head_dim(problem) -> int:
     except GemmgenError:
         return d
     for dp in _next_backward_head_dims(d):
-        padded = dataclasses.replace(problem, head_dim=dp, max_offset=problem.max_offset * dp // d + dp)
         try:
-            speed = family_named(select(padded).entry.family).RELATIVE_SPEED * d / dp
+            speed = family_named(select(at_head_dim(problem, dp)).entry.family).RELATIVE_SPEED * d / dp
         except GemmgenError:
             continue
         if speed > best:
             best, found = speed, dp
     return found
+
+
+def at_head_dim(problem, dp: int):
+    """`problem` with its inputs padded to head dim dp: the head dim, and the offsets grown with it."""
+    d = problem.head_dim
+    return dataclasses.replace(problem, head_dim=dp, max_offset=problem.max_offset * dp // d + dp)
 
 
 def _next_backward_head_dims(d: int) -> list[int]:

@@ -206,6 +206,19 @@ def test_repeated_calls_take_the_remembered_path_and_match(active, monkeypatch, 
     assert served(SDPA) == (3, 0) and served("_flash_attention_forward") == (3, 0), torch_sdpa.fallback_reasons()
 
 
+def test_repeated_calls_at_a_head_dim_without_tiles(active):
+    """Head dim 80 runs padded inside gemmgen.fused_attention, so its calls are not remembered for a
+    direct launch: every call takes the full path and matches."""
+    dtype = torch.bfloat16
+    for i in range(3):
+        q, k, v, do = make(2, 4, 4, 33, 65, 80, dtype, ("pad-repeat", i), layout="bhnd")
+        with torch.no_grad(), sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            o = F.scaled_dot_product_attention(q, k, v)
+        assert_close("O", o, reference(q, k, v, do)[0], dtype)
+    assert not torch_sdpa._repeats._by_key
+    assert served(SDPA) == (3, 0), torch_sdpa.fallback_reasons()
+
+
 def test_a_repeated_call_with_a_misaligned_pointer_takes_the_full_path(active):
     """Alignment is a per-call fact: the remembered path declines a call whose metadata it knows but
     whose q starts off a 16-byte boundary (the full path then reports it and torch's kernel runs it)."""
