@@ -32,7 +32,7 @@ CURRENT = {
     "gqa_prefill_h200.md": "GQA prefill and chunked prefill against torch SDPA",
     "model_h100.md": "A GPT-style model's training step and generation, torch SDPA with and without gemmgen",
     "bwd_sweep_padded_h100.md": "The backward at head dims 80 and 96, run padded to 128, against torch SDPA's backward",
-    "model_h200.md": "A GPT-style model's training step and generation, torch SDPA with and without gemmgen (before the Hopper backward)",
+    "model_h200.md": "A GPT-style model's training step and generation, torch SDPA with and without gemmgen, on an H200",
     "bwd_sweep_h200.md": "The backward against torch SDPA's backward",
     "bwd_sweep_h100.md": "The backward against torch SDPA's backward on an H100",
     "bwd_deterministic_h200.md": "The backward with deterministic=True",
