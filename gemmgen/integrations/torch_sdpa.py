@@ -328,7 +328,12 @@ def _run(spec: _OpSpec, op: Any, handle: _Handle, keyset: Any, args: tuple, kwar
     key = (spec.name, torch.is_grad_enabled(), torch.are_deterministic_algorithms_enabled(), signature)
     repeat = _repeats.get(key)
     if repeat is not None:
-        result = _serve_again(repeat, args)
+        try:
+            result = _serve_again(repeat, args)
+        except GemmgenLaunchError:
+            raise  # a kernel that failed on the device, as below
+        except GemmgenError:
+            result = None  # the full path decides: it reports the problem or falls back
         if result is not None:
             _count(spec.name, "gemmgen")
             return result
