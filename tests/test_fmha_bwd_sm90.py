@@ -48,7 +48,7 @@ def test_space_names_unique_and_stable():
 def test_default_covers_every_dtype_head_dim_mask_once():
     keys = [(i.dtype, i.head_dim, i.mask) for i in fam.DEFAULT]
     assert len(keys) == len(set(keys))
-    assert set(keys) == {(dt, d, m) for dt in fam.DTYPES for d in fam.HEAD_DIMS for m in Mask}
+    assert set(keys) == {(dt, d, m) for dt in fam.DTYPES for d in fam.HEAD_DIMS for m in fam.MASKS}
     assert set(fam.DEFAULT) <= set(fam.SPACE)
     # The split-dQ mainloop wherever it runs (d64, d128), example 88's at d32.
     assert all(i.split_dq == (i.head_dim != 32) for i in fam.DEFAULT)

@@ -28,7 +28,10 @@ def test_space_names_unique_and_stable():
                                                     "fmha_sm90_bf16_d64_none_pingpong_m256n64s5_lr_q2",
                                                     "fmha_sm90_bf16_d64_causal_pingpong_m256n64s5_lr_q2"}
     assert all(inst.lazy_rescale for inst in fam.DEFAULT)  # our softmax (experiment 41)
-    assert len(fam.SPACE) == 2 * sum(not inst.lazy_rescale for inst in fam.SPACE)  # both softmaxes per tile
+    plain = [i for i in fam.SPACE if i.mask is not Mask.LOCAL]
+    assert len(plain) == 2 * sum(not inst.lazy_rescale for inst in plain)  # both softmaxes per tile
+    local = [i for i in fam.SPACE if i.mask is Mask.LOCAL]  # a window: persistent, our softmax, no speculation
+    assert local and all(i.persistent and i.lazy_rescale and not i.speculates for i in local)
     q2 = next(i for i in fam.SPACE if i.name == "fmha_sm90_bf16_d64_none_pingpong_m256n64s5_lr_q2")
     assert q2.smem_bytes - dataclasses.replace(q2, q_buffers=1).smem_bytes == 4 * 64 * 64 * 2
 
@@ -192,7 +195,8 @@ def test_rendered_text(suffix, lazy):
     assert "Config<cutlass::bfloat16_t, /*BlockM=*/128, /*BlockN=*/128," in text
     assert "Schedule::kPingpong" in text and "/*Causal=*/true, /*StagesKV=*/5," in text
     assert f"/*Lazy=*/{lazy}, /*QBuffers=*/1,\n" in text
-    assert f"/*Speculate=*/{lazy}>" in text  # the d128 128x128 ping-pong tile speculates with our softmax
+    assert f"/*Speculate=*/{lazy},\n" in text  # the d128 128x128 ping-pong tile speculates with our softmax
+    assert "/*Local=*/false>" in text
     assert f"GEMMGEN_EXPORT int {inst.symbol}(const GemmgenAttnParams* params" in text
 
 
@@ -211,7 +215,7 @@ def test_speculates(name, speculates):
     assert inst.speculates is speculates
     assert inst.params().get("speculate", False) is speculates  # in the build key
     tc = render.Toolchain(flags=("-O3",), nvcc_version="13.0.88", cutlass_version="4.2.0")
-    assert f"/*Speculate=*/{'true' if speculates else 'false'}>" in render.render_text(inst, tc)
+    assert f"/*Speculate=*/{'true' if speculates else 'false'},\n" in render.render_text(inst, tc)
 
 
 @pytest.mark.parametrize("name, shape", [

@@ -19,9 +19,11 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward  # n
 import gemmgen.integrations.transformers as gt  # noqa: E402
 
 
-def stand_in(q, k, v, *, causal=False, scale=None, dropout_p=0.0, attn_mask=None, calls=None):
+def stand_in(q, k, v, *, causal=False, scale=None, dropout_p=0.0, attn_mask=None, calls=None,
+             causal_alignment="top_left", window=None):
     """fused_attention's contract in float64 on the CPU: GQA, top-left causal, bool or additive mask,
-    O = 0 for a row that sees no key."""
+    O = 0 for a row that sees no key. (CPU masks are never marked as windows: top-left, no window.)"""
+    assert causal_alignment == "top_left" and window is None
     if calls is not None:
         calls.append(dict(causal=causal, scale=scale, dropout_p=dropout_p, mask=attn_mask, shapes=(q.shape, k.shape)))
     assert dropout_p == 0.0

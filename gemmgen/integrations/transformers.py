@@ -8,10 +8,15 @@ register() adds "gemmgen" to transformers' AttentionInterface (the attention fun
 AttentionMaskInterface (the masks of its SDPA path: None where a causal flag serves, else a bool
 [B, 1, Nq, Nk] mask, True taking part). Every attention layer of a model that dispatches through
 those interfaces (Llama, Qwen, Mistral, GPT-2 and most decoder models) then calls
-gemmgen.fused_attention: causal and padding masks, sliding windows (through the mask), GQA without
-repeating K and V, the layer's scaling, dropout in training, T5-style position biases (as an
-additive mask), autograd, and generation with the model's KV cache (a decode step is a dense call
-of one query row, which the registry gives the decode family).
+gemmgen.fused_attention: causal and padding masks, sliding windows, GQA without repeating K and V,
+the layer's scaling, dropout in training, T5-style position biases (as an additive mask), autograd,
+and generation with the model's KV cache (a decode step is a dense call of one query row, which the
+registry gives the decode family).
+
+A sliding-window layer's mask that is exactly the causal window of its size, aligned bottom-right
+(no padding: the mask is compared with that pattern on the GPU when it is made), runs as
+fused_attention(window=...) in inference, skipping the key tiles outside the window; any other mask,
+and every call that records a graph (a window has no backward yet), runs with the mask as before.
 
 A call gemmgen cannot run (a dtype, head dim or mask no family serves, CPU tensors, a logit softcap)
 runs on transformers' own SDPA path instead, with one warning per distinct reason on the logger
@@ -43,7 +48,7 @@ def register(name: str = NAME) -> None:
         raise ImportError("gemmgen.integrations.transformers needs transformers >= 4.56 (AttentionInterface and "
                           "AttentionMaskInterface): pip install 'gemmgen[transformers]'") from exc
     AttentionInterface.register(name, attention_forward)
-    AttentionMaskInterface.register(name, sdpa_mask)
+    AttentionMaskInterface.register(name, lambda *args, **kwargs: _mark_window(sdpa_mask(*args, **kwargs), kwargs))
 
 
 def fallback_reasons() -> dict[str, int]:
@@ -58,6 +63,23 @@ def _fallback(reason: str, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, Non
         logger.warning("gemmgen does not run %s; transformers' SDPA path does (logged once per reason)", reason)
     _reasons[reason] = _reasons.get(reason, 0) + 1
     return sdpa_attention_forward(*args, **kwargs)
+
+
+def _mark_window(mask: torch.Tensor | None, kwargs: dict) -> torch.Tensor | None:
+    """`mask` as made by transformers' sdpa_mask, marked (attribute _gemmgen_window) with the window
+    (size - 1, 0) when it equals the causal sliding window of kwargs' local_size for every batch entry,
+    the diagonal bottom-right (the last query row sees the last key); attention_forward then runs the
+    window. A mask being traced is left unmarked (its values cannot be compared)."""
+    size = kwargs.get("local_size")
+    if (mask is None or size is None or mask.dtype != torch.bool or mask.dim() != 4 or torch.compiler.is_compiling()
+            or mask.device.type != "cuda" or torch.cuda.is_current_stream_capturing()):
+        return mask
+    nq, nk = mask.shape[-2:]
+    rows = torch.arange(nq, device=mask.device)[:, None] + (nk - nq)
+    cols = torch.arange(nk, device=mask.device)[None, :]
+    if torch.equal(mask, ((cols <= rows) & (cols > rows - size)).expand_as(mask)):
+        mask._gemmgen_window = (size - 1, 0)
+    return mask
 
 
 def _with_position_bias(bias: torch.Tensor, mask: torch.Tensor | None, causal: bool, q: torch.Tensor,
@@ -95,9 +117,14 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         mask, causal = _with_position_bias(position_bias, mask, causal, query, key), False
     if mask is not None and mask.dtype not in (torch.bool, query.dtype):
         mask = mask.to(query.dtype)
+    window, alignment = getattr(mask, "_gemmgen_window", None), "top_left"
+    if window is not None and not (torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))):
+        mask, causal, alignment = None, True, "bottom_right"  # the marked mask is exactly this window
+    else:
+        window = None
     try:
-        out = fused_attention(query, key, value, causal=causal, scale=scaling, dropout_p=float(dropout),
-                                      attn_mask=mask)
+        out = fused_attention(query, key, value, causal=causal, causal_alignment=alignment, scale=scaling,
+                              dropout_p=float(dropout), attn_mask=mask, window=window)
     except (NoInstanceError, InputError, DeviceError) as exc:
         return _fallback(str(exc).splitlines()[0], *args, **rest)
     return out.transpose(1, 2).contiguous(), None

@@ -56,6 +56,9 @@ class AttnParams(ctypes.Structure):
         *[(n, ctypes.c_int32) for n in ("page_size", "num_pages", "num_splits")],
         ("workspace", ctypes.c_void_p),
         ("workspace_bytes", ctypes.c_int64),
+        ("local", ctypes.c_int32),  # 1: the sliding window below (left/right, -1 unbounded) applies
+        ("window_left", ctypes.c_int32),
+        ("window_right", ctypes.c_int32),
     ]
 
 

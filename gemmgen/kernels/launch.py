@@ -71,9 +71,11 @@ NO_MASK_OFFSET = 2**31 - 1
 
 def params(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor | None,
            *, causal: bool, causal_alignment: str, scale: float | None, dropout_p: float = 0.0,
-           seed: int = 0, offset: int = 0, bias: torch.Tensor | None = None) -> abi.AttnParams:
+           seed: int = 0, offset: int = 0, bias: torch.Tensor | None = None,
+           window: tuple[int, int] | None = None) -> abi.AttnParams:
     """The C ABI params of one call (pointers, sizes, strides in elements, scale, causal offset, and
-    the optional dropout and bias; `bias` is [B, H, Nq, Nk] by its strides, 0 broadcasting)."""
+    the optional dropout, bias and sliding window; `bias` is [B, H, Nq, Nk] by its strides, 0
+    broadcasting; a `window` (left, right) lies around the diagonal of `causal_alignment`)."""
     b, h, nq, d = q.shape
     nk = k.shape[2]
     qs, ks, vs, os_ = q.stride(), k.stride(), v.stride(), o.stride()
@@ -82,8 +84,10 @@ def params(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, l
         b, h, k.shape[1], nq, nk, d,
         qs[0], qs[1], qs[2], ks[0], ks[1], ks[2], vs[0], vs[1], vs[2], os_[0], os_[1], os_[2],
         1.0 / math.sqrt(d) if scale is None else float(scale),
-        causal_offset(nq, nk, causal_alignment) if causal else NO_MASK_OFFSET)
+        causal_offset(nq, nk, causal_alignment) if causal or window is not None else NO_MASK_OFFSET)
     _set_features(p, dropout_p, seed, offset)
+    if window is not None:
+        p.local, (p.window_left, p.window_right) = 1, window
     if bias is not None:
         p.bias = bias.data_ptr()
         p.bias_batch_stride, p.bias_head_stride, p.bias_row_stride = bias.stride()[:3]

@@ -9,7 +9,8 @@ from torch._subclasses.fake_tensor import FakeTensor
 from gemmgen.kernels import launch
 from gemmgen.select import calls, selection
 from gemmgen.ops import eager, padding, torch_op
-from gemmgen.ops.checks import check_4d, check_bool, check_dense, check_finite, check_instance, check_no_overlap
+from gemmgen.ops.checks import (check_4d, check_bool, check_dense, check_finite, check_instance, check_no_overlap,
+                                check_window)
 from gemmgen.ops.grad import check_no_grad
 from gemmgen.errors import DeviceError, InputError
 from gemmgen.select.problem import ALIGN_BYTES
@@ -193,7 +194,8 @@ def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
                     return_lse: bool = False, instance: str | None = None,
                     out: torch.Tensor | None = None, dropout_p: float = 0.0, seed: int | None = None,
                     offset: int = 0, attn_mask: torch.Tensor | None = None,
-                    deterministic: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                    deterministic: bool = False,
+                    window: tuple[int, int] | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """O = softmax(scale * Q K^T + mask) V on the GPU, reading the inputs where they are (at a tile
     head dim; see d below).
 
@@ -223,6 +225,13 @@ def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
     (torch.manual_seed makes it reproducible; a CUDA graph replays the mask it captured).
     attn_mask is added to the scaled scores, broadcastable to [B, H, Nq, Nk] like torch SDPA's float
     mask, in q's dtype (a bool mask becomes 0 where True and -inf where False).
+
+    window=(left, right) is a sliding window (local attention, FlashAttention's window_size): query i
+    sees keys j with i + off - left <= j <= i + off + right, off the diagonal's offset of
+    causal_alignment (0 top-left, Nk - Nq bottom-right), a side of -1 unbounded; key tiles wholly
+    outside the window are skipped. With causal=True the right side is 0 (pass 0 or -1). Instances
+    built for the "local" mask run it (fa2_sm80 builds them by default); it has no backward yet:
+    inputs that require grad raise NoInstanceError at the forward.
     """
     check_bool("causal", causal)
     check_bool("return_lse", return_lse)
@@ -230,10 +239,11 @@ def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
     check_instance(instance)
     scale = _check_args(causal_alignment, scale)
     dropout_p = _check_dropout(dropout_p, seed, offset)
+    causal, window = check_window(window, causal)
     if (dp := padding.needs_padding(q, k, v)) is not None:
         return _fused_attention_padded(q, k, v, dp, out, return_lse, scale, attn_mask, causal=causal,
                                        causal_alignment=causal_alignment, instance=instance, dropout_p=dropout_p,
-                                       seed=seed, offset=offset, deterministic=deterministic)
+                                       seed=seed, offset=offset, deterministic=deterministic, window=window)
     direct = eager.runs_directly(q, k, v, out, attn_mask)
     training = not direct and torch.is_grad_enabled() and any(
         isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v, attn_mask))  # direct: no graph
@@ -257,6 +267,7 @@ def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
         seed, base = launch.draw_seed(q.get_device(), b * h * nq * k.shape[2])
         offset += base
     features = (dropout_p, seed, offset, bias)
+    window_arg = None if window is None else list(window)  # the op's int[]
     if out is None:
         if direct:
             op = torch_op.run_fused_attention
@@ -265,10 +276,10 @@ def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
         else:
             op = torch_op.fused_attention_op
         o, lse = op(q, k, v, causal, causal_alignment, scale, return_lse or training, instance, *features,
-                    deterministic)
+                    deterministic, window_arg)
     else:
         op = torch_op.run_fused_attention_out if direct else torch_op.fused_attention_out_op
-        lse = op(q, k, v, out, causal, causal_alignment, scale, return_lse, instance, *features)
+        lse = op(q, k, v, out, causal, causal_alignment, scale, return_lse, instance, *features, window_arg)
         o = out
     return (o, lse) if return_lse else o
 
@@ -391,13 +402,14 @@ def fused_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
 
 def explain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
             causal_alignment: str = "top_left", instance: str | None = None, dropout_p: float = 0.0,
-            attn_mask: torch.Tensor | None = None) -> selection.Decision:
+            attn_mask: torch.Tensor | None = None, window: tuple[int, int] | None = None) -> selection.Decision:
     """The decision fused_attention makes for these tensors: candidates, rejects with their reasons,
     winner and its source (decision.report() gives the text `gemmgen explain` prints). A head dim
     without tiles is explained as the padded call it runs (gemmgen.ops.padding)."""
     check_bool("causal", causal)
     check_instance(instance)
     _check_args(causal_alignment, None)
+    causal, window = check_window(window, causal)
     if (dp := padding.needs_padding(q, k, v)) is not None:  # the padded call it runs
         q, k, v = (padding.pad(t, dp) for t in (q, k, v))
     _validate(q, k, v, None, device=False)
@@ -406,16 +418,19 @@ def explain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool =
     _check_device(q, k, v, None)
     bias = _prepare_mask(attn_mask, q, k)
     return selection.decide(calls.problem_for(q, k, causal, v=v, causal_alignment=causal_alignment,
-                                              dropout=dropout_p > 0.0, bias=bias), instance)
+                                              dropout=dropout_p > 0.0, bias=bias, window=window), instance)
 
 
 def selected_instance(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
-                      causal_alignment: str = "top_left", instance: str | None = None) -> str:
+                      causal_alignment: str = "top_left", instance: str | None = None,
+                      window: tuple[int, int] | None = None) -> str:
     """The name of the instance fused_attention would run for these tensors."""
     check_bool("causal", causal)
     check_instance(instance)
     _check_args(causal_alignment, None)
+    causal, window = check_window(window, causal)
     if (dp := padding.needs_padding(q, k, v)) is not None:  # the padded call it runs
         q, k, v = (padding.pad(t, dp) for t in (q, k, v))
     _validate(q, k, v, None)
-    return selection.select(calls.problem_for(q, k, causal, causal_alignment=causal_alignment), instance).name
+    return selection.select(calls.problem_for(q, k, causal, causal_alignment=causal_alignment, window=window),
+                            instance).name

@@ -9,6 +9,8 @@ import torch
 
 from gemmgen.errors import InputError
 
+INT32_MAX = 2**31 - 1
+
 
 def check_bool(name: str, value: object) -> bool:
     """`value` if it is a bool (a string such as 'no' is not coerced to True)."""
@@ -86,3 +88,27 @@ def check_no_overlap(outputs: Sequence[tuple[str, torch.Tensor]], inputs: Sequen
             if dev == odev and lo < ohi and olo < hi:
                 raise InputError(f"{name} overlaps {other} in memory; outputs must not share memory with "
                                  f"inputs or other outputs")
+
+
+def check_window(window, causal: bool) -> tuple[bool, tuple[int, int] | None]:
+    """(causal, window) as the ops take them: a window (left, right) of ints >= -1 (-1: unbounded)
+    normalized so that the masks with instances of their own keep them: (-1, -1) is no window and
+    (-1, 0) is causal; with causal=True the right side must be 0 or -1 (the diagonal bounds it)."""
+    if window is None:
+        return causal, None
+    if (not isinstance(window, (tuple, list)) or len(window) != 2 or
+            any(isinstance(w, bool) or not isinstance(w, int) for w in window)):
+        raise InputError(f"window must be a (left, right) pair of ints (-1: unbounded); got {window!r}")
+    left, right = window
+    if left < -1 or right < -1 or max(left, right) > INT32_MAX:
+        raise InputError(f"window sides must be -1 (unbounded) or in [0, 2**31); got {tuple(window)}")
+    if causal:
+        if right > 0:
+            raise InputError(f"window {tuple(window)} with causal=True: the causal mask hides every key right of "
+                             "the diagonal, so the right side must be 0 or -1 (or pass causal=False)")
+        right = 0
+    if left == -1 and right == -1:
+        return False, None
+    if left == -1 and right == 0:
+        return True, None
+    return False, (left, right)

@@ -2,14 +2,15 @@
 torch.compile traces them without a graph break and CUDA graphs capture them:
 
     torch.ops.gemmgen.fused_attention(q, k, v, causal, causal_alignment, scale, return_lse, instance,
-                                      dropout_p, seed, offset, bias, deterministic)
+                                      dropout_p, seed, offset, bias, deterministic, window)
         -> (O in q's layout, LSE [B, H, Nq] float32, or an empty tensor without return_lse)
     torch.ops.gemmgen.fused_attention_backward(grad_out, q, k, v, out, lse, causal, causal_alignment,
                                                scale, dropout_p, seed, offset, bias, bias_grad,
-                                               deterministic)
+                                               deterministic, window)
         -> (dQ like q, dK like k, dV like v, dBias [B, H, Nq, Nk], or an empty tensor without bias_grad)
     torch.ops.gemmgen.fused_attention_out(q, k, v, out, causal, causal_alignment, scale, return_lse,
-                                          instance, dropout_p, seed, offset, bias) -> LSE (O written into `out`)
+                                          instance, dropout_p, seed, offset, bias, window)
+        -> LSE (O written into `out`)
     torch.ops.gemmgen.fused_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                              max_seqlen_k, causal, scale, return_lse, instance,
                                              dropout_p, seed, offset)
@@ -34,6 +35,8 @@ fused_attention_out has no backward: it refuses inputs that require grad (check_
 backward raises.
 
 bias is the additive mask as [B, H, Nq, Nk] by its strides (gemmgen.ops.attention broadcasts and pads it).
+window is a sliding window [left, right] around the diagonal of causal_alignment (causal False; a
+side of -1 unbounded; gemmgen.ops.attention normalizes it), or None.
 A seed of None draws one from torch's CUDA generator when the op runs (not when it is traced).
 
 The CUDA kernels expect inputs that gemmgen.ops.attention validated. The hot path is one dictionary lookup
@@ -54,6 +57,7 @@ from gemmgen.select import calls, jit, registry, selection
 from gemmgen.kernels import launch
 from gemmgen.errors import InputError
 from gemmgen.ops import padding
+from gemmgen.ops.checks import check_window
 from gemmgen.ops.grad import check_no_grad
 from gemmgen.select.problem import ALIGN_BYTES, Problem
 
@@ -61,12 +65,12 @@ _LIB = torch.library.Library("gemmgen", "DEF")
 _ARGS = "bool causal=False, str causal_alignment='top_left', float? scale=None, bool return_lse=False, str? instance=None"
 _FEATURES = "float dropout_p=0.0, int? seed=None, int offset=0"
 _LIB.define(f"fused_attention(Tensor q, Tensor k, Tensor v, {_ARGS}, {_FEATURES}, Tensor? bias=None, "
-            f"bool deterministic=False) -> (Tensor, Tensor)")
+            f"bool deterministic=False, int[]? window=None) -> (Tensor, Tensor)")
 _LIB.define("fused_attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
             "bool causal, str causal_alignment, float? scale, float dropout_p, int seed, int offset, "
-            "Tensor? bias, bool bias_grad, bool deterministic) -> (Tensor, Tensor, Tensor, Tensor)")
+            "Tensor? bias, bool bias_grad, bool deterministic, int[]? window=None) -> (Tensor, Tensor, Tensor, Tensor)")
 _LIB.define(f"fused_attention_out(Tensor q, Tensor k, Tensor v, Tensor(a!) out, {_ARGS}, {_FEATURES}, "
-            f"Tensor? bias=None) -> Tensor")
+            f"Tensor? bias=None, int[]? window=None) -> Tensor")
 _LIB.define("fused_attention_varlen(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
             "int max_seqlen_q, int max_seqlen_k, bool causal=False, float? scale=None, bool return_lse=False, "
             f"str? instance=None, {_FEATURES}) -> (Tensor, Tensor)")
@@ -115,8 +119,8 @@ def _select(problem: Problem, q: torch.Tensor, k: torch.Tensor, causal: bool,
     """The plan (kernel, num_splits) of this call, and whether it may be cached."""
     cand = jit.select_or_build(problem, instance)
     cacheable = True
-    # The tuner times plain calls: dropout, bias and variable lengths keep the registry's choice.
-    plain = not (problem.dropout or problem.bias or problem.varlen or problem.kv_cache)
+    # The tuner times plain calls: dropout, bias, variable lengths and windows keep the registry's choice.
+    plain = not (problem.dropout or problem.bias or problem.varlen or problem.kv_cache or problem.window is not None)
     if instance is None and plain and autotune_enabled() and selection.needs_tuning(problem):
         if torch.cuda.is_current_stream_capturing():  # timing synchronizes: tune after the capture
             cacheable = False
@@ -167,24 +171,33 @@ def _nothing_to_launch(q, k, v, o, lse, empty: bool) -> bool:
     return False
 
 
+def _mask_args(causal: bool, window) -> tuple[bool, tuple[int, int] | None]:
+    """The ops' causal and window arguments (a window is a list through the dispatcher) normalized as
+    gemmgen.fused_attention normalizes them (gemmgen.ops.checks.check_window), so that an op called
+    directly runs the same mask; the window as the tuple problems and params take."""
+    return check_window(None if window is None else tuple(window), causal)
+
+
 def _run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor | None,
          causal: bool, causal_alignment: str, scale: float | None, instance: str | None,
-         dropout_p: float = 0.0, seed: int | None = None, offset: int = 0, bias: torch.Tensor | None = None) -> None:
+         dropout_p: float = 0.0, seed: int | None = None, offset: int = 0, bias: torch.Tensor | None = None,
+         window=None) -> None:
     if _nothing_to_launch(q, k, v, o, lse, o.numel() == 0 or k.shape[2] == 0):
         return
     if bias is not None and bias.data_ptr() % ALIGN_BYTES:
         raise InputError(f"the attention mask must be {ALIGN_BYTES}-byte aligned")
     index = q.get_device()
+    causal, window = _mask_args(causal, window)
     # Everything a family's problem_reason and the params look at but the data pointers: shapes and
     # strides (layout kind, offsets past int32), mask and its alignment, scale, dropout, a bias.
     key = (index, q.dtype, q.shape, k.shape, q.stride(), k.stride(), v.stride(), o.stride(), causal,
-           causal_alignment if causal else None, scale, instance, dropout_p,
-           None if bias is None else bias.stride(), False)
+           causal_alignment if causal or window else None, scale, instance, dropout_p,
+           None if bias is None else bias.stride(), False, window)
     plan = _kernel_for(key, lambda: calls.problem_for(
         q, k, causal, v=v, causal_alignment=causal_alignment, scale=scale, dropout=dropout_p > 0.0,
-        bias=bias), q, k, causal, instance)
+        bias=bias, window=window), q, k, causal, instance)
     p = plan.params(lambda: launch.params(q, k, v, o, None, causal=causal, causal_alignment=causal_alignment,
-                                          scale=scale, dropout_p=dropout_p, bias=bias))
+                                          scale=scale, dropout_p=dropout_p, bias=bias, window=window))
     p.q, p.k, p.v, p.o = q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr()
     if lse is not None:
         p.lse = lse.data_ptr()
@@ -235,9 +248,9 @@ def _no_lse_on(device: torch.device) -> torch.Tensor:
 
 
 def _fused_attention(q, k, v, causal=False, causal_alignment="top_left", scale=None, return_lse=False,
-                     instance=None, dropout_p=0.0, seed=None, offset=0, bias=None, deterministic=False):
+                     instance=None, dropout_p=0.0, seed=None, offset=0, bias=None, deterministic=False, window=None):
     o = launch.empty_like_layout(q)
-    features = (dropout_p, seed, offset, bias)
+    features = (dropout_p, seed, offset, bias, window)
     if not return_lse:
         _run(q, k, v, o, None, causal, causal_alignment, scale, instance, *features)
         return o, _no_lse_on(q.device)
@@ -247,11 +260,11 @@ def _fused_attention(q, k, v, causal=False, causal_alignment="top_left", scale=N
 
 
 def _fused_attention_out(q, k, v, out, causal=False, causal_alignment="top_left", scale=None,
-                         return_lse=False, instance=None, dropout_p=0.0, seed=None, offset=0, bias=None):
+                         return_lse=False, instance=None, dropout_p=0.0, seed=None, offset=0, bias=None, window=None):
     check_no_grad("torch.ops.gemmgen.fused_attention_out", q=q, k=k, v=v, bias=bias)
     lse = _lse_like(q, return_lse)
     _run(q, k, v, out, lse if return_lse else None, causal, causal_alignment, scale, instance, dropout_p, seed,
-         offset, bias)
+         offset, bias, window)
     return lse
 
 
@@ -272,12 +285,12 @@ def _fused_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, m
 
 
 def _fake(q, k, v, causal=False, causal_alignment="top_left", scale=None, return_lse=False, instance=None,
-          dropout_p=0.0, seed=None, offset=0, bias=None, deterministic=False):
+          dropout_p=0.0, seed=None, offset=0, bias=None, deterministic=False, window=None):
     return launch.empty_like_layout(q), _lse_like(q, return_lse)
 
 
 def _fake_out(q, k, v, out, causal=False, causal_alignment="top_left", scale=None, return_lse=False,
-              instance=None, dropout_p=0.0, seed=None, offset=0, bias=None):
+              instance=None, dropout_p=0.0, seed=None, offset=0, bias=None, window=None):
     return _lse_like(q, return_lse)
 
 
@@ -300,23 +313,24 @@ def _kernel_ready(t: torch.Tensor) -> bool:
     return t.data_ptr() % ALIGN_BYTES == 0
 
 
-def _bwd_problem(q, k, causal, causal_alignment, scale, dropout_p, bias, bias_grad, deterministic, tensors=()):
+def _bwd_problem(q, k, causal, causal_alignment, scale, dropout_p, bias, bias_grad, deterministic, tensors=(),
+                 window=None):
     return calls.problem_for_bwd(q, k, causal, causal_alignment=causal_alignment, scale=scale,
                                   dropout=dropout_p > 0.0, bias=bias, bias_grad=bias_grad,
-                                  deterministic=deterministic, tensors=tensors)
+                                  deterministic=deterministic, tensors=tensors, window=window)
 
 
 def _bwd_kernel(q, k, causal, causal_alignment, scale, dropout_p, bias, bias_grad, deterministic,
-                tensors=()) -> Any:
+                tensors=(), window=None) -> Any:
     """The backward kernel for a call (K with Q's heads), selected once per key and cached; a
     missing instance is compiled on demand as for the forward."""
     qs, ks = q.stride(), k.stride()
     big = launch.max_offset(q, k, bias, *tensors) >= 2**31
     key = ("bwd", q.get_device(), q.dtype, q.shape, k.shape, qs[2] <= qs[1], ks[2] <= ks[1], causal,
-           causal_alignment if causal else None, _sign(scale), big, dropout_p > 0.0, bias is not None,
-           bias_grad, deterministic)
+           causal_alignment if causal or window else None, _sign(scale), big, dropout_p > 0.0, bias is not None,
+           bias_grad, deterministic, window)
     return _cached_bwd_kernel(key, lambda: _bwd_problem(q, k, causal, causal_alignment, scale, dropout_p, bias,
-                                                        bias_grad, deterministic, tensors))
+                                                        bias_grad, deterministic, tensors, window))
 
 
 def _cached_bwd_kernel(key: tuple, problem_of: Callable[[], Problem]) -> Any:
@@ -357,17 +371,19 @@ def _sum_groups(dst: torch.Tensor, grads: torch.Tensor, heads_kv: int, group: in
     dst.copy_(grads.unflatten(1, (heads_kv, group)).sum(2, dtype=torch.float32))
 
 
-def _bwd_head_dim(q, k, causal, causal_alignment, scale, dropout_p, bias, bias_grad, deterministic) -> int:
+def _bwd_head_dim(q, k, causal, causal_alignment, scale, dropout_p, bias, bias_grad, deterministic,
+                  window=None) -> int:
     """The head dim a backward runs at (selection.padded_backward_head_dim), decided once per call key."""
     qs, ks = q.stride(), k.stride()
     key = ("bwd head dim", q.get_device(), q.dtype, q.shape, k.shape, qs[2] <= qs[1], ks[2] <= ks[1], causal,
-           causal_alignment if causal else None, _sign(scale), dropout_p > 0.0, bias is not None, bias_grad,
-           deterministic)
+           causal_alignment if causal or window else None, _sign(scale), dropout_p > 0.0, bias is not None, bias_grad,
+           deterministic, window)
     found = _kernels.get(key)
     if found is None:
         kk = launch.expanded_layout(k, q.shape[1] // k.shape[1], "meta")  # as the kernels read K: Q's heads
         found = selection.padded_backward_head_dim(
-            _bwd_problem(q, kk, causal, causal_alignment, scale, dropout_p, bias, bias_grad, deterministic))
+            _bwd_problem(q, kk, causal, causal_alignment, scale, dropout_p, bias, bias_grad, deterministic,
+                         window=window))
         if len(_kernels) >= _MAX_CACHED:
             _kernels.clear()
         _kernels[key] = found
@@ -375,15 +391,16 @@ def _bwd_head_dim(q, k, causal, causal_alignment, scale, dropout_p, bias, bias_g
 
 
 def _fused_attention_backward(grad_out, q, k, v, out, lse, causal, causal_alignment, scale, dropout_p, seed,
-                              offset, bias, bias_grad, deterministic):
+                              offset, bias, bias_grad, deterministic, window=None):
     _refuse_double_backward("fused_attention", (grad_out, q, k, v, out))
+    causal, window = _mask_args(causal, window)
     b, h, nq, d = q.shape
     hkv, nk = k.shape[1], k.shape[2]
     if q.numel() and nk and (dp := _bwd_head_dim(q, k, causal, causal_alignment, scale, dropout_p, bias, bias_grad,
-                                                  deterministic)) != d:
+                                                  deterministic, window)) != d:
         grads = _fused_attention_backward(*(padding.pad(t, dp) for t in (grad_out, q, k, v, out)), lse, causal,
                                           causal_alignment, padding.default_scale(scale, d), dropout_p, seed,
-                                          offset, bias, bias_grad, deterministic)
+                                          offset, bias, bias_grad, deterministic, window)
         return (*(padding.cut(g, t) for g, t in zip(grads[:3], (q, k, v))), grads[3])
     dq, dk, dv = launch.empty_like_layout(q), launch.empty_like_layout(k), launch.empty_like_layout(v)
     dbias = torch.empty((b, h, nq, nk) if bias_grad else (0,), dtype=q.dtype, device=q.device)
@@ -407,10 +424,12 @@ def _fused_attention_backward(grad_out, q, k, v, out, lse, causal, causal_alignm
     # seed and offset (the strides also fix max_offset; every tensor here is 16-byte aligned).
     key = ("bwd plan", index, q.dtype, q.shape, kk.shape,
            *(t.stride() for t in (q, kk, vv, out, d_o, dq, dkk, dvv)), causal,
-           causal_alignment if causal else None, scale, dropout_p, None if bias is None else bias.stride(),
-           bias_grad, deterministic)
+           causal_alignment if causal or window else None, scale, dropout_p,
+           None if bias is None else bias.stride(), bias_grad, deterministic, window)
+    # A sliding window reaches no backward family yet: the selection raises NoInstanceError (the
+    # forward of a call that records a graph already did).
     plan = _bwd_plan(key, lambda: _bwd_kernel(q, kk, causal, causal_alignment, scale, dropout_p, bias, bias_grad,
-                                              deterministic, (vv, out, d_o, dq, dkk, dvv)))
+                                              deterministic, (vv, out, d_o, dq, dkk, dvv), window))
     p = plan.params(lambda: launch.params_bwd(q, kk, vv, out, d_o, lse, dq, dkk, dvv, causal=causal,
                                               causal_alignment=causal_alignment, scale=scale, dropout_p=dropout_p,
                                               seed=seed, offset=offset, bias=bias, dbias=dbias_arg,
@@ -426,14 +445,14 @@ def _fused_attention_backward(grad_out, q, k, v, out, lse, causal, causal_alignm
 
 
 def _fake_backward(grad_out, q, k, v, out, lse, causal, causal_alignment, scale, dropout_p, seed, offset, bias,
-                   bias_grad, deterministic):
+                   bias_grad, deterministic, window=None):
     b, h, nq, _ = q.shape
     dbias = q.new_empty((b, h, nq, k.shape[2]) if bias_grad else (0,))
     return launch.empty_like_layout(q), launch.empty_like_layout(k), launch.empty_like_layout(v), dbias
 
 
 # The positions of fused_attention's arguments (its schema) that the backward reads.
-_Q, _K, _V, _CAUSAL, _ALIGNMENT, _SCALE, _RETURN_LSE, _INSTANCE, _DROPOUT, _SEED, _OFFSET, _BIAS, _DET = range(13)
+_Q, _K, _V, _CAUSAL, _ALIGNMENT, _SCALE, _RETURN_LSE, _INSTANCE, _DROPOUT, _SEED, _OFFSET, _BIAS, _DET, _WINDOW = range(14)
 
 
 def _setup_context(ctx, inputs, output) -> None:
@@ -442,14 +461,16 @@ def _setup_context(ctx, inputs, output) -> None:
     causal, alignment, scale = inputs[_CAUSAL], inputs[_ALIGNMENT], inputs[_SCALE]
     dropout_p, seed, offset, bias, deterministic = (inputs[_DROPOUT], inputs[_SEED], inputs[_OFFSET], inputs[_BIAS],
                                                     inputs[_DET])
+    causal, window = _mask_args(causal, inputs[_WINDOW] if len(inputs) > _WINDOW else None)
     o, lse = output
     _check_saves("fused_attention", inputs[_RETURN_LSE], dropout_p, seed)
     bias_grad = bias is not None and bias.requires_grad
     if not isinstance(q, FakeTensor) and not torch.compiler.is_compiling() and q.numel() and k.shape[2]:
         kk = launch.expanded_layout(k, q.shape[1] // k.shape[1], "meta")
-        _bwd_kernel(q, kk, causal, alignment, scale, dropout_p, bias, bias_grad, deterministic)
+        _bwd_kernel(q, kk, causal, alignment, scale, dropout_p, bias, bias_grad, deterministic, window=window)
     ctx.save_for_backward(q, k, v, o, lse, bias)
-    ctx.args = (causal, alignment, scale, dropout_p, 0 if seed is None else seed, offset, bias_grad, deterministic)
+    ctx.args = (causal, alignment, scale, dropout_p, 0 if seed is None else seed, offset, bias_grad, deterministic,
+                window)
     ctx.mark_non_differentiable(lse)
 
 
@@ -470,13 +491,13 @@ def _autograd_backward(ctx, grad_o, grad_lse):
 
 
 def _gradients(ctx, grad_o, backward: Callable) -> tuple:
-    """The gradients of fused_attention's 13 inputs from what _setup_context saved, computed by
+    """The gradients of fused_attention's 14 inputs from what _setup_context saved, computed by
     `backward` (the backward op, or its implementation in eager calls)."""
     q, k, v, o, lse, bias = ctx.saved_tensors
-    causal, alignment, scale, dropout_p, seed, offset, bias_grad, deterministic = ctx.args
+    causal, alignment, scale, dropout_p, seed, offset, bias_grad, deterministic, window = ctx.args
     dq, dk, dv, dbias = backward(grad_o, q, k, v, o, lse, causal, alignment, scale, dropout_p, seed, offset, bias,
-                                 bias_grad, deterministic)
-    return dq, dk, dv, None, None, None, None, None, None, None, None, dbias if bias_grad else None, None
+                                 bias_grad, deterministic, None if window is None else list(window))
+    return dq, dk, dv, None, None, None, None, None, None, None, None, dbias if bias_grad else None, None, None
 
 
 def _eager_training(name: str, forward: Callable, setup_context: Callable, gradients: Callable) -> type:

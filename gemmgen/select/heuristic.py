@@ -171,6 +171,16 @@ def estimate(inst: AttentionInstance, problem: Problem) -> Estimate:
         offset = problem.seqlen_k - problem.seqlen_q
         cols = sum(-(-min(problem.seqlen_k, max(0, (i + 1) * block_m + offset)) // block_n) * block_n
                    for i in range(row_tiles))
+    elif problem.window is not None:
+        # Row tile i reads the key tiles from its first row's left window edge to its last row's right one.
+        left, right = problem.window
+        offset = 0 if problem.causal_alignment == "top_left" else problem.seqlen_k - problem.seqlen_q
+        cols = 0
+        for i in range(row_tiles):
+            first, last = i * block_m, min(problem.seqlen_q, (i + 1) * block_m) - 1
+            lo = 0 if left < 0 else max(0, first + offset - left)
+            hi = problem.seqlen_k if right < 0 else min(problem.seqlen_k, last + offset + right + 1)
+            cols += max(0, -(-hi // block_n) - lo // block_n) * block_n
     elif problem.causal:
         # Row tile i sees min(Nk, (i+1)*block_m) keys: the tiles before the key end is reached
         # grow by block_m each, the rest compute every key tile.

@@ -27,7 +27,8 @@ def layout_kind(q_strides: tuple[int, ...], k_strides: tuple[int, ...]) -> str:
 class Problem:
     """One attention call as the registry sees it.
 
-    Functional key (selects the candidates): dtype, head_dim, causal, the GPU (`device`), the
+    Functional key (selects the candidates): dtype, head_dim, the mask (causal, or a sliding
+    `window` (left, right) around the diagonal, each side -1 for unbounded), the GPU (`device`), the
     layout kind, the GQA ratio H / Hkv and the byte alignment of the data, and what only some
     families run: the causal alignment, a negative or zero scale, dropout, an additive bias, variable
     lengths, element offsets past int32. Sizes (select the winner, through `bucket`):
@@ -52,12 +53,13 @@ class Problem:
     varlen: bool = False
     kv_cache: bool = False  # per-sequence key counts and/or a paged K/V (fused_attention_with_kvcache)
     max_offset: int = 0  # the largest element offset from a tensor's data pointer the call reaches
+    window: tuple[int, int] | None = None  # a sliding window (causal False; never (-1, -1) or (-1, 0))
     kind: ClassVar[str] = "attention"  # the selection engine's Kind for it
 
     @property
     def mask(self) -> str:
-        """The instance-parameter spelling of the mask: "causal" or "none"."""
-        return "causal" if self.causal else "none"
+        """The instance-parameter spelling of the mask: "causal", "local" (a window) or "none"."""
+        return "local" if self.window is not None else "causal" if self.causal else "none"
 
     @property
     def functional_key(self) -> str:
@@ -79,8 +81,12 @@ class Problem:
 
     def describe(self) -> str:
         """A one-line description of the functional key, for messages."""
-        mask = "no mask" if not self.causal else "causal" if self.causal_alignment == "top_left" else \
-            f"causal ({self.causal_alignment})"
+        if self.window is not None:
+            aligned = "" if self.causal_alignment == "top_left" else f", {self.causal_alignment}"
+            mask = f"sliding window {self.window}{aligned}"
+        else:
+            mask = "no mask" if not self.causal else "causal" if self.causal_alignment == "top_left" else \
+                f"causal ({self.causal_alignment})"
         extra = "".join(f", {name.replace('_', '-')}" for name in FEATURES if getattr(self, name))
         return f"{self.dtype} head_dim={self.head_dim} {mask}{extra} on sm_{self.device.cc[0]}{self.device.cc[1]}"
 

@@ -198,14 +198,16 @@ def runs_on(gencode: Iterable[str], cc: tuple[int, int]) -> bool:
 def functional_reason(family: Any, inst: AttentionInstance, problem: Problem) -> str | None:
     """Why `inst`, an instance of the attention family `family`, cannot run `problem` whatever its
     build state: dtype, then head_dim and mask where the instance fixes them (None where it serves
-    several: its family checks them), then the family's own problem_reason."""
-    mask = Mask.CAUSAL if problem.causal else Mask.NONE
+    several, no mask and causal: its family checks them), then the family's own problem_reason."""
+    mask = Mask(problem.mask)
     if inst.dtype.value != problem.dtype:
         return f"dtype {inst.dtype.value}, the problem is {problem.dtype}"
     if inst.head_dim is not None and inst.head_dim != problem.head_dim:
         return f"head_dim {inst.head_dim}, the problem has {problem.head_dim}"
     if inst.mask is not None and inst.mask is not mask:
         return f"mask {inst.mask.value}, the problem needs {mask.value}"
+    if inst.mask is None and mask is Mask.LOCAL:  # such an instance serves no mask and causal only
+        return f"{inst.family} has no sliding window (only instances built for the local mask run one)"
     return family.problem_reason(inst, problem)
 
 
@@ -317,8 +319,7 @@ def shortlist(problem: Problem) -> tuple[list[Candidate], list[tuple[str, str]]]
                 continue  # an unknown family or params: rejected with its reason by candidates()
             index.setdefault(key, []).append((position, cand))
         _shortlists = index
-    mask = "causal" if problem.causal else "none"
-    keys = {(problem.kind, problem.dtype, hd, m) for hd in (problem.head_dim, None) for m in (mask, None)}
+    keys = {(problem.kind, problem.dtype, hd, m) for hd in (problem.head_dim, None) for m in (problem.mask, None)}
     pool = [c for _, c in sorted(e for key in keys for e in _shortlists.get(key, ()))]  # in load order
     return partition(pool, lambda cand: reject_reason(cand, problem))
 

@@ -61,6 +61,9 @@ DTYPE_TABLE: dict[DType, DTypeInfo] = {
 class Mask(enum.Enum):
     NONE = "none"
     CAUSAL = "causal"  # the alignment (top-left / bottom-right) is a launch parameter
+    # A sliding window: key j visible to query i iff i + offset - left <= j <= i + offset + right
+    # (left or right -1: unbounded on that side); the offset and both bounds are launch parameters.
+    LOCAL = "local"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,8 +166,9 @@ class QKVStages:
 
 
 class BothMasks:
-    """Mixed into an attention instance that serves both masks because the causal offset is a
-    launch parameter: it fixes no mask (its family's problem_reason checks the problem's)."""
+    """Mixed into an attention instance that serves no mask and causal because the causal offset
+    is a launch parameter: it fixes no mask (its family's problem_reason checks the problem's; the
+    registry keeps sliding windows, Mask.LOCAL, from it)."""
 
     @property
     def mask(self) -> None:

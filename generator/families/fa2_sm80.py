@@ -56,7 +56,7 @@ class Fa2Sm80Instance(QKVStages, Warps, AttentionInstance):
         return f"{self.name_stem}_m{self.block_m}n{self.block_n}w{self.warps}s{self.stages}"
 
     def template_values(self) -> dict:
-        return {**super().template_values(), "causal": self.causal}
+        return {**super().template_values(), "causal": self.causal, "local": self.mask is Mask.LOCAL}
 
 
 INSTANCE = Fa2Sm80Instance

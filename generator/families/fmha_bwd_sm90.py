@@ -38,7 +38,7 @@ ARCHS = (Arch.SM90,)
 DTYPES = (DType.FP16, DType.BF16)
 # 256 does not fit: its Q/dO stages and fp32 dQ tile alone take 256 KB at block_m 64.
 HEAD_DIMS = (32, 64, 128)
-MASKS = tuple(Mask)  # causal is top-left only (launch.h's BwdMask)
+MASKS = (Mask.NONE, Mask.CAUSAL)  # causal is top-left only (launch.h's BwdMask)
 TILES = ((64, 128), (128, 128))  # (block_m, block_n): the tiles example 88 runs its backward with
 # Which mainloop: example 88's (dQ on the second math warp group), or split_dq.h's (dQ split
 # between both groups; head dims 64 and 128): suffix `_sq`.

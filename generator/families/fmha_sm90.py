@@ -39,7 +39,9 @@ SCHEDULE_CPP = {Schedule.TMA: "kTma", Schedule.COOPERATIVE: "kCooperative", Sche
 # Axes.
 DTYPES = (DType.FP16, DType.BF16)
 HEAD_DIMS = (32, 64, 96, 128, 160, 192, 256)
-MASKS = tuple(Mask)  # causal: either alignment with Nq <= Nk (the offset is a launch parameter)
+# causal: either alignment with Nq <= Nk (the offset is a launch parameter); local: a sliding window
+# (its bounds and offset are launch parameters), on the persistent schedule.
+MASKS = tuple(Mask)
 SCHEDULES = tuple(Schedule)
 TILES = ((64, 64), (64, 128), (128, 64), (128, 128), (128, 192), (192, 64), (192, 128), (256, 64))  # (block_m, block_n)
 STAGES = (2, 3, 4, 5)  # K/V pipeline stages (one stage holds a K or a V tile)
@@ -103,8 +105,8 @@ class FmhaSm90Instance(AttentionInstance):
         (bench/NOTES.md, experiment 44): d128 128x128 (2 groups) no spill, +2-10%; d64 256x64
         (4 groups) a 40-byte spill, +7-14%; d64 192x128 (3 groups) a 280-byte spill and a loss.
         Head dims above 128 were not measured, so they keep the plain step."""
-        if not self.lazy_rescale or self.schedule is Schedule.TMA or self.head_dim > 128:
-            return False
+        if not self.lazy_rescale or self.schedule is Schedule.TMA or self.head_dim > 128 or self.mask is Mask.LOCAL:
+            return False  # (a window's first key tile may hide all of a row's keys: no speculation)
         return self.block_n + self.head_dim // 2 + 16 <= CONSUMER_REGS[self.consumer_groups]
 
     @property
@@ -141,7 +143,8 @@ class FmhaSm90Instance(AttentionInstance):
 
     def template_values(self) -> dict:
         return {**super().template_values(), "schedule_cpp": SCHEDULE_CPP[self.schedule], "causal": self.causal,
-                "lazy_rescale": self.lazy_rescale, "q_buffers": self.q_buffers, "speculate": self.speculates}
+                "local": self.mask is Mask.LOCAL, "lazy_rescale": self.lazy_rescale, "q_buffers": self.q_buffers,
+                "speculate": self.speculates}
 
 
 INSTANCE = FmhaSm90Instance
@@ -171,6 +174,8 @@ def invalid_reason(inst: FmhaSm90Instance, arch: Arch = Arch.SM90) -> str | None
     if inst.causal and not causal_tiles_masked(inst.block_m, inst.block_n):
         return (f"causal masking: with block_m {inst.block_m}, block_n {inst.block_n} an unmasked key tile "
                 f"crosses the diagonal")
+    if inst.mask is Mask.LOCAL and not (inst.persistent and inst.lazy_rescale):
+        return "a sliding window (local) runs on the persistent schedule with our softmax (lazy_rescale)"
     if inst.q_buffers > 1 and not inst.persistent:
         return "a second Q buffer is an axis of the persistent schedule"
     if inst.persistent and not 2 <= inst.consumer_groups <= 4:
@@ -201,11 +206,11 @@ def problem_reason(inst: FmhaSm90Instance, problem) -> str | None:
         return reason
     if problem.negative_scale:
         return f"{FAMILY} runs scales >= 0 (its softmax takes the row maximum of the raw scores)"
-    if problem.causal and problem.seqlen_q > problem.seqlen_k:
-        # The causal mask (templates/include/gemmgen/fmha_sm90/causal.h) runs offsets in [0, Nk - Nq]:
-        # both alignments when Nq <= Nk. With Nq > Nk, bottom-right leaves rows without a key and
-        # top-left gives rows past Nk every key.
-        return f"{FAMILY} causal needs seqlen_q <= seqlen_k (either alignment)"
+    if (problem.causal or problem.window is not None) and problem.seqlen_q > problem.seqlen_k:
+        # The causal and local masks (templates/include/gemmgen/fmha_sm90/causal.h) run offsets in
+        # [0, Nk - Nq]: both alignments when Nq <= Nk. With Nq > Nk, bottom-right leaves rows without
+        # a key and top-left gives rows past Nk every key (causal) or none (a window).
+        return f"{FAMILY} {problem.mask} needs seqlen_q <= seqlen_k (either alignment)"
     if problem.max_offset > INT32_MAX:
         return f"{FAMILY} indexes with int32; this call reaches element {problem.max_offset}"
     return None
@@ -239,6 +244,13 @@ DEFAULT_TILE = {
     (256, False): (Schedule.COOPERATIVE, 128, 64, 1), (256, True): (Schedule.COOPERATIVE, 128, 64, 1),
 }
 
+# Local (sliding window) instances: the persistent schedule only, so the no-mask tile where it is
+# persistent, else the ping-pong tile of the nearest head dims (128x128 at d32, 128x64 at d256). Of
+# the other d64 and d128 tiles timed on the H100 none was ahead at every window and length
+# (bench/NOTES.md, experiment 74: d64 192x128 +3-8% from N = 8192, -4% to -32% at N = 4096).
+LOCAL_TILE = {d: tile if tile[0] is Schedule.PINGPONG else (Schedule.PINGPONG, 128, 128 if d <= 128 else 64, 1)
+              for (d, causal), tile in DEFAULT_TILE.items() if not causal}
+
 # Built by default beside the default tile, weighed on the heuristic's estimate alone (no
 # preference): the causal d64 TMA 64x64 tile, 12% ahead of the 256x64 tile at N = 512 and even at
 # N = 1024, 15% behind from N = 2048 on (bench/NOTES.md, experiment 64); the estimate takes it at
@@ -246,10 +258,13 @@ DEFAULT_TILE = {
 SHORT_SEQUENCE_TILES = {(64, True): (Schedule.TMA, 64, 64, 1)}
 
 # The tiles the heuristic prefers within its margin, one per (dtype, head dim, mask).
+def _default_tile(inst: FmhaSm90Instance) -> tuple:
+    return LOCAL_TILE[inst.head_dim] if inst.mask is Mask.LOCAL else DEFAULT_TILE[inst.head_dim, inst.causal]
+
+
 PREFERRED_DEFAULT: tuple[FmhaSm90Instance, ...] = tuple(
     inst for inst in SPACE
-    if (inst.schedule, inst.block_m, inst.block_n, inst.q_buffers) == DEFAULT_TILE[inst.head_dim, inst.causal]
-    and inst.lazy_rescale
+    if (inst.schedule, inst.block_m, inst.block_n, inst.q_buffers) == _default_tile(inst) and inst.lazy_rescale
 )
 DEFAULT: tuple[FmhaSm90Instance, ...] = PREFERRED_DEFAULT + tuple(
     inst for inst in SPACE

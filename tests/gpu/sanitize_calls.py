@@ -3,7 +3,7 @@
     compute-sanitizer --tool memcheck --error-exitcode 1 python tests/gpu/sanitize_calls.py
 
 Attention instances run forced by name on odd lengths (Nq = 129 and Nk = 127, or Nk = 129 for
-causal calls; one causal and one plain call where the instance serves both); GEMM instances on a 65 x 63 x 72 product (or the
+causal and sliding-window calls; one causal and one plain call where the instance serves both); GEMM instances on a 65 x 63 x 72 product (or the
 smallest sizes their alignment allows); the row-softmax instances through unfused_attention. Each
 output is compared with the float64 reference, so a call that reads or writes out of bounds
 without a sanitizer report still fails. Prints one line per instance and a summary.
@@ -31,15 +31,18 @@ def attention(cand) -> str:
     inst, p = cand.instance, cand.entry.params
     d = inst.head_dim or p["max_head_dim"]
     dtype = DTYPES[p["dtype"]]
-    masks = [inst.mask.value == "causal"] if inst.mask is not None else [False, True]
+    if inst.mask is None:
+        masks = [(False, None), (True, None)]
+    else:  # a sliding-window instance runs a window of 40 keys left, 7 right
+        masks = [(inst.mask.value == "causal", (40, 7) if inst.mask.value == "local" else None)]
     worst = 0.0
-    for causal in masks:
-        nk = 129 if causal else 127  # some causal tiles run Nq = Nk only
+    for causal, window in masks:
+        nk = 129 if causal or window else 127  # some causal (and window) tiles run Nq <= Nk only
         q = torch.randn(2, 2, 129, d, device="cuda", dtype=dtype)
         k, v = (torch.randn(2, 2, nk, d, device="cuda", dtype=dtype) for _ in range(2))
         out = torch.full_like(q, float("nan"))
-        gemmgen.fused_attention(q, k, v, causal=causal, instance=cand.name, out=out)
-        err = rel(out, attention_reference(q, k, v, causal)[0])
+        gemmgen.fused_attention(q, k, v, causal=causal, instance=cand.name, out=out, window=window)
+        err = rel(out, attention_reference(q, k, v, causal, window=window)[0])
         if not err <= TOLERANCE[p["dtype"]]:
             raise AssertionError(f"relative error {err:.2e}")
         worst = max(worst, err)

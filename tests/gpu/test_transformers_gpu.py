@@ -77,3 +77,51 @@ def test_logits_gradients_and_generation_match_sdpa(kind):
             top = res_b.scores[step][row].float().topk(2).values
             assert (top[0] - top[1]).item() < 0.05, f"sequence {row} differs at step {step}, margin {top[0] - top[1]:.3f}"
     assert gt.fallback_reasons() == {}, gt.fallback_reasons()
+
+
+def test_sliding_window_layers_run_the_window(monkeypatch):
+    """A Mistral-style model with a sliding window shorter than the sequence: logits and greedy
+    generation match SDPA's, inference calls run fused_attention(window=(w - 1, 0)) (the mask matched
+    the window's pattern), and a training step's gradients match through the mask path."""
+    from transformers import MistralConfig
+
+    gt.register()
+    calls = []
+    real = gt.fused_attention
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs.get("window"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(gt, "fused_attention", spy)
+    gt._reasons.clear()
+    cfg = dict(vocab_size=1024, hidden_size=512, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=8,
+               num_key_value_heads=2, max_position_embeddings=1024, sliding_window=48)
+    torch.manual_seed(0)
+    ref = AutoModelForCausalLM.from_config(MistralConfig(**cfg), attn_implementation="sdpa").to("cuda", BF16)
+    ours = AutoModelForCausalLM.from_config(MistralConfig(**cfg), attn_implementation="gemmgen").to("cuda", BF16)
+    ours.load_state_dict(ref.state_dict())
+    ids = torch.randint(0, 1024, (2, 300), device="cuda", generator=torch.Generator(device="cuda").manual_seed(2))
+    with torch.no_grad():
+        assert rel(ours(ids).logits, ref(ids).logits) < 2e-2
+    assert calls and all(w == (47, 0) for w in calls), calls
+    calls.clear()
+    for model in (ours, ref):
+        model.train()
+        model.zero_grad()
+        model(ids, labels=ids).loss.backward()
+    worst = max(rel(p.grad, q.grad) for p, q in zip(ours.parameters(), ref.parameters()) if q.grad is not None)
+    assert worst < 5e-2 and calls and all(w is None for w in calls)
+    for model in (ours, ref):
+        model.eval()
+    with torch.no_grad():
+        out_a = ours.generate(ids[:, :100], max_new_tokens=16, do_sample=False)
+        res_b = ref.generate(ids[:, :100], max_new_tokens=16, do_sample=False, output_scores=True,
+                             return_dict_in_generate=True)
+    for row in range(2):
+        differ = (out_a[row, 100:] != res_b.sequences[row, 100:]).nonzero()
+        if len(differ):
+            step = differ[0].item()
+            top = res_b.scores[step][row].float().topk(2).values
+            assert (top[0] - top[1]).item() < 0.05, f"sequence {row} differs at step {step}"
+    assert gt.fallback_reasons() == {}, gt.fallback_reasons()

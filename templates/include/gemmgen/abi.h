@@ -1,6 +1,8 @@
 // The C ABI every gemmgen instance library exports. Python loads it with ctypes
-// (gemmgen/abi.py mirrors these structs field by field; keep the two in step and
-// bump GEMMGEN_ABI_VERSION on any change).
+// (gemmgen/kernels/abi.py mirrors these structs field by field; keep the two in step). A field
+// appended at the end of a params struct, zero meaning "not asked for", keeps the version: a
+// library built before it never reads it, and the registry sends a call that sets it only to
+// instances of the families that read it. Bump GEMMGEN_ABI_VERSION on any other change.
 #pragma once
 #include <stdint.h>
 
@@ -60,6 +62,13 @@ typedef struct GemmgenAttnParams {
   int32_t num_splits;  // split-KV families: CTAs sharing one row tile's keys (<= 1: one, no workspace)
   void* workspace;     // <symbol>_workspace(params) bytes, 256-byte aligned; contents undefined on entry
   int64_t workspace_bytes;
+
+  // Sliding window (instances built for the local mask; others reject local != 0): key j is
+  // visible to query i iff i + causal_offset - window_left <= j <= i + causal_offset + window_right,
+  // a side of -1 unbounded.
+  int32_t local;
+  int32_t window_left;
+  int32_t window_right;
 } GemmgenAttnParams;
 
 // Static facts of one compiled instance, for the manifest and the registry.

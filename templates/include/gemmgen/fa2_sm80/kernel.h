@@ -32,7 +32,9 @@ CUTE_DEVICE void write_empty_tile(GemmgenAttnParams const& p, typename Traits::E
   }
 }
 
-template <class Traits, bool Causal>
+// Local: the sliding window of Mask.LOCAL (abi.h's window_left / window_right around the diagonal
+// at causal_offset); Causal and Local are never both set.
+template <class Traits, bool Causal, bool Local = false>
 __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const GemmgenAttnParams p) {
   using Element = typename Traits::Element;
   constexpr int kBlockM = Traits::kBlockM;
@@ -57,14 +59,33 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const Gemmgen
   Element* o_ptr = static_cast<Element*>(p.o) + b * p.o_batch_stride + h * p.o_head_stride;
   float* lse_ptr = p.lse == nullptr ? nullptr : p.lse + bh * p.seqlen_q + int64_t(m_block) * kBlockM;
 
-  // Key tiles this query tile sees: all, or (causal) up to the last row's diagonal.
+  // Key tiles this query tile sees, [n_block_min, n_block_max): all, or (causal) up to the last
+  // row's diagonal, or (local) from the first row's left window edge to the last row's right one.
   int n_block_max = (p.seqlen_k + kBlockN - 1) / kBlockN;
   if constexpr (Causal) {
     const int64_t last_row = min((m_block + 1) * kBlockM, p.seqlen_q) - 1;
     const int64_t last_col = last_row + p.causal_offset;
     n_block_max = last_col < 0 ? 0 : int(min<int64_t>(n_block_max, last_col / kBlockN + 1));
   }
-  if (n_block_max <= 0) {
+  // Local: key j hidden from row i when j < i + lo_off or j > i + hi_off (a side without a bound
+  // gets an offset past every key). Without a window these are constants no code reads, and the
+  // first key tile is 0, so the kernels of the other masks compile as they would without them.
+  const int64_t lo_off = Local && p.window_left >= 0 ? int64_t(p.causal_offset) - p.window_left : -(int64_t(1) << 40);
+  const int64_t hi_off = Local && p.window_right >= 0 ? int64_t(p.causal_offset) + p.window_right : int64_t(1) << 40;
+  const int64_t local_last_row = Local ? min((m_block + 1) * kBlockM, p.seqlen_q) - 1 : 0;
+  if constexpr (Local) {
+    const int64_t last_col = local_last_row + hi_off;
+    n_block_max = last_col < 0 ? 0 : int(min<int64_t>(n_block_max, last_col / kBlockN + 1));
+  }
+  const int n_block_min = [&] {
+    if constexpr (Local) {
+      const int64_t first_col = int64_t(m_block) * kBlockM + lo_off;
+      return first_col <= 0 ? 0 : int(min<int64_t>(n_block_max, first_col / kBlockN));
+    } else {
+      return 0;
+    }
+  }();
+  if (n_block_max <= n_block_min) {
     write_empty_tile<Traits>(p, o_ptr + int64_t(m_block) * kBlockM * p.o_row_stride, lse_ptr, m_block);
     return;
   }
@@ -141,7 +162,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const Gemmgen
   if constexpr (Traits::kStages == 2) {
     load_v(n_block, 0, p.seqlen_k - n_block * kBlockN);
     cp_async_fence();
-    if (n_block > 0) {
+    if (n_block > n_block_min) {
       load_k(n_block - 1, 1, kBlockN);
       load_v(n_block - 1, 1, kBlockN);
     }
@@ -161,7 +182,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const Gemmgen
   OnlineSoftmax<2 * size<1>(acc_o)> softmax(fabsf(p.scale) * kLog2e);
 
   // S = Q K^T for key tile n (K in `stage`), with keys past the end and, for causal
-  // instances, right of the diagonal masked when kMask.
+  // instances, right of the diagonal (local: outside the window) masked when kMask.
   auto qk = [&](int n, auto mask_tag, int stage) {
     Tensor acc_s = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kBlockN>>{});  // (MMA, MMA_M, MMA_N)
     clear(acc_s);
@@ -180,6 +201,17 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const Gemmgen
         if constexpr (Causal) {  // key j visible to query i iff j <= i + causal_offset
           const int64_t last = int64_t(row0) + get<0>(c(mi, 0)) + p.causal_offset - int64_t(n) * kBlockN;
           limit = int(max<int64_t>(-1, min<int64_t>(cols_left - 1, last))) + 1;
+        }
+        if constexpr (Local) {  // keys [first, limit) of the tile are in row i's window
+          const int64_t row = int64_t(row0) + get<0>(c(mi, 0)) - int64_t(n) * kBlockN;
+          limit = int(max<int64_t>(-1, min<int64_t>(cols_left - 1, row + hi_off))) + 1;
+          const int first = int(max<int64_t>(0, min<int64_t>(kBlockN, row + lo_off)));
+          CUTE_UNROLL
+          for (int ni = 0; ni < size<1>(s); ++ni) {
+            const int col = get<1>(c(0, ni));
+            if (col >= limit || col < first) s(mi, ni) = -INFINITY;
+          }
+          continue;
         }
         CUTE_UNROLL
         for (int ni = 0; ni < size<1>(s); ++ni) {
@@ -210,7 +242,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const Gemmgen
       Tensor acc_s = qk(n, mask_tag, 0);
       cp_async_wait<0>();
       __syncthreads();  // V[n] landed; every warp is done reading K[n]
-      if (n > 0) {
+      if (n > n_block_min) {
         load_k(n - 1, 0, kBlockN);
         cp_async_fence();
       }
@@ -222,7 +254,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const Gemmgen
       Tensor acc_s = qk(n, mask_tag, stage);
       softmax_pv(acc_s, stage, first_tag);
       __syncthreads();  // every warp is done with this stage
-      if (n > 1) {
+      if (n - 2 >= n_block_min) {
         load_k(n - 2, stage, kBlockN);
         load_v(n - 2, stage, kBlockN);
       }
@@ -231,15 +263,17 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const Gemmgen
   };
 
   // Key tiles run from last to first, so the ones that need a mask (the partial last tile,
-  // the tiles crossing the diagonal) come first and the main loop carries no mask code.
+  // the tiles crossing the diagonal) come first and the main loop carries no mask code; a
+  // window's left edge masks the last few tiles again.
   auto needs_mask = [&](int n) {
     const int64_t col0 = int64_t(n) * kBlockN;
-    return col0 + kBlockN > p.seqlen_k || (Causal && col0 + kBlockN - 1 > int64_t(row0) + p.causal_offset);
+    return col0 + kBlockN > p.seqlen_k || (Causal && col0 + kBlockN - 1 > int64_t(row0) + p.causal_offset) ||
+           (Local && (col0 + kBlockN - 1 > int64_t(row0) + hi_off || col0 < local_last_row + lo_off));
   };
   // The first tile, peeled where it measured faster (causal, and head dims from 128; non-causal
   // d64 lost 2-4% to the larger kernel): O is still zero there, so it skips the rescale. A
   // runtime flag in the shared loop body instead cost non-causal d128 3-6% (bench/NOTES.md, 13).
-  if constexpr (Causal || kHeadDim >= 128) {
+  if constexpr (Causal || Local || kHeadDim >= 128) {
     if (needs_mask(n_block)) {
       step(n_block, cute::true_type{}, cute::true_type{});
     } else {
@@ -247,8 +281,14 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const Gemmgen
     }
     --n_block;
   }
-  for (; n_block >= 0 && needs_mask(n_block); --n_block) step(n_block, cute::true_type{}, cute::false_type{});
-  for (; n_block >= 0; --n_block) step(n_block, cute::false_type{}, cute::false_type{});
+  if constexpr (Local) {  // masked (right edge), unmasked, masked again (left edge)
+    for (; n_block >= n_block_min && needs_mask(n_block); --n_block) step(n_block, cute::true_type{}, cute::false_type{});
+    for (; n_block >= n_block_min && !needs_mask(n_block); --n_block) step(n_block, cute::false_type{}, cute::false_type{});
+    for (; n_block >= n_block_min; --n_block) step(n_block, cute::true_type{}, cute::false_type{});
+  } else {
+    for (; n_block >= 0 && needs_mask(n_block); --n_block) step(n_block, cute::true_type{}, cute::false_type{});
+    for (; n_block >= 0; --n_block) step(n_block, cute::false_type{}, cute::false_type{});
+  }
 
   // Epilogue: normalize, stage O through shared memory (the Q tile's space: the last
   // barrier above ordered every read of Q) and store 16-byte rows; LSE from one lane per row.

@@ -17,7 +17,7 @@ namespace gemmgen::fa2_sm80 {
 // CUDA caps grid.y and grid.z at 65535: batch*heads is spread over both.
 constexpr int64_t kMaxGridYZ = 65535;
 
-template <class Traits, bool Causal>
+template <class Traits, bool Causal, bool Local = false>
 int run(const GemmgenAttnParams* p, cudaStream_t stream, char* err, int err_len) {
   if (int status = check_sizes<Traits::kHeadDim>(p, 1, err, err_len)) return status;
   if (p->bias != nullptr || p->dropout_p != 0.f || p->cu_seqlens_q != nullptr || p->cu_seqlens_k != nullptr ||
@@ -25,14 +25,23 @@ int run(const GemmgenAttnParams* p, cudaStream_t stream, char* err, int err_len)
     return report(err, err_len, GEMMGEN_INVALID_ARGUMENT,
                   "this family runs no bias, dropout, variable lengths or key-value cache");
   }
+  if (Local != (p->local != 0)) {
+    return report(err, err_len, GEMMGEN_INVALID_ARGUMENT,
+                  Local ? "this instance runs sliding windows only (params.local is 0)"
+                        : "a sliding window (params.local): this instance runs none (a local one does)");
+  }
+  if (Local && (p->window_left < -1 || p->window_right < -1)) {
+    return report(err, err_len, GEMMGEN_INVALID_ARGUMENT, "window (%d, %d): each side is -1 (unbounded) or >= 0",
+                  p->window_left, p->window_right);
+  }
   const int64_t bh = int64_t(p->batch) * p->heads;
   if (bh > kMaxGridYZ * kMaxGridYZ) {
     return report(err, err_len, GEMMGEN_INVALID_ARGUMENT, "batch*heads %lld exceeds %lld",
                   static_cast<long long>(bh), static_cast<long long>(kMaxGridYZ * kMaxGridYZ));
   }
-  auto kernel = &fwd_kernel<Traits, Causal>;
+  auto kernel = &fwd_kernel<Traits, Causal, Local>;
   constexpr int kSmem = Traits::kSmemSize;
-  if (int status = opt_in_smem<&fwd_kernel<Traits, Causal>>(kSmem, err, err_len)) return status;
+  if (int status = opt_in_smem<&fwd_kernel<Traits, Causal, Local>>(kSmem, err, err_len)) return status;
   const unsigned grid_y = static_cast<unsigned>(bh < kMaxGridYZ ? bh : kMaxGridYZ);
   const unsigned grid_z = static_cast<unsigned>((bh + grid_y - 1) / grid_y);
   const dim3 grid((p->seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM, grid_y, grid_z);

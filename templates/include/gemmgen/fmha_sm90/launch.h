@@ -44,18 +44,22 @@ template <> struct DispatchOf<Schedule::kCooperative> {
 
 // Non-causal instances use CUTLASS's residual fusion: it masks the keys past seqlen_k in the last
 // key tile (TMA fills them with zeros, which would otherwise score 0), so any seqlen_k works.
-// Causal ones our bottom-right mask (causal.h), which serves every causal offset in [0, Nk - Nq].
+// Causal ones our bottom-right mask (causal.h), which serves every causal offset in [0, Nk - Nq];
+// local ones (a sliding window) our LocalWindow (causal.h, the persistent schedule only).
 // Lazy: our softmax, which rescales O only when a row maximum grows by more than 2^8 (softmax.h).
-template <bool Causal>
-using MaskOf = std::conditional_t<Causal, BottomRightCausal, cutlass::fmha::collective::ResidualFusion>;
-template <bool Causal, bool Lazy, bool Speculate = false>
-using FusionOf = std::conditional_t<Lazy, LazyRescale<MaskOf<Causal>, Speculate>, MaskOf<Causal>>;
+template <bool Causal, bool Local = false, int BlockM = 0, int BlockN = 0>
+using MaskOf = std::conditional_t<Local, LocalWindow<BlockM, BlockN>,
+                                  std::conditional_t<Causal, BottomRightCausal, cutlass::fmha::collective::ResidualFusion>>;
+template <bool Causal, bool Lazy, bool Speculate = false, bool Local = false, int BlockM = 0, int BlockN = 0>
+using FusionOf = std::conditional_t<Lazy, LazyRescale<MaskOf<Causal, Local, BlockM, BlockN>, Speculate>,
+                                    MaskOf<Causal, Local, BlockM, BlockN>>;
 
 // Speculate: whether our softmax takes its speculative step (softmax.h), decided per instance by
 // FmhaSm90Instance.speculates (gemmgen/families/fmha_sm90.py) from the registers it needs.
 template <class Element, class TileShape, class Stride, Schedule S, bool Causal, int StagesKV, bool Lazy,
-          int QBuffers, bool Speculate>
+          int QBuffers, bool Speculate, bool Local>
 struct KernelOf {  // CUTLASS's own composition of the kernel (the TMA and cooperative schedules)
+  static_assert(!Local, "sliding windows run on the persistent schedule");
   using type = typename cutlass::fmha::kernel::FmhaBuilder<
       Element, float, float, TileShape, Stride, Stride, Stride,
       FusionOf<Causal, Lazy, Speculate>,
@@ -64,15 +68,15 @@ struct KernelOf {  // CUTLASS's own composition of the kernel (the TMA and coope
 };
 
 template <class Element, class TileShape, class Stride, bool Causal, int StagesKV, bool Lazy, int QBuffers,
-          bool Speculate>
-struct KernelOf<Element, TileShape, Stride, Schedule::kPingpong, Causal, StagesKV, Lazy, QBuffers, Speculate> {
+          bool Speculate, bool Local>
+struct KernelOf<Element, TileShape, Stride, Schedule::kPingpong, Causal, StagesKV, Lazy, QBuffers, Speculate, Local> {
   // CUTLASS's persistent mainloop in our kernel (persistent.h); 64 rows per consumer warp group;
   // causal row tiles go in pairs.
   using Tag = cutlass::fmha::kernel::Tag;
   template <Tag T, class V> using Opt = cutlass::fmha::kernel::Option<T, V>;
   using Groups = Int<size<0>(TileShape{}) / 64>;
   using StagesQ = Int<Groups::value * QBuffers>;  // Q buffers per consumer group
-  using Fusion = FusionOf<Causal, Lazy, Speculate>;
+  using Fusion = FusionOf<Causal, Lazy, Speculate, Local, size<0>(TileShape{}), size<1>(TileShape{})>;
   using Mainloop = cutlass::fmha::collective::FmhaMainloopTmaWarpSpecialized<
       Element, float, float, TileShape, Stride, Stride, Stride, Fusion, Opt<Tag::kStagesKV, Int<StagesKV>>,
       Opt<Tag::kStagesQ, StagesQ>, Opt<Tag::kIsPersistent, cute::true_type>, Opt<Tag::kLoadsQSeparately, cute::true_type>,
@@ -84,18 +88,21 @@ struct KernelOf<Element, TileShape, Stride, Schedule::kPingpong, Causal, StagesK
 };
 
 template <class Element_, int BlockM, int BlockN, int HeadDim, Schedule S, bool Causal, int StagesKV,
-          bool Lazy = false, int QBuffers = 1, bool Speculate = false>
+          bool Lazy = false, int QBuffers = 1, bool Speculate = false, bool Local = false>
 struct Config {
   using Element = Element_;
   using Stride = cute::tuple<int, _1, cute::tuple<int, int>>;  // (row, 1, (batch, head)) in elements
   using StrideLSE = cute::tuple<_1, cute::tuple<int, int>>;
   using TileShape = Shape<Int<BlockM>, Int<BlockN>, Int<HeadDim>>;
   static_assert(!Speculate || (Lazy && S != Schedule::kTma), "the TMA mainloop and CUTLASS's softmax never speculate");
-  using Kernel = typename KernelOf<Element, TileShape, Stride, S, Causal, StagesKV, Lazy, QBuffers, Speculate>::type;
+  // A window's first key tile may hide every key of a row: the speculative step assumes it does not.
+  static_assert(!Local || (!Causal && !Speculate && Lazy), "a local instance is lazy, not causal, not speculating");
+  using Kernel = typename KernelOf<Element, TileShape, Stride, S, Causal, StagesKV, Lazy, QBuffers, Speculate, Local>::type;
   static constexpr int kHeadDim = HeadDim;
   static constexpr int kBlockM = BlockM;
   static constexpr int kBlockN = BlockN;
   static constexpr bool kCausal = Causal;
+  static constexpr bool kLocal = Local;
   static constexpr bool kPersistent = S == Schedule::kPingpong;
 };
 
@@ -132,13 +139,22 @@ int run(const GemmgenAttnParams* p, cudaStream_t stream, char* err, int err_len)
       p->seqlens_k != nullptr || p->block_table != nullptr) {
     return report(err, err_len, GEMMGEN_INVALID_ARGUMENT, "this family runs no bias, dropout, variable lengths or key-value cache");
   }
+  if (Cfg::kLocal != (p->local != 0)) {
+    return report(err, err_len, GEMMGEN_INVALID_ARGUMENT,
+                  Cfg::kLocal ? "this instance runs sliding windows only (params.local is 0)"
+                              : "a sliding window (params.local): this instance runs none (a local one does)");
+  }
+  if (Cfg::kLocal && (p->window_left < -1 || p->window_right < -1)) {
+    return report(err, err_len, GEMMGEN_INVALID_ARGUMENT, "window (%d, %d): each side is -1 (unbounded) or >= 0",
+                  p->window_left, p->window_right);
+  }
   if (!(p->scale >= 0.f)) {
     return report(err, err_len, GEMMGEN_INVALID_ARGUMENT, "scale %g: this family runs scales >= 0", p->scale);
   }
-  if (Cfg::kCausal && (p->causal_offset < 0 || int64_t(p->seqlen_q) + p->causal_offset > p->seqlen_k)) {
+  if ((Cfg::kCausal || Cfg::kLocal) && (p->causal_offset < 0 || int64_t(p->seqlen_q) + p->causal_offset > p->seqlen_k)) {
     return report(err, err_len, GEMMGEN_INVALID_ARGUMENT,
-                  "causal runs offsets in [0, seqlen_k - seqlen_q] (every row sees a key; got offset %d, "
-                  "seqlen_q %d, seqlen_k %d)", p->causal_offset, p->seqlen_q, p->seqlen_k);
+                  "causal and local masks run offsets in [0, seqlen_k - seqlen_q] (every row sees a key; got "
+                  "offset %d, seqlen_q %d, seqlen_k %d)", p->causal_offset, p->seqlen_q, p->seqlen_k);
   }
   if (p->lse == nullptr) {
     return report(err, err_len, GEMMGEN_INVALID_ARGUMENT, "this family always writes LSE: pass a buffer");
@@ -223,8 +239,15 @@ int run(const GemmgenAttnParams* p, cudaStream_t stream, char* err, int err_len)
                          make_stride(int(p->o_batch_stride), int(p->o_head_stride * launches))),
              p->lse + (b0 * h + qh) * nq, make_stride(_1{}, make_stride(int(h * nq), int(launches * nq)))},
             hw};
-        e = launch_with_scale<Kernel>(args, scale, kSmem, stream, [packed](auto& params) {
+        e = launch_with_scale<Kernel>(args, scale, kSmem, stream, [packed, p](auto& params) {
           if constexpr (Cfg::kPersistent) params.kv_group = static_cast<int>(packed);
+          if constexpr (Cfg::kLocal) {  // WindowShape's offsets; an unbounded side lies past every key
+            constexpr int64_t kUnbounded = int64_t(1) << 30;
+            const int64_t lo = p->window_left < 0 ? -kUnbounded : int64_t(p->causal_offset) - p->window_left;
+            const int64_t hi = p->window_right < 0 ? kUnbounded : int64_t(p->causal_offset) + p->window_right;
+            params.window_lo = static_cast<int>(std::max(-kUnbounded, lo));
+            params.window_hi = static_cast<int>(std::min(kUnbounded, hi));
+          }
         });
         if (e != cudaSuccess) {
           return report(err, err_len, GEMMGEN_CUDA_ERROR, "kernel launch: %s (%s)", cudaGetErrorString(e),

@@ -12,6 +12,8 @@
 // it next needs the buffer (the kernel waits once before it exits): +2-9% at d128 up to N = 2048,
 // a tie with causal at 8192 (bench/NOTES.md, experiment 29).
 #pragma once
+#include <type_traits>
+
 #include "cute/tensor.hpp"
 #include "cutlass/arch/barrier.h"
 #include "cutlass/arch/reg_reconfig.h"
@@ -22,6 +24,8 @@
 
 #include "88_hopper_fmha/collective/fmha_common.hpp"
 #include "88_hopper_fmha/kernel/fmha_kernel_tma_warpspecialized.hpp"
+
+#include "gemmgen/fmha_sm90/causal.h"
 
 namespace gemmgen::fmha_sm90 {
 
@@ -214,7 +218,20 @@ struct PersistentKernel
   // which only the first heads / kv_group are read).
   struct Params : Base::Params {
     int kv_group = 1;
+    int window_lo = 0, window_hi = 0;  // a sliding window's offsets (WindowShape), window fusions only
   };
+  // A sliding window (causal.h's LocalWindow): the Fusion and softmax get a WindowShape, and the K/V
+  // loads start at the row tile's first key tile (load_kv below) instead of key tile 0.
+  template <class F, class = void> struct IsWindow : cute::false_type {};
+  template <class F> struct IsWindow<F, std::void_t<decltype(F::kWindow)>> : cute::true_type {};
+  static constexpr bool kWindow = IsWindow<Fusion>::value;
+  CUTLASS_DEVICE static auto fusion_problem(Params const& params) {
+    if constexpr (kWindow) {
+      return WindowShape{params.problem_size, params.window_lo, params.window_hi};
+    } else {
+      return params.problem_size;
+    }
+  }
   static Params to_underlying_arguments(Arguments const& args, void* workspace) {
     Params params;
     static_cast<typename Base::Params&>(params) = Base::to_underlying_arguments(args, workspace);
@@ -249,6 +266,40 @@ struct PersistentKernel
       ++read_kv;
     }
     pipe_q.consumer_release(read_q);
+  }
+
+  // The K and V tiles of a sliding window's row tile `blk` (K/V head in kv_blk), in the order CUTLASS's
+  // own loader issues them (K of tile t, then V of tile t, the first V after the K/V and Q warps meet),
+  // from the row tile's first key tile on.
+  template <class BlkCoord, class State, class Storage, class Barrier>
+  CUTLASS_DEVICE static void load_kv(BlkCoord const& blk, BlkCoord const& kv_blk, Params const& params,
+                                     PipeKV& pipe_kv, State& write_kv, Storage& storage, Barrier& barrier,
+                                     bool first) {
+    using TileShape = typename Mainloop::TileShape;
+    const auto problem = fusion_problem(params);
+    const int start = Fusion::first_tile(blk, problem);
+    const int count = Fusion{}.get_trip_count(blk, TileShape{}, problem);
+    const int lane = cute::elect_one_sync();
+    typename Mainloop::LoadK load_k{params.mainloop.tma_load_k, pipe_kv, storage.smem_k};
+    typename Mainloop::LoadV load_v{params.mainloop.tma_load_v, pipe_kv, storage.smem_v};
+    auto state_k = load_k.init_state(_0{}, params.problem_size, typename Mainloop::TileShapeQK{}, kv_blk, count);
+    auto state_v = load_v.init_state(_0{}, params.problem_size, typename Mainloop::TileShapePV{}, kv_blk, count);
+    struct TileIndex {  // what CollectiveLoadTma::step reads of an iterator
+      int i;
+      CUTLASS_DEVICE int operator*() const { return i; }
+      CUTLASS_DEVICE void operator++() { ++i; }
+    } tile{start};
+    int steps = 2 * count;  // one K and one V step per key tile
+    load_k.template step<false>(tile, state_k, write_kv, lane, steps);
+    if (first) {
+      barrier.arrive();
+      barrier.wait(/*phase=*/0);
+    }
+    load_v.template step<true>(tile, state_v, write_kv, lane, steps);
+    while (steps > 0) {
+      load_k.template step<false>(tile, state_k, write_kv, lane, steps);
+      load_v.template step<true>(tile, state_v, write_kv, lane, steps);
+    }
   }
 
   CUTLASS_DEVICE void operator()(const Params& params, char* smem) {
@@ -308,9 +359,14 @@ struct PersistentKernel
         for (; scheduler.is_valid(); ++scheduler, first = false) {
           auto kv_blk = scheduler.get_block_coord();
           get<1>(get<2>(kv_blk)) /= params.kv_group;  // this query head's K/V head
-          mainloop.template load_kv_maybe_q<false>(0, kv_blk, params.mainloop, params.problem_size, pipe_kv,
-                                                   write_kv, pipe_q, write_q, storage.tensors.mainloop,
-                                                   storage.load_warp_barrier, first);
+          if constexpr (kWindow) {
+            load_kv(scheduler.get_block_coord(), kv_blk, params, pipe_kv, write_kv, storage.tensors.mainloop,
+                    storage.load_warp_barrier, first);
+          } else {
+            mainloop.template load_kv_maybe_q<false>(0, kv_blk, params.mainloop, params.problem_size, pipe_kv,
+                                                     write_kv, pipe_q, write_q, storage.tensors.mainloop,
+                                                     storage.load_warp_barrier, first);
+          }
         }
       } else if (warp_in_group == kLoadQ) {
         for (; scheduler.is_valid(); ++scheduler, first = false) {
@@ -332,12 +388,12 @@ struct PersistentKernel
       get<0>(group_blk) = kGroups * get<0>(blk) + consumer;
       read_q.advance(consumer);  // Q stages go to the groups in turn, a tile's kGroups at a time
       if (get<0>(group_blk) * kGroupRows >= get<2>(params.problem_size)) {
-        skip(blk, params.problem_size, pipe_kv, read_kv, pipe_q, read_q, order);
+        skip(blk, fusion_problem(params), pipe_kv, read_kv, pipe_q, read_q, order);
         read_q.advance(kGroups - consumer);
         continue;
       }
-      auto result = mainloop.compute(blk, group_blk, params.mainloop, params.problem_size, pipe_kv, read_kv, pipe_q,
-                                     read_q, pipe_unused, write_unused, storage.tensors.mainloop, order);
+      auto result = mainloop.compute(blk, group_blk, params.mainloop, fusion_problem(params), pipe_kv, read_kv,
+                                     pipe_q, read_q, pipe_unused, write_unused, storage.tensors.mainloop, order);
       read_q.advance(kGroups - consumer);
       epilogue(group_blk, result, typename Mainloop::TiledMmaPV{}, params.problem_size, params.epilogue,
                storage.tensors.epilogue[consumer]);

@@ -1,0 +1,139 @@
+"""Sliding-window (local) attention on the GPU against the float64 reference: every built local
+instance (fa2_sm80's, and fmha_sm90's on Hopper) forced by name, and the registry's own pick. Inputs
+are fresh random tensors, a different seed per case; outputs are poisoned with NaN first, and NaN
+never passes. Needs the local instances built (`gemmgen generate --arch sm80 --arch sm90` builds them
+by default)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import gemmgen
+from gemmgen.generator.families.base import Mask
+from gemmgen.ops.reference import attention_reference
+from gemmgen.select import registry
+
+from test_fused_attention import LSE_TOLERANCE, TOLERANCE, make_qkv
+
+pytestmark = pytest.mark.gpu
+
+WINDOWS = [(0, 0), (16, 0), (100, 7), (-1, 33), (256, -1), (5, 5), (1000, 1000)]
+LENGTHS = [(1, 1), (17, 17), (127, 129), (129, 127), (1000, 1000), (1000, 4097), (4097, 4097)]
+ALIGNMENTS = ("top_left", "bottom_right")
+
+
+def local_instances(head_dims=None) -> list[str]:
+    """The built local instances the GPU runs (their names), head dims in `head_dims` if given (none
+    without a GPU: the module's tests are skipped there)."""
+    if not torch.cuda.is_available():
+        return []
+    cc = torch.cuda.get_device_capability()
+    names = []
+    for cand in registry.load()[0]:
+        try:
+            inst = cand.instance
+        except ValueError:
+            continue
+        if getattr(inst, "mask", None) is not Mask.LOCAL or registry.build_reason(cand, cc) is not None:
+            continue
+        if head_dims is None or inst.head_dim in head_dims:
+            names.append(inst.name)
+    return sorted(names)
+
+
+def check(q, k, v, window, alignment="top_left", *, causal=False, instance=None):
+    """Run with a NaN-poisoned out= buffer; O and LSE against the float64 reference of the window."""
+    out = torch.full_like(q, float("nan"))
+    o, lse = gemmgen.fused_attention(q, k, v, window=window, causal=causal, causal_alignment=alignment,
+                                     return_lse=True, out=out, instance=instance)
+    torch.cuda.synchronize()
+    assert o.data_ptr() == out.data_ptr()
+    ref_o, ref_lse = attention_reference(q, k, v, causal, alignment, window=window)
+    assert not torch.isnan(o).any(), "unwritten or NaN output elements"
+    ref_norm = ref_o.norm().item()
+    err = (o.double() - ref_o).norm().item() / ref_norm if ref_norm else o.double().norm().item()
+    assert err <= TOLERANCE[q.dtype], f"relative error {err:.3e}"
+    empty = torch.isneginf(ref_lse)
+    assert torch.equal(torch.isneginf(lse), empty), "LSE must be -inf exactly where no key is seen"
+    assert torch.equal(o[empty], torch.zeros_like(o[empty])), "rows that see no key must be 0"
+    lse_err = ((lse.double() - ref_lse).abs() / ref_lse.abs().clamp_min(1.0))[~empty]
+    assert lse_err.numel() == 0 or lse_err.max().item() <= LSE_TOLERANCE
+
+
+def runs(name: str, nq: int, nk: int) -> bool:
+    """fmha_sm90's windows need every row's diagonal key: Nq <= Nk (either alignment)."""
+    return not name.startswith("fmha_sm90") or nq <= nk
+
+
+@pytest.mark.parametrize("name", local_instances() or ["(none built)"])
+def test_every_local_instance(name):
+    if name == "(none built)":
+        pytest.fail("no local instance is built for this GPU")
+    dtype = torch.float16 if "_fp16_" in name else torch.bfloat16
+    d = int(name.split("_d")[1].split("_")[0])
+    for nq, nk in ((127, 129), (129, 127), (300, 300)):
+        if not runs(name, nq, nk):
+            continue
+        for alignment in ALIGNMENTS:
+            for window in ((16, 0), (100, 7), (-1, 33)):
+                q, k, v = make_qkv(2, 4, 2, nq, nk, d, dtype, (name, nq, nk, alignment, window))
+                check(q, k, v, window, alignment, instance=name)
+
+
+@pytest.mark.parametrize("nq, nk", LENGTHS)
+@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize("family", ["fa2_sm80", "fmha_sm90"])
+def test_lengths_and_windows(family, window, nq, nk):
+    names = [n for n in local_instances((64, 128)) if n.startswith(family)]
+    if not names:
+        pytest.skip(f"no {family} local instance built for this GPU")
+    for name in names:
+        if not runs(name, nq, nk):
+            continue
+        dtype = torch.float16 if "_fp16_" in name else torch.bfloat16
+        d = int(name.split("_d")[1].split("_")[0])
+        b, h = (1, 2) if max(nq, nk) > 1000 else (2, 3)
+        for alignment in ALIGNMENTS:
+            q, k, v = make_qkv(b, h, h, nq, nk, d, dtype, (name, window, nq, nk, alignment))
+            check(q, k, v, window, alignment, instance=name)
+
+
+def test_registry_picks_a_local_instance_gqa_and_bnhd_views():
+    """No instance forced: the registry picks a local instance (fmha_sm90's on Hopper where Nq <= Nk),
+    for GQA 4:1 and MQA inputs read as [B, N, H, d] views; causal with a left window too."""
+    hopper = torch.cuda.get_device_capability()[0] == 9
+    for hkv in (2, 1):
+        q = torch.randn(2, 777, 8, 128, dtype=torch.bfloat16, device="cuda").transpose(1, 2)
+        k, v = (torch.randn(2, 1031, hkv, 128, dtype=torch.bfloat16, device="cuda").transpose(1, 2)
+                for _ in range(2))
+        for window, causal in (((64, 64), False), ((200, -1), True)):
+            name = gemmgen.selected_instance(q, k, v, window=window, causal=causal, causal_alignment="bottom_right")
+            assert "_local_" in name and (not hopper or name.startswith("fmha_sm90")), name
+            check(q, k, v, window, "bottom_right", causal=causal)
+
+
+def test_window_without_backward_refuses_at_the_forward():
+    """No backward family runs a window yet: inputs that require grad raise at the forward."""
+    q, k, v = (torch.randn(1, 2, 64, 64, dtype=torch.bfloat16, device="cuda", requires_grad=True) for _ in range(3))
+    with pytest.raises(gemmgen.NoInstanceError, match="local"):
+        gemmgen.fused_attention(q, k, v, window=(8, 8))
+    with torch.no_grad():
+        gemmgen.fused_attention(q, k, v, window=(8, 8))  # inference runs
+
+
+def test_compiled_and_graphed():
+    """torch.compile(fullgraph=True) and CUDA graph replay of a windowed call, against the reference."""
+    q, k, v = (torch.randn(2, 4, 513, 64, dtype=torch.float16, device="cuda") for _ in range(3))
+    fn = torch.compile(lambda q, k, v: gemmgen.fused_attention(q, k, v, window=(32, 0)), fullgraph=True)
+    ref, _ = attention_reference(q, k, v, window=(32, 0))
+    o = fn(q, k, v)
+    assert (o.double() - ref).norm() / ref.norm() <= TOLERANCE[torch.float16]
+    gemmgen.fused_attention(q, k, v, window=(32, 0))  # selected outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = gemmgen.fused_attention(q, k, v, window=(32, 0))
+    q.copy_(torch.randn_like(q))
+    graph.replay()
+    torch.cuda.synchronize()
+    ref, _ = attention_reference(q, k, v, window=(32, 0))
+    assert (out.double() - ref).norm() / ref.norm() <= TOLERANCE[torch.float16]
