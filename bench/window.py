@@ -133,7 +133,6 @@ def main() -> int:
                 for name in names:
                     tile_rows.append(f"| {label} | {window} | {name} | {rate[name]:.0f} | "
                                      f"{rate[name] / rate['gemmgen']:.2f} |")
-            del q, k, v, expanded
     head = header(f"{args.dtype}, H={H} Hkv={HKV}, eager calls queued back to back, host path included, default "
                   f"build untuned; each side the median over {args.rounds} rounds in alternating order of the "
                   f"median of {args.reps} CUDA-event timings; TFLOP/s = 4*B*H*d*visible pairs/t; SDPA with "

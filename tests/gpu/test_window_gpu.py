@@ -13,7 +13,8 @@ from gemmgen.generator.families.base import Mask
 from gemmgen.ops.reference import attention_reference
 from gemmgen.select import registry
 
-from test_fused_attention import LSE_TOLERANCE, TOLERANCE, make_qkv
+from test_fused_attention import TOLERANCE, make_qkv
+from test_fused_attention import check as fused_check
 
 pytestmark = pytest.mark.gpu
 
@@ -42,22 +43,8 @@ def local_instances(head_dims=None) -> list[str]:
 
 
 def check(q, k, v, window, alignment="top_left", *, causal=False, instance=None):
-    """Run with a NaN-poisoned out= buffer; O and LSE against the float64 reference of the window."""
-    out = torch.full_like(q, float("nan"))
-    o, lse = gemmgen.fused_attention(q, k, v, window=window, causal=causal, causal_alignment=alignment,
-                                     return_lse=True, out=out, instance=instance)
-    torch.cuda.synchronize()
-    assert o.data_ptr() == out.data_ptr()
-    ref_o, ref_lse = attention_reference(q, k, v, causal, alignment, window=window)
-    assert not torch.isnan(o).any(), "unwritten or NaN output elements"
-    ref_norm = ref_o.norm().item()
-    err = (o.double() - ref_o).norm().item() / ref_norm if ref_norm else o.double().norm().item()
-    assert err <= TOLERANCE[q.dtype], f"relative error {err:.3e}"
-    empty = torch.isneginf(ref_lse)
-    assert torch.equal(torch.isneginf(lse), empty), "LSE must be -inf exactly where no key is seen"
-    assert torch.equal(o[empty], torch.zeros_like(o[empty])), "rows that see no key must be 0"
-    lse_err = ((lse.double() - ref_lse).abs() / ref_lse.abs().clamp_min(1.0))[~empty]
-    assert lse_err.numel() == 0 or lse_err.max().item() <= LSE_TOLERANCE
+    """test_fused_attention's check (NaN-poisoned out=, O and LSE against the float64 reference) with a window."""
+    fused_check(q, k, v, causal=causal, alignment=alignment, window=window, instance=instance)
 
 
 def runs(name: str, nq: int, nk: int) -> bool:
