@@ -185,3 +185,29 @@ def test_the_ops_normalize_their_window_argument():
     assert torch_op._mask_args(False, None) == (False, None)
     with pytest.raises(gemmgen.InputError, match="right side must be 0 or -1"):
         torch_op._mask_args(True, [16, 8])
+
+
+def test_decode_family_runs_windows_from_builds_that_read_them(tmp_path):
+    """decode_sm80's instances serve no mask, causal and windows (SLIDING_WINDOW); an entry built
+    before its kernel read the window fields (no "window" in its params) is refused a window with
+    that reason, and still runs calls without one. The split plan counts only the window's keys."""
+    from gemmgen.generator.families import decode_sm80
+    from gemmgen.select import heuristic
+
+    insts = [i for i in decode_sm80.DEFAULT if i.dtype is DType.BF16 and i.head_dim == 128]
+    new = [make_entry(i) for i in insts]
+    old = [dataclasses.replace(e, params={k: v for k, v in e.params.items() if k != "window"}) for e in new]
+    decode = _problem(seqlen_q=1, seqlen_k=65536, causal_alignment="bottom_right", gqa=4, window=(4095, 0))
+    for entries, ok in ((new, True), (old, False)):
+        registry.set_build_dirs([write_build_dir(tmp_path / str(ok), entries)])
+        try:
+            good, rejected = registry.candidates(decode)
+            assert bool(good) is ok, rejected
+            if not ok:
+                assert all("built before its family ran sliding windows" in r for _, r in rejected)
+                assert registry.candidates(dataclasses.replace(decode, window=None, causal=True))[0]
+        finally:
+            registry.set_build_dirs(None)
+    full = dataclasses.replace(decode, window=None, causal=True)
+    assert heuristic._keys_read(decode) == 4097 and heuristic._keys_read(full) == 65536
+    assert heuristic.estimate(insts[0], decode).time < heuristic.estimate(insts[0], full).time / 2

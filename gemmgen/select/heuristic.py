@@ -130,13 +130,22 @@ def num_splits(row_ctas: int, key_tiles: int, ctas_per_sm_: int, sm_count: int) 
     return next(s for s in range(1, limit + 1) if fill(s) >= SPLIT_WAVE_FILL * best)
 
 
+def _keys_read(problem: Problem) -> int:
+    """The keys a PACKS_GQA instance's row tile reads: every key, or under a sliding window bounded on
+    the left about its width plus the query rows."""
+    if problem.window is None or problem.window[0] < 0:
+        return problem.seqlen_k
+    left, right = problem.window
+    return min(problem.seqlen_k, left + problem.seqlen_q + 1 + max(0, right))
+
+
 def split_plan(inst: AttentionInstance, problem: Problem) -> tuple[int, int]:
     """(row tiles per KV head, splits) of a PACKS_GQA instance on `problem`."""
     cost = inst.cost_inputs
     rows = problem.seqlen_q * problem.gqa
     row_tiles = -(-rows // cost.block_m)
     groups = problem.batch_heads // max(problem.gqa, 1)
-    key_tiles = -(-problem.seqlen_k // cost.block_n)
+    key_tiles = -(-_keys_read(problem) // cost.block_n)
     splits = num_splits(row_tiles * groups, key_tiles, ctas_per_sm(cost.smem_bytes, cost.threads, problem, cost.regs_per_thread),
                         problem.device.sm_count)
     return row_tiles, splits
@@ -146,7 +155,7 @@ def _estimate_split(inst: AttentionInstance, problem: Problem) -> Estimate:
     cost = inst.cost_inputs
     row_tiles, splits = split_plan(inst, problem)
     groups = problem.batch_heads // max(problem.gqa, 1)
-    key_tiles = -(-problem.seqlen_k // cost.block_n)
+    key_tiles = -(-_keys_read(problem) // cost.block_n)
     cols = -(-key_tiles // splits) * cost.block_n  # the longest split's keys
     ctas = row_tiles * groups * splits
     per_sm = ctas_per_sm(cost.smem_bytes, cost.threads, problem, cost.regs_per_thread)

@@ -206,7 +206,8 @@ def functional_reason(family: Any, inst: AttentionInstance, problem: Problem) ->
         return f"head_dim {inst.head_dim}, the problem has {problem.head_dim}"
     if inst.mask is not None and inst.mask is not mask:
         return f"mask {inst.mask.value}, the problem needs {mask.value}"
-    if inst.mask is None and mask is Mask.LOCAL:  # such an instance serves no mask and causal only
+    if inst.mask is None and mask is Mask.LOCAL and not getattr(family, "SLIDING_WINDOW", False):
+        # Such an instance serves no mask and causal; a family whose kernel reads the window says so.
         return f"{inst.family} has no sliding window (only instances built for the local mask run one)"
     return family.problem_reason(inst, problem)
 
@@ -254,6 +255,8 @@ def reject_reason(cand: Candidate, problem: Problem) -> str | None:
     reason = functional_reason(family, inst, problem)
     if reason is not None:
         return reason
+    if getattr(problem, "window", None) is not None and inst.mask is None and not params.get("window"):
+        return "built before its family ran sliding windows: rebuild it with `gemmgen generate`"
     # Fields the current family does not constrain (it runs any strided layout, any GQA ratio,
     # 16-byte aligned data): an instance that declares them in its params is held to them.
     if "layouts" in params and problem.layout not in params["layouts"]:

@@ -30,6 +30,9 @@ ARCHS = (Arch.SM80,)
 # decode shapes (few rows per KV head) still estimate several times faster here.
 RELATIVE_SPEED = 0.5
 PACKS_GQA = True  # a row tile packs a KV group's query heads; keys split over CTAs (heuristic.estimate)
+# Every instance runs a sliding window too (the ABI's window fields; its key splits start at the
+# first row's first visible key). Its params say so ("window"), as a build from before did not.
+SLIDING_WINDOW = True
 
 # Axes.
 DTYPES = (DType.FP16, DType.BF16)
@@ -72,6 +75,11 @@ class DecodeSm80Instance(BothMasks, QKVStages, Warps, AttentionInstance):
     def name(self) -> str:
         return f"{self.name_stem}_m{self.block_m}n{self.block_n}w{self.warps_m}x{self.warps_n}s{self.stages}"
 
+    def params(self) -> dict:
+        """The fields, and `window`: the instance reads the ABI's window fields (SLIDING_WINDOW), which
+        an instance built before them did not; the registry keeps windows from an entry without it."""
+        return {**super().params(), "window": True}
+
     @property
     def cost_inputs(self) -> CostInputs:
         # Registers per thread as ptxas gave the bf16 d128 tiles for sm_90 (cuobjdump -res-usage on
@@ -104,8 +112,8 @@ def invalid_reason(inst: DecodeSm80Instance, arch: Arch = Arch.SM80) -> str | No
 
 def problem_reason(inst: DecodeSm80Instance, problem) -> str | None:
     """What a built instance cannot run, None when it can: any strides, GQA ratio, scale, causal
-    alignment and length, key-value caches (paged or not, per-sequence lengths); no dropout, bias or
-    packed variable lengths."""
+    alignment, sliding window and length, key-value caches (paged or not, per-sequence lengths); no
+    dropout, bias or packed variable lengths."""
     return feature_reason(FAMILY, problem, ("dropout", "bias", "varlen"))
 
 

@@ -124,3 +124,38 @@ def test_compiled_and_graphed():
     torch.cuda.synchronize()
     ref, _ = attention_reference(q, k, v, window=(32, 0))
     assert (out.double() - ref).norm() / ref.norm() <= TOLERANCE[torch.float16]
+
+
+def decode_instances() -> list[str]:
+    """The built decode_sm80 instances that read the window fields (their manifest params say so)."""
+    if not torch.cuda.is_available():
+        return []
+    cc = torch.cuda.get_device_capability()
+    return sorted({c.name for c in registry.load()[0] if c.entry.family == "decode_sm80"
+                   and c.entry.params.get("window") and registry.build_reason(c, cc) is None})
+
+
+@pytest.mark.parametrize("name", decode_instances() or ["(none built)"])
+def test_decode_instances_run_windows(name):
+    """decode_sm80 (decode-like dense calls: few query rows, GQA packed) forced by name: windows on
+    both sides and one-sided, query rows 1 to 16 against 1 to 4097 keys, both alignments, GQA 4:1 and
+    MHA, each call's split count as the registry plans it."""
+    if name == "(none built)":
+        pytest.fail("no decode_sm80 instance that reads the window fields is built for this GPU")
+    dtype = torch.float16 if "_fp16_" in name else torch.bfloat16
+    d = int(name.split("_d")[1].split("_")[0])
+    for nq, nk in ((1, 1), (1, 17), (1, 4097), (4, 1000), (16, 4097), (17, 300)):
+        for window in ((255, 0), (16, 7), (-1, 3), (100, -1)):
+            for alignment in ALIGNMENTS:
+                for h, hkv in ((8, 2), (4, 4)):
+                    q, k, v = make_qkv(2, h, hkv, nq, nk, d, dtype, (name, nq, nk, window, alignment, h))
+                    check(q, k, v, window, alignment, instance=name)
+
+
+def test_registry_gives_window_decode_steps_to_the_decode_family():
+    """One query row against a long key range under a window: the decode family's pick."""
+    q = torch.randn(4, 32, 1, 128, dtype=torch.bfloat16, device="cuda")
+    k, v = (torch.randn(4, 8, 8192, 128, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+    name = gemmgen.selected_instance(q, k, v, causal=True, causal_alignment="bottom_right", window=(4095, 0))
+    assert name.startswith("decode_sm80"), name
+    check(q, k, v, (4095, 0), "bottom_right", causal=True)

@@ -84,6 +84,7 @@ struct Work {
   int len;                   // keys of this sequence
   bool bad;                  // its length lies outside [0, seqlen_k]: its rows come out NaN
   int64_t offset;            // causal: key j visible to query i iff j <= i + offset (no mask: huge)
+  int64_t lo;                // a sliding window: key j hidden from query i when j < i + lo (else very negative)
   int n_begin, n_end;        // this split's key tiles [n_begin, n_end)
 };
 
@@ -97,14 +98,25 @@ CUTE_DEVICE Work plan(GemmgenAttnParams const& p, int split, int m_block, int bk
   const int len = p.seqlens_k != nullptr ? p.seqlens_k[w.b] : p.seqlen_k;
   w.bad = len < 0 || len > p.seqlen_k;
   w.len = w.bad ? 0 : len;
-  w.offset = int64_t(p.causal_offset) + (p.seqlens_k != nullptr ? w.len - p.seqlen_k : 0);
-  // Keys the tile's last query can see bound the tiles it visits.
+  // The diagonal: at causal_offset, moved per sequence to its own last key (key-value caches).
+  const int64_t diagonal = int64_t(p.causal_offset) + (p.seqlens_k != nullptr ? w.len - p.seqlen_k : 0);
+  constexpr int64_t kUnbounded = int64_t(1) << 40;
+  w.offset = diagonal;
+  w.lo = -kUnbounded;
+  if (p.local) {  // a sliding window (abi.h): the diagonal's causal_offset, its sides -1 unbounded
+    w.offset = p.window_right < 0 ? kUnbounded : diagonal + p.window_right;
+    w.lo = p.window_left < 0 ? -kUnbounded : diagonal - p.window_left;
+  }
+  // Keys the tile's last query can see bound the tiles it visits; with a window, its first query's
+  // first visible key is where they start.
   const int last_query = min(w.rows - 1, (m_block + 1) * Traits::kBlockM - 1) / w.group;
   const int64_t keys = max<int64_t>(0, min<int64_t>(w.len, int64_t(last_query) + w.offset + 1));
   const int n_tiles = int((keys + Traits::kBlockN - 1) / Traits::kBlockN);
+  const int64_t first_key = int64_t(min(w.rows - 1, m_block * Traits::kBlockM) / w.group) + w.lo;
+  const int n_first = first_key <= 0 ? 0 : int(min<int64_t>(n_tiles, first_key / Traits::kBlockN));
   const int splits = max(p.num_splits, 1);
-  const int per_split = (n_tiles + splits - 1) / splits;
-  w.n_begin = min(n_tiles, split * per_split);
+  const int per_split = (n_tiles - n_first + splits - 1) / splits;
+  w.n_begin = min(n_tiles, n_first + split * per_split);
   w.n_end = min(n_tiles, w.n_begin + per_split);
   return w;
 }
@@ -297,19 +309,22 @@ __global__ void __launch_bounds__(Traits::kNThreads) decode_kernel(const Gemmgen
   cute::copy(smem_tiled_copy_Q, tSsQ, smem_thr_copy_Q.retile_D(tSrQ));
   fa2_sm80::OnlineSoftmax<2 * size<1>(acc_o)> softmax(fabsf(p.scale) * kLog2e);
 
-  // Visible keys of each accumulator row of this thread: min(len, i + offset + 1).
+  // Visible keys of each accumulator row of this thread: [i + lo, min(len, i + offset + 1)).
   Tensor cS = make_tensor(tScS.data(), rowcol(tScS.layout()));
   constexpr int kRows = decltype(size<0>(cS))::value;
   const int warp_row0 = row0 + 16 * wm;
-  int64_t row_limit[kRows];
+  int64_t row_limit[kRows], row_first[kRows];
   CUTE_UNROLL
   for (int mi = 0; mi < kRows; ++mi) {
     const int packed = warp_row0 + get<0>(cS(mi, 0));
     const int64_t i = min(packed, w.rows - 1) / w.group;
     row_limit[mi] = max<int64_t>(0, min<int64_t>(w.len, i + w.offset + 1));
+    row_first[mi] = i + w.lo;
   }
   const int first_query = min(row0, w.rows - 1) / w.group;
   const int64_t all_visible = min<int64_t>(w.len, int64_t(first_query) + w.offset + 1);
+  // Keys from here on are visible to every row of the tile (a window's left edge; else 0).
+  const int64_t all_seen_from = int64_t(min(w.rows - 1, row0 + kBlockM - 1) / w.group) + w.lo;
 
   for (int step = 0; step < n_count; ++step) {
     const int n = tile_of(step);
@@ -323,14 +338,16 @@ __global__ void __launch_bounds__(Traits::kNThreads) decode_kernel(const Gemmgen
     clear(acc_s);
     gemm_rs(acc_s, tSrQ, tSrK, staged(tSsK, stage), tiled_mma, smem_tiled_copy_K, smem_thr_copy_K);
     const int64_t col0 = int64_t(n) * kBlockN + wn * kKeys;
-    if (int64_t(n) * kBlockN + kBlockN > all_visible) {  // some key of the tile is hidden from some row
+    // Some key of the tile is hidden from some row: past a row's last key, or left of a window.
+    if (int64_t(n) * kBlockN + kBlockN > all_visible || int64_t(n) * kBlockN < all_seen_from) {
       Tensor sc = make_tensor(acc_s.data(), rowcol(acc_s.layout()));
       CUTE_UNROLL
       for (int mi = 0; mi < size<0>(sc); ++mi) {
         const int64_t limit = row_limit[mi] - col0;
+        const int64_t first = row_first[mi] - col0;
         CUTE_UNROLL
         for (int ni = 0; ni < size<1>(sc); ++ni) {
-          if (get<1>(cS(0, ni)) >= limit) sc(mi, ni) = -INFINITY;
+          if (get<1>(cS(0, ni)) >= limit || get<1>(cS(0, ni)) < first) sc(mi, ni) = -INFINITY;
         }
       }
     }

@@ -25,6 +25,10 @@ int run(const GemmgenAttnParams* p, cudaStream_t stream, char* err, int err_len)
     return report(err, err_len, GEMMGEN_INVALID_ARGUMENT,
                   "this family runs no bias, dropout or packed variable lengths (seqlens_k instead)");
   }
+  if (p->local != 0 && (p->window_left < -1 || p->window_right < -1)) {
+    return report(err, err_len, GEMMGEN_INVALID_ARGUMENT, "window (%d, %d): each side is -1 (unbounded) or >= 0",
+                  p->window_left, p->window_right);
+  }
   if (p->block_table != nullptr && p->page_size < 1) {
     return report(err, err_len, GEMMGEN_INVALID_ARGUMENT, "page_size %d with a block table", p->page_size);
   }
