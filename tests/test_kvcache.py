@@ -714,9 +714,9 @@ def test_a_long_chunk_runs_sequence_by_sequence_as_dense_calls(recording, monkey
 
     dense = []
 
-    def run(q, k, v, o, lse, causal, alignment, scale, instance):
+    def run(q, k, v, o, lse, causal, alignment, scale, instance, window=None):
         dense.append((q.shape, k.shape, causal, alignment))
-        ref_o, ref_lse = attention_reference(q, k, v, causal, alignment, scale)
+        ref_o, ref_lse = attention_reference(q, k, v, causal, alignment, scale, window=window)
         o.copy_(ref_o.to(o.dtype))
         if lse is not None:
             lse.copy_(ref_lse.float())

@@ -211,3 +211,16 @@ def test_decode_family_runs_windows_from_builds_that_read_them(tmp_path):
     full = dataclasses.replace(decode, window=None, causal=True)
     assert heuristic._keys_read(decode) == 4097 and heuristic._keys_read(full) == 65536
     assert heuristic.estimate(insts[0], decode).time < heuristic.estimate(insts[0], full).time / 2
+
+
+def test_kvcache_params_carry_the_window_around_each_sequences_diagonal():
+    """fused_attention_with_kvcache's params: the window's fields, and the diagonal's offset (capacity
+    - Nq, which the decode kernel moves to each sequence's own length) whether or not causal."""
+    q = torch.empty(2, 3, 8, 64, dtype=torch.float16)  # [B, Nq, H, d]
+    cache = torch.empty(2, 100, 2, 64, dtype=torch.float16)
+    lens = torch.zeros(2, dtype=torch.int32)
+    p = launch.params_kvcache(q, cache, cache, lens, None, q, None, causal=False, scale=None, capacity=100,
+                              window=(31, 2))
+    assert (p.local, p.window_left, p.window_right, p.causal_offset, p.seqlen_k) == (1, 31, 2, 97, 100)
+    p = launch.params_kvcache(q, cache, cache, lens, None, q, None, causal=False, scale=None, capacity=100)
+    assert (p.local, p.causal_offset) == (0, launch.NO_MASK_OFFSET)

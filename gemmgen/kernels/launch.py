@@ -292,14 +292,15 @@ def kv_append_args(k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: 
 
 
 def params_kvcache(q, k_cache, v_cache, seqlens, block_table, o, lse, *, causal: bool, scale: float | None,
-                   capacity: int) -> abi.AttnParams:
+                   capacity: int, window: tuple[int, int] | None = None) -> abi.AttnParams:
     """The C ABI params of a key-value-cache call (q, o [B, Nq, H, d]; seqlens the keys of each
-    sequence, new tokens included)."""
+    sequence, new tokens included); the causal mask and a window lie around each sequence's
+    bottom-right diagonal."""
     qt, ot = q.transpose(1, 2), o.transpose(1, 2)  # [B, H, Nq, d] views for the ABI
     kt, vt = k_cache.transpose(1, 2), v_cache.transpose(1, 2)
-    p = params(qt, kt, vt, ot, lse, causal=False, causal_alignment="top_left", scale=scale)
+    p = params(qt, kt, vt, ot, lse, causal=False, causal_alignment="top_left", scale=scale, window=window)
     p.seqlen_k = capacity
-    p.causal_offset = capacity - q.shape[1] if causal else NO_MASK_OFFSET
+    p.causal_offset = capacity - q.shape[1] if causal or window is not None else NO_MASK_OFFSET
     p.seqlens_k = seqlens.data_ptr()
     if block_table is not None:
         p.block_table = block_table.data_ptr()

@@ -14,7 +14,7 @@ from gemmgen.generator import space
 from gemmgen.generator.space import FAMILIES
 from gemmgen.ops import eager, torch_op
 from gemmgen.ops.attention import ALIGN_ELEMENTS, DTYPES, INT32_MAX, _check_device
-from gemmgen.ops.checks import check_bool, check_finite, check_instance
+from gemmgen.ops.checks import check_bool, check_finite, check_instance, check_window
 from gemmgen.ops.grad import check_no_grad
 from gemmgen.select.problem import ALIGN_BYTES
 
@@ -133,8 +133,8 @@ def fused_attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache
                                  cache_seqlens: torch.Tensor, *, block_table: torch.Tensor | None = None,
                                  k: torch.Tensor | None = None, v: torch.Tensor | None = None,
                                  causal: bool = True, scale: float | None = None, return_lse: bool = False,
-                                 check_values: bool = False,
-                                 instance: str | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                                 check_values: bool = False, instance: str | None = None,
+                                 window: tuple[int, int] | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention of q's new rows against a key-value cache, FlashAttention's flash_attn_with_kvcache.
 
     q: [B, Nq, H, d] (FlashAttention's layout: a [B, H, Nq, d] tensor passes as x.transpose(1, 2)).
@@ -147,7 +147,9 @@ def fused_attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache
     changed); sequence b then attends to its first cache_seqlens[b] + Nnew keys.
 
     causal (the default) aligns the mask bottom-right per sequence: query i of Nq sees keys
-    j <= i + L_b - Nq, L_b the sequence's keys. scale defaults to 1/sqrt(d). Returns O [B, Nq, H, d]
+    j <= i + L_b - Nq, L_b the sequence's keys. window=(left, right) (FlashAttention's window_size)
+    is a sliding window around that diagonal: keys i + L_b - Nq - left <= j <= i + L_b - Nq + right,
+    a side of -1 unbounded (right 0 with causal); the decode family reads only the window's keys. scale defaults to 1/sqrt(d). Returns O [B, Nq, H, d]
     (a new tensor) and, with return_lse, the float32 natural-log LSE [B, H, Nq] (-inf and O = 0 for
     a row that sees no key). fp16 or bf16. Hkv divides H (GQA/MQA).
 
@@ -171,6 +173,7 @@ def fused_attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache
     check_bool("check_values", check_values)
     check_instance(instance)
     scale = None if scale is None else check_finite("scale", scale)
+    causal, window = check_window(window, causal)
     direct = eager.runs_directly(q, k_cache, v_cache, cache_seqlens, block_table, k, v)
     checked = direct and eager.signature(q, k_cache, v_cache, cache_seqlens, block_table, k, v)
     if not (checked and checked in _CHECKED):
@@ -195,5 +198,6 @@ def fused_attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache
             capacity = k_cache.shape[1] * (1 if block_table is None else block_table.shape[1])
             _check_values(cache_seqlens, block_table, 0 if k is None else k.shape[1], capacity, k_cache.shape[0])
     op = torch_op.run_fused_attention_with_kvcache if direct else torch_op.fused_attention_with_kvcache_op
-    o, lse = op(q, k_cache, v_cache, cache_seqlens, block_table, k, v, causal, scale, return_lse, instance)
+    o, lse = op(q, k_cache, v_cache, cache_seqlens, block_table, k, v, causal, scale, return_lse, instance,
+                None if window is None else list(window))
     return (o, lse) if return_lse else o

@@ -20,7 +20,7 @@ torch.compile traces them without a graph break and CUDA graphs capture them:
                                                       seed, offset)
         -> (dQ like q, dK like k, dV like v), all packed [T, heads, d]
     torch.ops.gemmgen.fused_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, k, v,
-                                                   causal, scale, return_lse, instance)
+                                                   causal, scale, return_lse, instance, window)
         -> (O [B, Nq, H, d], LSE [B, H, Nq] float32 or an empty tensor); k, v appended into the caches
 
 fused_attention and fused_attention_backward are joined by torch.library.register_autograd, and so
@@ -80,7 +80,7 @@ _LIB.define("fused_attention_varlen_backward(Tensor grad_out, Tensor q, Tensor k
 
 _LIB.define("fused_attention_with_kvcache(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor cache_seqlens, "
             "Tensor? block_table=None, Tensor? k=None, Tensor? v=None, bool causal=True, float? scale=None, "
-            "bool return_lse=False, str? instance=None) -> (Tensor, Tensor)")
+            "bool return_lse=False, str? instance=None, int[]? window=None) -> (Tensor, Tensor)")
 
 _kernels: dict[tuple, Any] = {}
 _MAX_CACHED = 4096
@@ -642,7 +642,8 @@ def _no_kv_to_read(o, lse, cache_seqlens, new: int, capacity: int):
 
 
 def _fused_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table=None, k=None, v=None, causal=True,
-                                  scale=None, return_lse=False, instance=None):
+                                  scale=None, return_lse=False, instance=None, window=None):
+    causal, window = _mask_args(causal, window)
     o, lse = _kvcache_outputs(q, return_lse)
     capacity = k_cache.shape[1] * (block_table.shape[1] if block_table is not None else 1)
     new = k.shape[1] if k is not None and k.shape[0] > 0 else 0
@@ -655,14 +656,14 @@ def _fused_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_tabl
     # Everything the selection and the params look at but the data pointers (O is dense in q's shape).
     key = ("kv_cache", index, q.dtype, probe.shape, q.stride(), k_cache.shape, k_cache.stride(), v_cache.stride(),
            capacity, None if block_table is None else block_table.stride(), causal, scale, instance,
-           None if k is None else (k.shape, k.stride(), v.stride()))
+           None if k is None else (k.shape, k.stride(), v.stride()), window)
     # A long chunk outside graph capture runs as dense calls; the decode instance is then needed only
     # for its append entry point.
     dense = o.numel() > 0 and instance is None and nq >= DENSE_CHUNK_ROWS and \
         not torch.cuda.is_current_stream_capturing()
     plan = None if dense and not new else _kernel_for(
-        key, lambda: calls.problem_for_kvcache(probe, k_cache, v_cache, capacity, causal, scale=scale), probe, k_cache,
-        causal, instance)
+        key, lambda: calls.problem_for_kvcache(probe, k_cache, v_cache, capacity, causal, scale=scale, window=window),
+        probe, k_cache, causal, instance)
     seqlens = cache_seqlens
     if new:
         with torch.cuda.device(index):
@@ -674,10 +675,10 @@ def _fused_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_tabl
         return o, lse
     if dense:
         _chunk_as_dense(q, k_cache, v_cache, seqlens, block_table, o, lse if return_lse else None, causal, scale,
-                        capacity)
+                        capacity, window)
         return o, lse
     p = plan.params(lambda: launch.params_kvcache(q, k_cache, v_cache, seqlens, block_table, o, None, causal=causal,
-                                                  scale=scale, capacity=capacity))
+                                                  scale=scale, capacity=capacity, window=window))
     p.q, p.k, p.v, p.o, p.seqlens_k = q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), o.data_ptr(), \
         seqlens.data_ptr()
     if return_lse:
@@ -696,7 +697,7 @@ def _fused_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_tabl
 DENSE_CHUNK_ROWS = 128
 
 
-def _chunk_as_dense(q, k_cache, v_cache, seqlens, block_table, o, lse, causal, scale, capacity) -> None:
+def _chunk_as_dense(q, k_cache, v_cache, seqlens, block_table, o, lse, causal, scale, capacity, window=None) -> None:
     """O (and LSE) of a key-value-cache call, one dense call per sequence on its first L_b keys
     (gathered from their pages for a paged cache), with the kernels' answers for the rest: O = 0
     and LSE = -inf for a sequence without keys, NaN rows for a length outside [0, capacity] or a
@@ -731,7 +732,7 @@ def _chunk_as_dense(q, k_cache, v_cache, seqlens, block_table, o, lse, causal, s
             index = block_table[b, :len(pages)].long()
             kb, vb = (t.index_select(0, index).view(1, -1, hkv, d)[:, :n] for t in (k_cache, v_cache))
         _run(q[b:b + 1].transpose(1, 2), kb.transpose(1, 2), vb.transpose(1, 2), ob, lb, causal, "bottom_right",
-             scale, None)
+             scale, None, window=window)
 
 
 # The implementations the operations call directly on the eager fast path (gemmgen.ops.eager).
@@ -742,7 +743,7 @@ run_fused_attention_with_kvcache = _fused_attention_with_kvcache
 
 
 def _fake_kvcache(q, k_cache, v_cache, cache_seqlens, block_table=None, k=None, v=None, causal=True, scale=None,
-                  return_lse=False, instance=None):
+                  return_lse=False, instance=None, window=None):
     return _kvcache_outputs(q, return_lse)
 
 

@@ -132,37 +132,38 @@ def poison_allocator(*like: tuple[tuple[int, ...], torch.dtype]) -> None:
     del blocks
 
 
-def run(case: Case, *, causal=True, scale=None, instance=None, check_values=False, return_lse=True):
+def run(case: Case, *, causal=True, scale=None, instance=None, check_values=False, return_lse=True, window=None):
     b, nq, h, _ = case.q.shape
     poison_allocator((tuple(case.q.shape), case.q.dtype), ((b, h, nq), torch.float32))
     out = gemmgen.fused_attention_with_kvcache(case.q, case.k_cache, case.v_cache, case.seqlens,
                                                block_table=case.table, k=case.k, v=case.v, causal=causal,
                                                scale=scale, return_lse=return_lse, check_values=check_values,
-                                               instance=instance)
+                                               instance=instance, window=window)
     torch.cuda.synchronize()
     return out
 
 
-def reference(case: Case, lengths: list[int], *, causal=True, scale=None):
-    """float64 O [B, Nq, H, d] and LSE [B, H, Nq] from each sequence's first lengths[b] + nnew keys."""
+def reference(case: Case, lengths: list[int], *, causal=True, scale=None, window=None):
+    """float64 O [B, Nq, H, d] and LSE [B, H, Nq] from each sequence's first lengths[b] + nnew keys
+    (a window, too, around its bottom-right diagonal)."""
     outs, lses = [], []
     for b, length in enumerate(lengths):
         n = length + case.nnew
         q = case.q[b].transpose(0, 1)[None]  # [1, H, Nq, d]
         k = case.truth_k[b, :n].transpose(0, 1)[None]  # [1, Hkv, n, d]
         v = case.truth_v[b, :n].transpose(0, 1)[None]
-        o, lse = attention_reference(q, k, v, causal, "bottom_right", scale)
+        o, lse = attention_reference(q, k, v, causal, "bottom_right", scale, window=window)
         outs.append(o[0].transpose(0, 1))
         lses.append(lse[0])
     return torch.stack(outs), torch.stack(lses)
 
 
-def check_result(case: Case, lengths: list[int], o, lse, *, causal=True, scale=None, skip=()):
+def check_result(case: Case, lengths: list[int], o, lse, *, causal=True, scale=None, skip=(), window=None):
     """O and LSE against the reference, sequence by sequence (those in `skip` aside)."""
     b, nq, h, d = case.q.shape
     assert o.shape == (b, nq, h, d) and o.dtype == case.q.dtype and o.device == case.q.device
     assert lse.shape == (b, h, nq) and lse.dtype == torch.float32 and lse.is_contiguous()
-    ref_o, ref_lse = reference(case, lengths, causal=causal, scale=scale)
+    ref_o, ref_lse = reference(case, lengths, causal=causal, scale=scale, window=window)
     for i in range(b):
         if i in skip:
             continue
@@ -533,3 +534,20 @@ def test_dense_fused_attention_on_decode_shapes(nq, dtype):
     # [B, N, H, d] storage, as a KV cache holds it.
     qt, kt, vt = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
     check(qt, kt, vt, causal=True, alignment="bottom_right", instance=name)
+
+
+# ---- sliding windows ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=LAYOUT_IDS)
+@pytest.mark.parametrize("window, causal", [((255, 0), True), ((16, 7), False), ((-1, 3), False), ((40, -1), False)],
+                         ids=["causal-255", "16-7", "right-3", "left-40"])
+@pytest.mark.parametrize("nq", [1, 4, 200])
+def test_windows(layout, window, causal, nq):
+    """A sliding window around each sequence's bottom-right diagonal: lengths 0 to 5000 per sequence
+    with new tokens appended first, contiguous or paged, GQA 4:1; 200 query rows take the dense
+    chunk path."""
+    lengths = [0, 17, 700, 5000]
+    for dtype, d in ((torch.bfloat16, 128), (torch.float16, 64)):
+        case = make_case(4, nq, 8, 2, d, dtype, lengths, page_size=layout, nnew=2, key=(layout, window, nq, d))
+        o, lse = run(case, causal=causal, window=window)
+        check_result(case, lengths, o, lse, causal=causal, window=window)
