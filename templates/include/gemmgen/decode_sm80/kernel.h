@@ -323,7 +323,7 @@ __global__ void __launch_bounds__(Traits::kNThreads) decode_kernel(const Gemmgen
   }
   const int first_query = min(row0, w.rows - 1) / w.group;
   const int64_t all_visible = min<int64_t>(w.len, int64_t(first_query) + w.offset + 1);
-  // Keys from here on are visible to every row of the tile (a window's left edge; else 0).
+  // Keys from here on are visible to every row of the tile (a window's left edge; without one, all).
   const int64_t all_seen_from = int64_t(min(w.rows - 1, row0 + kBlockM - 1) / w.group) + w.lo;
 
   for (int step = 0; step < n_count; ++step) {
