@@ -63,9 +63,9 @@ typedef struct GemmgenAttnParams {
   void* workspace;     // <symbol>_workspace(params) bytes, 256-byte aligned; contents undefined on entry
   int64_t workspace_bytes;
 
-  // Sliding window (instances built for the local mask; others reject local != 0): key j is
-  // visible to query i iff i + causal_offset - window_left <= j <= i + causal_offset + window_right,
-  // a side of -1 unbounded.
+  // Sliding window (read by instances built for the local mask and by decode_sm80's; the registry
+  // sends it to no other instance): key j is visible to query i iff
+  // i + causal_offset - window_left <= j <= i + causal_offset + window_right, a side of -1 unbounded.
   int32_t local;
   int32_t window_left;
   int32_t window_right;
