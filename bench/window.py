@@ -2,7 +2,7 @@
 given the window as a bool mask (what a model without a window argument passes), and against
 gemmgen's own dense causal rate.
 
-    python bench/window.py [--dtype bf16] [--head-dim 128 64] [--rounds 5] [--out FILE.md] [--candidates]
+    python bench/window.py [--dtype bf16] [--head-dim 128 64] [--rounds 5] [--out FILE.md] [--candidates] [--backward]
 
 Shapes: B * N = 16384 tokens, H = 32 query heads, Hkv = 8, N in 4096 to 16384, causal windows of 256,
 1024 and 4096 keys (window=(w - 1, 0): the row's own key and w - 1 before it, as Mistral's and
@@ -18,6 +18,10 @@ timed in --rounds rounds in alternating order (gemmgen.select.timing.rounds_ms),
 median of --reps CUDA-event timings, reported as its median over the rounds. With --candidates every
 built local instance of the dtype and head dim joins the rounds (forced by name), and a second table
 gives each one's rate: the data a default tile is chosen from.
+
+With --backward every side is the backward alone of a forward whose inputs require grad
+(torch.autograd.grad(o, (q, k, v), do, retain_graph=True), as bench/bwd_sweep.py times it), and
+TFLOP/s is 2.5x the forward's count.
 """
 from __future__ import annotations
 
@@ -34,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import DTYPES, header, publish  # noqa: E402
 
 import gemmgen  # noqa: E402
-from gemmgen.select import registry, timing  # noqa: E402
+from gemmgen.select import calls, registry, selection, timing  # noqa: E402
 
 H, HKV, TOKENS = 32, 8, 16384
 BACKENDS = {"efficient": SDPBackend.EFFICIENT_ATTENTION, "cuDNN": SDPBackend.CUDNN_ATTENTION}
@@ -68,6 +72,16 @@ def local_candidates(dtype: str, d: int) -> list[str]:
     return sorted(set(names))
 
 
+def backward_instance(q: torch.Tensor, k: torch.Tensor, window: tuple[int, int]) -> str:
+    """The backward instance the registry picks for a windowed call (K expanded to Q's heads, as the
+    backward reads it)."""
+    kk = k.detach().repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+    try:
+        return selection.select(calls.problem_for_bwd(q.detach(), kk, False, window=window)).name
+    except gemmgen.GemmgenError:
+        return "-"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dtype", default="bf16", choices=list(DTYPES))
@@ -77,8 +91,18 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--out", help="also write the table to this markdown file")
     ap.add_argument("--candidates", action="store_true", help="also time every built local instance (forced)")
+    ap.add_argument("--backward", action="store_true", help="time the backward alone (2.5x the forward's FLOPs)")
     args = ap.parse_args()
     dtype = DTYPES[args.dtype]
+    flop_factor = 2.5 if args.backward else 1.0
+
+    def timed(attend):
+        """The side's call: attend() itself, or with --backward the backward alone of its output."""
+        if not args.backward:
+            return attend
+        o = attend()
+        do = torch.randn_like(o)
+        return lambda: torch.autograd.grad(o, (q, k, v), do, retain_graph=True, allow_unused=True)
     rows = ["| shape | window | gemmgen instance | gemmgen | efficient (mask) | cuDNN (mask) | gemmgen/best SDPA "
             "| gemmgen dense causal | window/dense |", "|---|---|---|---|---|---|---|---|---|"]
     fmt = lambda x: "-" if x is None else f"{x:.0f}"  # noqa: E731
@@ -87,34 +111,38 @@ def main() -> int:
     for d in args.head_dim:
         for n in args.seq_len:
             b = TOKENS // n
-            q = torch.randn(b, H, n, d, device="cuda", dtype=dtype)
-            k, v = (torch.randn(b, HKV, n, d, device="cuda", dtype=dtype) for _ in range(2))
+            q = torch.randn(b, H, n, d, device="cuda", dtype=dtype, requires_grad=args.backward)
+            k, v = (torch.randn(b, HKV, n, d, device="cuda", dtype=dtype, requires_grad=args.backward)
+                    for _ in range(2))
             expanded = None
             for window, causal in WINDOWS:
                 mask = visible(n, window)
-                sides = {"gemmgen": lambda w=window: gemmgen.fused_attention(q, k, v, window=w),
-                         "dense": lambda: gemmgen.fused_attention(q, k, v, causal=True)}
+                sides = {"gemmgen": timed(lambda w=window: gemmgen.fused_attention(q, k, v, window=w)),
+                         "dense": timed(lambda: gemmgen.fused_attention(q, k, v, causal=True))}
                 for name, backend in BACKENDS.items():
                     def run(backend=backend, mask=mask, k=k, v=v, gqa=True):
                         with sdpa_kernel([backend]):
                             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
                     try:
-                        run()
+                        call = timed(run)
+                        call()
                     except RuntimeError:  # no GQA in this backend: K and V expanded to H heads outside timing
                         if expanded is None:
-                            expanded = [t.repeat_interleave(H // HKV, dim=1) for t in (k, v)]
-                        run = functools.partial(run, k=expanded[0], v=expanded[1], gqa=False)
+                            expanded = [t.detach().repeat_interleave(H // HKV, dim=1).requires_grad_(args.backward)
+                                        for t in (k, v)]
                         try:
-                            run()
+                            call = timed(functools.partial(run, k=expanded[0], v=expanded[1], gqa=False))
+                            call()
                         except RuntimeError:  # a backend that cannot run this call is left out
                             continue
-                    sides[name] = run
+                    sides[name] = call
                 names = local_candidates(args.dtype, d) if args.candidates else []
                 for name in names:
-                    sides[name] = lambda w=window, name=name: gemmgen.fused_attention(q, k, v, window=w, instance=name)
+                    sides[name] = timed(lambda w=window, name=name: gemmgen.fused_attention(q, k, v, window=w,
+                                                                                           instance=name))
                 ms = timing.rounds_ms(sides, rounds=args.rounds, reps=args.reps, warmup=3)
-                work = 4 * b * H * d * pairs(n, window)
-                dense_work = 4 * b * H * d * n * (n + 1) // 2
+                work = flop_factor * 4 * b * H * d * pairs(n, window)
+                dense_work = flop_factor * 4 * b * H * d * n * (n + 1) // 2
                 rate = {s: (dense_work if s == "dense" else work) / t / 1e9 for s, t in ms.items()}
                 best = max((rate[s] for s in BACKENDS if s in rate), default=None)
                 ratio = rate["gemmgen"] / best if best else None
@@ -123,7 +151,8 @@ def main() -> int:
                 if ratio is not None:
                     ratios.append((ratio, f"{label} {window}"))
                 dense_ratios.append((dense, f"{label} {window}"))
-                instance = gemmgen.selected_instance(q, k, v, window=window)
+                instance = (backward_instance(q, k, window) if args.backward
+                            else gemmgen.selected_instance(q, k, v, window=window))
                 kind = "" if causal else " (two-sided)"
                 row = (f"| {label} | {window}{kind} | {instance} | {fmt(rate['gemmgen'])} | "
                        f"{fmt(rate.get('efficient'))} | {fmt(rate.get('cuDNN'))} | "
@@ -133,9 +162,10 @@ def main() -> int:
                 for name in names:
                     tile_rows.append(f"| {label} | {window} | {name} | {rate[name]:.0f} | "
                                      f"{rate[name] / rate['gemmgen']:.2f} |")
-    head = header(f"{args.dtype}, H={H} Hkv={HKV}, eager calls queued back to back, host path included, default "
+    what = "backward alone (torch.autograd.grad of a forward that requires grad), " if args.backward else ""
+    head = header(f"{what}{args.dtype}, H={H} Hkv={HKV}, eager calls queued back to back, host path included, default "
                   f"build untuned; each side the median over {args.rounds} rounds in alternating order of the "
-                  f"median of {args.reps} CUDA-event timings; TFLOP/s = 4*B*H*d*visible pairs/t; SDPA with "
+                  f"median of {args.reps} CUDA-event timings; TFLOP/s = {flop_factor:g}*4*B*H*d*visible pairs/t; SDPA with "
                   f"enable_gqa=True (K and V expanded for a backend without GQA) and the window as a bool mask; "
                   f"command: python bench/window.py {' '.join(sys.argv[1:])}".rstrip())
     summary = []

@@ -33,22 +33,24 @@ def test_family_keeps_the_contract_and_is_registered():
 
 def test_space_names_unique_and_stable():
     names = [inst.name for inst in fam.SPACE]
-    assert len(names) == len(set(names)) == 32
+    assert len(names) == len(set(names)) == 38
     assert all("bwd" in n and n.startswith("fmha_bwd_sm90_") for n in names)
     assert "fmha_bwd_sm90_bf16_d128_causal_m64n128" in names
     assert "fmha_bwd_sm90_fp16_d64_none_m128n128" in names
     assert "fmha_bwd_sm90_fp16_d128_none_m128n128" not in names  # shared memory
     assert "fmha_bwd_sm90_bf16_d64_none_m64n128_sq" in names
     assert {n for n in names if n.endswith("_sq")} == {
-        f"fmha_bwd_sm90_{dt}_d{d}_{m}_m{bm}n128_sq" for dt in ("fp16", "bf16") for m in ("none", "causal")
+        f"fmha_bwd_sm90_{dt}_d{d}_{m}_m{bm}n128_sq" for dt in ("fp16", "bf16") for m in ("none", "causal", "local")
         for d, bm in ((64, 64), (64, 128), (128, 64))}
+    assert not any("_local_" in n and not n.endswith("_sq") for n in names)  # example 88's loop has no window
     assert len({inst.content_hash() for inst in fam.SPACE}) == len(names)
 
 
 def test_default_covers_every_dtype_head_dim_mask_once():
     keys = [(i.dtype, i.head_dim, i.mask) for i in fam.DEFAULT]
     assert len(keys) == len(set(keys))
-    assert set(keys) == {(dt, d, m) for dt in fam.DTYPES for d in fam.HEAD_DIMS for m in fam.MASKS}
+    assert set(keys) == {(dt, d, m) for dt in fam.DTYPES for d in fam.HEAD_DIMS for m in fam.MASKS
+                         if not (d == 32 and m is Mask.LOCAL)}
     assert set(fam.DEFAULT) <= set(fam.SPACE)
     # The split-dQ mainloop wherever it runs (d64, d128), example 88's at d32.
     assert all(i.split_dq == (i.head_dim != 32) for i in fam.DEFAULT)
@@ -78,6 +80,8 @@ def test_built_by_default_for_sm90_only():
     (dict(split_dq=True, head_dim=32), "split-dQ"),
     (dict(split_dq=True, block_m=128), None),  # d64 128x128: the d64 default
     (dict(split_dq=True, head_dim=128, block_m=128), "shared memory"),
+    (dict(mask=Mask.LOCAL), "split-dQ mainloop only"),
+    (dict(mask=Mask.LOCAL, split_dq=True), None),
 ])
 def test_invalid_reason(change, reason):
     inst = dataclasses.replace(FmhaBwdSm90Instance(DType.BF16, 64, Mask.CAUSAL, 64, 128), **change)
@@ -139,15 +143,43 @@ def test_problem_reason(kw, reason):
     assert got is None if reason is None else reason in got
 
 
+CAUSAL_64_SQ = dataclasses.replace(CAUSAL_64, split_dq=True)
+LOCAL_64_SQ = dataclasses.replace(CAUSAL_64_SQ, mask=Mask.LOCAL)
+
+
+@pytest.mark.parametrize("inst, kw", [
+    # The split-dQ mainloop's band: causal in both alignments, sliding windows (launch parameters).
+    (CAUSAL_64_SQ, dict(causal=True, causal_alignment="bottom_right", seqlen_q=1000)),
+    (CAUSAL_64_SQ, dict(causal=True, causal_alignment="bottom_right", seqlen_q=1, seqlen_k=4097)),
+    (CAUSAL_64_SQ, dict(causal=True, causal_alignment="bottom_right", seqlen_q=4097, seqlen_k=17)),
+    (LOCAL_64_SQ, dict(window=(64, 64))),
+    (LOCAL_64_SQ, dict(window=(0, 200), causal_alignment="bottom_right", seqlen_q=129, seqlen_k=4097)),
+])
+def test_problem_reason_of_the_band(inst, kw):
+    assert fam.problem_reason(inst, problem(**kw)) is None
+
+
+def test_registry_sends_a_window_to_local_instances_only():
+    from gemmgen.select import registry
+
+    windowed = problem(window=(64, 0))
+    assert registry.functional_reason(fam, LOCAL_64_SQ, windowed) is None
+    assert "mask causal" in registry.functional_reason(fam, CAUSAL_64_SQ, windowed)
+    assert "mask local" in registry.functional_reason(fam, LOCAL_64_SQ, problem(causal=True))
+
+
 def test_rendered_text():
     inst = next(i for i in fam.SPACE if i.name == "fmha_bwd_sm90_bf16_d128_causal_m64n128")
     tc = render.Toolchain(flags=("-O3",), nvcc_version="13.0.88", cutlass_version="4.2.0")
     text = render.render_text(inst, tc)
     assert '#include "gemmgen/fmha_bwd_sm90/launch.h"' in text
     assert "Config<cutlass::bfloat16_t, /*BlockM=*/64, /*BlockN=*/128," in text
-    assert "/*HeadDim=*/128, /*Causal=*/true,\n" in text and "/*SplitDq=*/false>;" in text
+    assert "/*HeadDim=*/128,\n" in text and "/*Kind=*/gemmgen::fmha_bwd_sm90::BandKind::kCausal," in text
+    assert "/*SplitDq=*/false>;" in text
     split = next(i for i in fam.SPACE if i.name == "fmha_bwd_sm90_bf16_d128_causal_m64n128_sq")
     assert "/*SplitDq=*/true>;" in render.render_text(split, tc)
+    local = next(i for i in fam.SPACE if i.name == "fmha_bwd_sm90_bf16_d128_local_m64n128_sq")
+    assert "BandKind::kLocal," in render.render_text(local, tc)
     sym = inst.symbol
     assert f"GEMMGEN_EXPORT int {sym}(const GemmgenAttnBwdParams* params, void* stream" in text
     assert f"GEMMGEN_EXPORT int64_t {sym}_workspace(const GemmgenAttnBwdParams* params)" in text
@@ -233,6 +265,7 @@ def test_real_build_workspace(built):
     (dict(lse=0x10000002), "lse must be"),
     (dict(workspace=0x10000010), "workspace"),
     (dict(workspace_bytes=1024), "workspace"),
+    (dict(local=1, window_left=8, window_right=8), "local is set: this instance runs no sliding window"),
 ])
 def test_real_build_refuses(built, kw, words):
     """Every refusal comes before any CUDA call, so it runs without a GPU."""

@@ -15,8 +15,9 @@ registry gives the decode family).
 
 A sliding-window layer's mask that is exactly the causal window of its size, aligned bottom-right
 (no padding: the mask is compared with that pattern on the GPU when it is made), runs as
-fused_attention(window=...) in inference, skipping the key tiles outside the window; any other mask,
-and every call that records a graph (a window has no backward yet), runs with the mask as before.
+fused_attention(window=...), skipping the key tiles outside the window, in training too where a
+backward runs the window (fmha_bwd_sm90 on Hopper); any other mask, and a window nothing here runs
+(with dropout, or its backward on other GPUs), runs with the mask as before.
 
 A call gemmgen cannot run (a dtype, head dim or mask no family serves, CPU tensors, a logit softcap)
 runs on transformers' own SDPA path instead, with one warning per distinct reason on the logger
@@ -117,14 +118,17 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         mask, causal = _with_position_bias(position_bias, mask, causal, query, key), False
     if mask is not None and mask.dtype not in (torch.bool, query.dtype):
         mask = mask.to(query.dtype)
-    window, alignment = getattr(mask, "_gemmgen_window", None), "top_left"
-    if window is not None and not (torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))):
-        mask, causal, alignment = None, True, "bottom_right"  # the marked mask is exactly this window
-    else:
-        window = None
+    window = getattr(mask, "_gemmgen_window", None)
+    if window is not None:
+        try:  # the marked mask is exactly this window
+            out = fused_attention(query, key, value, causal=True, causal_alignment="bottom_right", scale=scaling,
+                                  dropout_p=float(dropout), window=window)
+            return out.transpose(1, 2).contiguous(), None
+        except NoInstanceError:
+            pass  # nothing runs the window here (with dropout, or its backward on this GPU): the mask does
     try:
-        out = fused_attention(query, key, value, causal=causal, causal_alignment=alignment, scale=scaling,
-                              dropout_p=float(dropout), attn_mask=mask, window=window)
+        out = fused_attention(query, key, value, causal=causal, scale=scaling, dropout_p=float(dropout),
+                              attn_mask=mask)
     except (NoInstanceError, InputError, DeviceError) as exc:
         return _fallback(str(exc).splitlines()[0], *args, **rest)
     return out.transpose(1, 2).contiguous(), None

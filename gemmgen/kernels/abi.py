@@ -305,6 +305,9 @@ class AttnBwdParams(ctypes.Structure):
         ("cu_seqlens_q", ctypes.c_void_p),
         ("cu_seqlens_k", ctypes.c_void_p),
         ("deterministic", ctypes.c_int32),
+        ("local", ctypes.c_int32),  # 1: the forward's sliding window (GemmgenAttnParams' fields) applies
+        ("window_left", ctypes.c_int32),
+        ("window_right", ctypes.c_int32),
     ]
 
 

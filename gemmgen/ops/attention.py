@@ -230,8 +230,9 @@ def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
     sees keys j with i + off - left <= j <= i + off + right, off the diagonal's offset of
     causal_alignment (0 top-left, Nk - Nq bottom-right), a side of -1 unbounded; key tiles wholly
     outside the window are skipped. With causal=True the right side is 0 (pass 0 or -1). Instances
-    built for the "local" mask run it (fa2_sm80 builds them by default); it has no backward yet:
-    inputs that require grad raise NoInstanceError at the forward.
+    built for the "local" mask run it (fa2_sm80 and, on Hopper, fmha_sm90 build them by default); its
+    backward runs on fmha_bwd_sm90's local instances (Hopper): elsewhere inputs that require grad
+    raise NoInstanceError at the forward.
     """
     check_bool("causal", causal)
     check_bool("return_lse", return_lse)

@@ -357,6 +357,16 @@ def _bwd_plan(key: tuple, kernel_of: Callable[[], Any]) -> _Plan:
     return plan
 
 
+def _check_backward_exists(q, k, causal, causal_alignment, scale, dropout_p, bias, bias_grad, deterministic,
+                           window) -> None:
+    """At a forward whose inputs require grad: raise NoInstanceError (every instance's reason) unless
+    a backward runs the call, at its head dim or padded to a larger one (_bwd_head_dim)."""
+    if _bwd_head_dim(q, k, causal, causal_alignment, scale, dropout_p, bias, bias_grad, deterministic,
+                     window) == q.shape[-1]:
+        kk = launch.expanded_layout(k, q.shape[1] // k.shape[1], "meta")
+        _bwd_kernel(q, kk, causal, causal_alignment, scale, dropout_p, bias, bias_grad, deterministic, window=window)
+
+
 def _refuse_double_backward(op: str, tensors: tuple[torch.Tensor, ...]) -> None:
     """The backward ops have no backward of their own: building a graph through them raises."""
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
@@ -426,14 +436,12 @@ def _fused_attention_backward(grad_out, q, k, v, out, lse, causal, causal_alignm
            *(t.stride() for t in (q, kk, vv, out, d_o, dq, dkk, dvv)), causal,
            causal_alignment if causal or window else None, scale, dropout_p,
            None if bias is None else bias.stride(), bias_grad, deterministic, window)
-    # A sliding window reaches no backward family yet: the selection raises NoInstanceError (the
-    # forward of a call that records a graph already did).
     plan = _bwd_plan(key, lambda: _bwd_kernel(q, kk, causal, causal_alignment, scale, dropout_p, bias, bias_grad,
                                               deterministic, (vv, out, d_o, dq, dkk, dvv), window))
     p = plan.params(lambda: launch.params_bwd(q, kk, vv, out, d_o, lse, dq, dkk, dvv, causal=causal,
                                               causal_alignment=causal_alignment, scale=scale, dropout_p=dropout_p,
                                               seed=seed, offset=offset, bias=bias, dbias=dbias_arg,
-                                              deterministic=deterministic))
+                                              deterministic=deterministic, window=window))
     launch.set_bwd_pointers(p, q, kk, vv, out, d_o, lse, dq, dkk, dvv, bias, dbias_arg)
     if dropout_p > 0.0:
         p.dropout_seed, p.dropout_offset = seed, offset
@@ -466,8 +474,7 @@ def _setup_context(ctx, inputs, output) -> None:
     _check_saves("fused_attention", inputs[_RETURN_LSE], dropout_p, seed)
     bias_grad = bias is not None and bias.requires_grad
     if not isinstance(q, FakeTensor) and not torch.compiler.is_compiling() and q.numel() and k.shape[2]:
-        kk = launch.expanded_layout(k, q.shape[1] // k.shape[1], "meta")
-        _bwd_kernel(q, kk, causal, alignment, scale, dropout_p, bias, bias_grad, deterministic, window=window)
+        _check_backward_exists(q, k, causal, alignment, scale, dropout_p, bias, bias_grad, deterministic, window)
     ctx.save_for_backward(q, k, v, o, lse, bias)
     ctx.args = (causal, alignment, scale, dropout_p, 0 if seed is None else seed, offset, bias_grad, deterministic,
                 window)

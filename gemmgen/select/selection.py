@@ -55,12 +55,13 @@ def padded_backward_head_dim(problem) -> int:
     belongs to a family enough faster: its RELATIVE_SPEED times d / D (the extra columns' cost)
     above that of the best instance at d. The larger head dims tried are each default-built backward
     family's next one above d (fmha_bwd_sm90's 128 for 96 on Hopper, where only mea_bwd_sm80 runs
-    96). `problem.head_dim` when nothing is built for it (selection reports that)."""
+    96, or for a sliding window at 32, which only split-dQ instances run). `problem.head_dim` when
+    nothing runs it at any of them (selection reports that)."""
     d = problem.head_dim
     try:
         best, found = family_named(select(problem).entry.family).RELATIVE_SPEED, d
     except GemmgenError:
-        return d
+        best, found = 0.0, d
     for dp in _next_backward_head_dims(d):
         try:
             speed = family_named(select(at_head_dim(problem, dp)).entry.family).RELATIVE_SPEED * d / dp

@@ -6,7 +6,9 @@ package, with either its own math warp groups' loop or ours (split_dq.h: dQ's GE
 the two groups, `_sq`); templates/include/gemmgen/fmha_bwd_sm90/launch.h maps gemmgen's backward
 C ABI (GemmgenAttnBwdParams) onto it, with our own steps around it: D = rowsum(O * dO) and the LSE copy
 before, the fp32 dQ into dQ's dtype and strides after, and our mask (keys past seqlen_k, the partial
-last query tile, top-left causal). Built for sm_90a only: wgmma and setmaxnreg have no other target.
+last query tile; in the split-dQ mainloop band.h's band, given at launch: causal in both alignments
+and sliding windows; in example 88's causal top-left). Built for sm_90a only: wgmma and setmaxnreg
+have no other target.
 
 Built by default for sm90: on an H100 and an H200 its default instances pass the backward GPU
 suite (odd and unequal lengths, both causal cases it accepts) and run the FlashAttention sweep's
@@ -38,7 +40,10 @@ ARCHS = (Arch.SM90,)
 DTYPES = (DType.FP16, DType.BF16)
 # 256 does not fit: its Q/dO stages and fp32 dQ tile alone take 256 KB at block_m 64.
 HEAD_DIMS = (32, 64, 128)
-MASKS = (Mask.NONE, Mask.CAUSAL)  # causal is top-left only (launch.h's BwdMask)
+# Causal runs both alignments and local every window in the split-dQ mainloop (its band.h mask is a
+# launch parameter); example 88's (head dim 32) runs no mask and causal top-left only.
+MASKS = (Mask.NONE, Mask.CAUSAL, Mask.LOCAL)
+BAND_KIND = {Mask.NONE: "kNone", Mask.CAUSAL: "kCausal", Mask.LOCAL: "kLocal"}  # band.h's BandKind
 TILES = ((64, 128), (128, 128))  # (block_m, block_n): the tiles example 88 runs its backward with
 # Which mainloop: example 88's (dQ on the second math warp group), or split_dq.h's (dQ split
 # between both groups; head dims 64 and 128): suffix `_sq`.
@@ -93,7 +98,7 @@ class FmhaBwdSm90Instance(AttentionInstance):
         return CostInputs(self.block_n, self.block_m, self.stages, self.threads, self.smem_bytes)
 
     def template_values(self) -> dict:
-        return {**super().template_values(), "causal": self.causal, "split_dq": self.split_dq}
+        return {**super().template_values(), "band_kind": BAND_KIND[self.mask], "split_dq": self.split_dq}
 
 
 INSTANCE = FmhaBwdSm90Instance
@@ -107,6 +112,8 @@ def invalid_reason(inst: FmhaBwdSm90Instance, arch: Arch = Arch.SM90) -> str | N
         return f"tile {inst.block_m}x{inst.block_n} not in {TILES}"
     if inst.split_dq and inst.head_dim not in (64, 128):
         return "the split-dQ mainloop runs head dims 64 and 128 (split_dq.h says why)"
+    if inst.mask is Mask.LOCAL and not inst.split_dq:
+        return "the local mask runs on the split-dQ mainloop only (example 88's has no window)"
     return smem_reason(inst, arch)
 
 
@@ -124,9 +131,10 @@ def problem_reason(inst: FmhaBwdSm90Instance, problem) -> str | None:
         return f"{FAMILY} runs heads_kv == heads (the caller expands K and V)"
     if problem.align < 16:
         return f"{FAMILY} needs 16-byte aligned data and strides (TMA), the problem's are {problem.align}-byte aligned"
-    if problem.causal and problem.causal_alignment != "top_left" and problem.seqlen_q != problem.seqlen_k:
-        # The mask is key j visible to query i iff j <= i; the alignments agree when Nq == Nk.
-        return f"{FAMILY} causal is top-left only (bottom-right differs when Nq != Nk)"
+    if (problem.causal and not inst.split_dq and problem.causal_alignment != "top_left"
+            and problem.seqlen_q != problem.seqlen_k):
+        # Example 88's mask is key j visible to query i iff j <= i; the alignments agree when Nq == Nk.
+        return f"{inst.name} runs causal top-left only (bottom-right differs when Nq != Nk)"
     if problem.max_offset > INT32_MAX:
         return f"{FAMILY} indexes with int32; this call reaches element {problem.max_offset}"
     if problem.batch_heads * problem.seqlen_q * problem.head_dim > INT32_MAX:

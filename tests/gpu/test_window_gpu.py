@@ -10,9 +10,13 @@ import torch
 
 import gemmgen
 from gemmgen.generator.families.base import Mask
-from gemmgen.ops.reference import attention_reference
-from gemmgen.select import registry
+from gemmgen.kernels import launch
+from gemmgen.ops.reference import attention_reference, causal_offset
+from gemmgen.select import calls, registry
 
+from test_attention_bwd_gpu import assert_close as assert_grad_close
+from test_attention_bwd_gpu import make as make_grad_inputs
+from test_attention_bwd_gpu import ref_grads
 from test_fused_attention import TOLERANCE, make_qkv
 from test_fused_attention import check as fused_check
 
@@ -99,8 +103,98 @@ def test_registry_picks_a_local_instance_gqa_and_bnhd_views():
             check(q, k, v, window, "bottom_right", causal=causal)
 
 
-def test_window_without_backward_refuses_at_the_forward():
-    """No backward family runs a window yet: inputs that require grad raise at the forward."""
+def window_bias(nq, nk, window, alignment):
+    """The window as an additive float64 mask [Nq, Nk] (0 visible, -inf hidden): the reference's rule."""
+    off = causal_offset(nq, nk, alignment)
+    rows = torch.arange(nq, device="cuda")[:, None]
+    cols = torch.arange(nk, device="cuda")[None, :]
+    left, right = window
+    hidden = torch.zeros(nq, nk, dtype=torch.bool, device="cuda")
+    if left >= 0:
+        hidden |= cols < rows + off - left
+    if right >= 0:
+        hidden |= cols > rows + off + right
+    return torch.zeros(nq, nk, dtype=torch.float64, device="cuda").masked_fill(hidden, float("-inf"))
+
+
+def local_backward_instances() -> list[str]:
+    """The built backward instances of the local mask that run on this GPU (their names)."""
+    if not torch.cuda.is_available():
+        return []
+    cc = torch.cuda.get_device_capability()
+    return sorted({c.name for c in registry.load()[0] if c.entry.params.get("mask") == "local"
+                   and registry.family_named(c.entry.family).KIND == "attention_bwd"
+                   and registry.build_reason(c, cc) is None})
+
+
+BWD_LENGTHS = [(1, 1), (17, 17), (127, 129), (129, 127), (1000, 1000), (200, 1000), (1000, 200)]
+
+
+@pytest.mark.parametrize("name", local_backward_instances() or ["(none built)"])
+def test_every_local_backward_instance(name):
+    """Each built local backward instance forced by name: the forward (the registry's, with LSE),
+    then the instance's dQ, dK, dV into NaN-poisoned buffers against float64 autograd, for seven
+    windows, lengths 1 to 4097 with Nq != Nk, both alignments."""
+    if name == "(none built)":
+        if torch.cuda.get_device_capability()[0] == 9:
+            pytest.fail("no local backward instance is built for this Hopper GPU")
+        pytest.skip("the local backward instances are Hopper's (fmha_bwd_sm90)")
+    cand = next(c for c in registry.load()[0] if c.name == name)
+    dtype = launch.TORCH_DTYPES[cand.instance.dtype.value]
+    d = cand.instance.head_dim
+    cases = [(nq, nk, w) for nq, nk in BWD_LENGTHS for w in WINDOWS] + [(4097, 4097, (256, 0)), (4097, 4097, (64, 64))]
+    for nq, nk, window in cases:
+        for alignment in ALIGNMENTS:
+            q, k, v, do = make_grad_inputs(2, 3, 3, nq, nk, d, dtype, (name, nq, nk, window, alignment))
+            with torch.no_grad():
+                o, lse = gemmgen.fused_attention(q, k, v, causal_alignment=alignment, window=window, return_lse=True)
+            problem = calls.problem_for_bwd(q, k, False, causal_alignment=alignment, window=window)
+            assert registry.reject_reason(cand, problem) is None, registry.reject_reason(cand, problem)
+            dq, dk, dv = (torch.full_like(t, float("nan")) for t in (q, k, v))
+            p = launch.params_bwd(q, k, v, o, do, lse, dq, dk, dv, causal=False, causal_alignment=alignment,
+                                  scale=None, window=window)
+            launch.run_bwd(cand.kernel, p, q.get_device())
+            torch.cuda.synchronize()
+            want = ref_grads(q, k, v, do, bias=window_bias(nq, nk, window, alignment))
+            for label, g, w in zip(("dQ", "dK", "dV"), (dq, dk, dv), want):
+                assert_grad_close(f"{name} {nq}x{nk} {window} {alignment} {label}", g, w, dtype)
+
+
+def local_backward_runs() -> bool:
+    return torch.cuda.is_available() and bool(local_backward_instances())
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("h, hkv, layout", [(4, 4, "bhnd"), (8, 2, "bnhd"), (4, 1, "bhnd")],
+                         ids=["mha", "gqa4-bnhd", "mqa"])
+def test_window_autograd(dtype, h, hkv, layout):
+    """gemmgen.fused_attention(window=...) with inputs that require grad: dQ, dK, dV through autograd
+    against float64, head dims 64 and 128 (and 32, padded to 64), causal windows and two-sided ones,
+    both alignments, Nq != Nk; gradients come back in the inputs' layouts."""
+    if not local_backward_runs():
+        pytest.skip("no local backward instance runs on this GPU (test_window_backward_refusal covers it)")
+    for d in (32, 64, 128):
+        for (nq, nk), window, causal in (((300, 1000), (100, 7), False), ((1000, 300), (64, 0), True),
+                                         ((257, 257), (16, 16), False), ((129, 4097), (-1, 33), False)):
+            for alignment in ALIGNMENTS:
+                key = ("autograd", dtype, h, hkv, layout, d, nq, nk, window, alignment)
+                q, k, v, do = make_grad_inputs(2, h, hkv, nq, nk, d, dtype, key, layout)
+                leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+                o = gemmgen.fused_attention(*leaves, causal=causal, causal_alignment=alignment, window=window)
+                o.backward(do)
+                right = 0 if causal else window[1]
+                want = ref_grads(q, k, v, do, bias=window_bias(nq, nk, (window[0], right), alignment))
+                for label, t, w, x in zip(("dQ", "dK", "dV"), leaves, want, (q, k, v)):
+                    assert_grad_close(f"d{d} {h}:{hkv} {layout} {nq}x{nk} {window} {alignment} {label}",
+                                      t.grad, w, dtype)
+                    assert t.grad.stride() == x.stride(), f"{label} is not in its input's layout"
+
+
+def test_window_backward_refusal():
+    """Where no backward runs a window (GPUs without fmha_bwd_sm90's local instances), inputs that
+    require grad raise NoInstanceError at the forward, naming the mask; inference still runs."""
+    if local_backward_runs():
+        pytest.skip("a local backward runs on this GPU (test_window_autograd covers it)")
     q, k, v = (torch.randn(1, 2, 64, 64, dtype=torch.bfloat16, device="cuda", requires_grad=True) for _ in range(3))
     with pytest.raises(gemmgen.NoInstanceError, match="local"):
         gemmgen.fused_attention(q, k, v, window=(8, 8))

@@ -144,6 +144,12 @@ typedef struct GemmgenAttnBwdParams {
   const int32_t* cu_seqlens_q;  // variable lengths as in GemmgenAttnParams; NULL: fixed
   const int32_t* cu_seqlens_k;
   int32_t deterministic;  // 1: no accumulation whose order depends on scheduling (slower)
+
+  // The forward's sliding window, as in GemmgenAttnParams (read by instances built for the local
+  // mask; the registry sends a window to no other backward instance).
+  int32_t local;
+  int32_t window_left;
+  int32_t window_right;
 } GemmgenAttnBwdParams;
 
 // A backward instance exports

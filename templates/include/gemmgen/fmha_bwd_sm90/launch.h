@@ -20,11 +20,14 @@
 // they are built with the caller's scale (scale_softmax multiplies dS, so dQ and dK carry it and dV
 // does not). A scale of 0 runs as the smallest normal float (see run()).
 //
-// The mask (BwdMask below, ours rather than example 88's FusionBwdAdapter): keys past seqlen_k are
-// masked in every key tile (TMA fills them with zeros, and exp(0 - LSE) can overflow the element
-// type that dS is kept in), the query loop runs ceil(seqlen_q / block_m) tiles (the partial last
-// tile's rows past seqlen_q load Q, dO, LSE and D as zeros, so they add nothing), and causal is
-// top-left: key j is visible to query i iff j <= i (causal_offset 0).
+// The mask: keys past seqlen_k are masked in every key tile (TMA fills them with zeros, and
+// exp(0 - LSE) can overflow the element type that dS is kept in), and the partial last query tile's
+// rows past seqlen_q load Q, dO, LSE and D as zeros, so they add nothing. The split-dQ mainloop
+// (`_sq`) takes band.h's band as a launch parameter: causal with any causal_offset (both
+// alignments) and, in local instances, a sliding window. Example 88's mainloop (head dim 32) takes
+// BwdMask below, ours rather than example 88's FusionBwdAdapter: no mask, or causal top-left (key j
+// visible to query i iff j <= i, causal_offset 0). A query row that sees no key (its forward LSE
+// -inf) has P = 0 everywhere: prep stores its LSE as +inf.
 #pragma once
 #include <algorithm>
 #include <cfloat>
@@ -70,6 +73,7 @@ CUTE_HOST_DEVICE constexpr auto make_fragment_like(Tensor<ArrayEngine<float, N>,
 #include "88_hopper_fmha/kernel/fmha_tile_scheduler.hpp"
 
 #include "gemmgen/abi.h"
+#include "gemmgen/fmha_bwd_sm90/band.h"
 #include "gemmgen/fmha_bwd_sm90/split_dq.h"
 #include "gemmgen/fmha_bwd_sm90/tile_order.h"
 #include "gemmgen/fmha_sm90/cutlass_launch.h"
@@ -80,8 +84,8 @@ namespace gemmgen::fmha_bwd_sm90 {
 
 using namespace cute;
 
-// The backward mainloop's Fusion: which query tiles a CTA visits and which scores it masks. The
-// mainloop calls it with blk_coord = (query tile, key tile of the CTA, ...), the tile shape
+// Example 88's mainloop's Fusion (the instances without `_sq`): which query tiles a CTA visits and
+// which scores it masks. The mainloop calls it with blk_coord = (query tile, key tile of the CTA, ...), the tile shape
 // (block_m queries, block_n keys, head_dim) and problem (B, H, Nq, Nk, D); in before_softmax each
 // index is (key, query), the scores being K Q^T.
 template <bool Causal>
@@ -123,15 +127,18 @@ struct BwdMask {
   }
 };
 
-// SplitDq: split_dq.h's mainloop (dQ computed half by each math warp group), else example 88's.
-template <class Element_, int BlockM, int BlockN, int HeadDim, bool Causal, bool SplitDq = false>
+// SplitDq: split_dq.h's mainloop (dQ computed half by each math warp group, the mask a band given
+// at launch), else example 88's (no mask or causal top-left, kLocal not available).
+template <class Element_, int BlockM, int BlockN, int HeadDim, BandKind Kind, bool SplitDq = false>
 struct Config {
+  static_assert(SplitDq || Kind != BandKind::kLocal, "the local mask runs on the split-dQ mainloop");
+  static constexpr bool Causal = Kind == BandKind::kCausal;
   using Element = Element_;
   // (queries per step, keys per CTA, head dim): example 88's TileShape order. Two math warp groups
   // take block_n / 2 keys each.
   using TileShape = Shape<Int<BlockM>, Int<BlockN>, Int<HeadDim>>;
   using Mainloop = std::conditional_t<
-      SplitDq, SplitDqMainloop<Element, TileShape, BwdMask<Causal>>,
+      SplitDq, SplitDqMainloop<Element, TileShape, Kind>,
       cutlass::fmha::collective::FmhaBwdMainloopTmaWarpSpecialized<Element, float, TileShape, BwdMask<Causal>>>;
   using Epilogue = cutlass::fmha::collective::FmhaBwdEpilogueKV<Element, float, typename Mainloop::TileShapePV>;
   using Kernel = cutlass::fmha::kernel::FmhaKernelTmaWarpSpecialized<
@@ -142,6 +149,9 @@ struct Config {
   static constexpr int kBlockM = BlockM;
   static constexpr int kBlockN = BlockN;
   static constexpr bool kCausal = Causal;
+  static constexpr bool kLocal = Kind == BandKind::kLocal;
+  static constexpr bool kBand = SplitDq;  // the mask's band is a launch parameter
+  static constexpr BandKind kKind = Kind;
 };
 
 constexpr int64_t kInt32Max = 2147483647;
@@ -225,8 +235,9 @@ __global__ void __launch_bounds__(128) prep_kernel(const Element* o, int64_t o_s
     CUTLASS_PRAGMA_UNROLL
     for (int s = 1; s < kLanes; s *= 2) acc += __shfl_xor_sync(0xffffffffu, acc, s, kLanes);
     if (active && lane == 0) {
+      const float l = lse[bh * nq + i];
       sum_ws[bh * rows_padded + i] = acc;
-      lse_ws[bh * rows_padded + i] = lse[bh * nq + i];
+      lse_ws[bh * rows_padded + i] = l == -INFINITY ? INFINITY : l;  // a row without keys: P = 0
     }
   }
 }
@@ -320,10 +331,15 @@ int run(const GemmgenAttnBwdParams* p, cudaStream_t stream, char* err, int err_l
     return report(err, err_len, GEMMGEN_INVALID_ARGUMENT, "scale %g: this family runs finite scales >= 0",
                   p->scale);
   }
-  if (Cfg::kCausal && p->causal_offset != 0) {
+  if (Cfg::kCausal && !Cfg::kBand && p->causal_offset != 0) {
     return report(err, err_len, GEMMGEN_INVALID_ARGUMENT,
-                  "causal_offset %d: this family's causal mask is top-left (offset 0; bottom-right only "
+                  "causal_offset %d: this instance's causal mask is top-left (offset 0; bottom-right only "
                   "where seqlen_q == seqlen_k)", p->causal_offset);
+  }
+  if ((p->local != 0) != Cfg::kLocal) {
+    return report(err, err_len, GEMMGEN_INVALID_ARGUMENT,
+                  Cfg::kLocal ? "this instance runs a sliding window only (local is 0)"
+                              : "local is set: this instance runs no sliding window");
   }
   const int64_t b = p->batch, h = p->heads, nq = p->seqlen_q, nk = p->seqlen_k;
   auto norm = [](int64_t extent, int64_t stride) {
@@ -428,6 +444,7 @@ int run(const GemmgenAttnBwdParams* p, cudaStream_t stream, char* err, int err_l
   auto* dk0 = static_cast<Element*>(const_cast<void*>(vdk.ptr));
   auto* dv0 = static_cast<Element*>(const_cast<void*>(vdv.ptr));
   const int64_t rp = ws.rows_padded;
+  const Band band = Band::of(Cfg::kKind, p->causal_offset, p->window_left, p->window_right);
   // (batch, head, row, 1) in elements: the int strides CUTLASS's arguments take.
   auto s3 = [](const View& t) { return make_stride(int(t.sb), int(t.sh), int(t.sr), _1{}); };
   // Chunks keep batch and heads within the grid's y and z limits (causal: the batch in z, the key
@@ -448,7 +465,9 @@ int run(const GemmgenAttnBwdParams* p, cudaStream_t stream, char* err, int err_l
            dq_acc + vec0 * nq * D, make_stride(int(h * nq * D), int(nq * D), D, _1{})},
           {at(dk0, vdk), s3(vdk), at(dv0, vdv), s3(vdv)},
           cutlass::KernelHardwareInfo{device, 0}};
-      e = launch_with_scale<Kernel>(args, scale, kSmem, stream);
+      e = launch_with_scale<Kernel>(args, scale, kSmem, stream, [&](auto& params) {
+        if constexpr (Cfg::kBand) params.mainloop.band = band;
+      });
       if (e != cudaSuccess) return cuda_failed("backward kernel launch");
     }
   }

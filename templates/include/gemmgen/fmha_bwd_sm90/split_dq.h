@@ -21,14 +21,22 @@
 // complete in order); the tile's Q and dO stages go back to the producer only then. The tensor
 // cores stay busy through dQ's store and the next tile's first issue (NOTES 67: +2-13%).
 //
+// The mask is band.h's (a launch parameter in this mainloop's Params): the load warp
+// (load_kv_maybe_q), the math warp groups (compute) and the dQ reducer (reduce) are this
+// mainloop's own, and all three walk the CTA's range of query tiles (band.h's query_tiles, on the
+// CTA's key tile), where example 88's versions visit every query tile and skip those its
+// default-constructed Fusion refuses.
+//
 // Contract with the kernel (FmhaKernelTmaWarpSpecialized): the same pipelines and the same sequence
-// of query tiles in both math groups (the mask's is_contributing is evaluated on the CTA's coordinate,
-// not the group's), the dQ reducer's stage receives all 256 producer arrivals per tile, and the
-// returned dK and dV fragments are laid out as the base mainloop's (TiledMmaND), which the epilogue
-// reads. Head dims 64 and 128, block_m 64 or 128 where the second dS buffer fits shared memory.
+// of query tiles in the load warp, both math groups and the reducer, the dQ reducer's stage receives
+// all 256 producer arrivals per tile, and the returned dK and dV fragments are laid out as the base
+// mainloop's (TiledMmaND), which the epilogue reads. Head dims 64 and 128, block_m 64 or 128 where the
+// second dS buffer fits shared memory.
 #pragma once
 
 #include "cutlass/arch/barrier.h"
+
+#include "gemmgen/fmha_bwd_sm90/band.h"
 
 namespace gemmgen::fmha_bwd_sm90 {
 
@@ -38,10 +46,14 @@ using namespace cute;
 // ReservedNamedBarrierCount: hardware id 8 of 16).
 constexpr int kDsBarrier = 0;
 
-template <class Element_, class TileShape_, class Fusion>
+// The base mainloop's Fusion parameter: every member of the base that calls it (its loads, reducer
+// and math loop) is replaced below, so it is never called.
+struct NoFusion {};
+
+template <class Element_, class TileShape_, BandKind Kind>
 struct SplitDqMainloop
-    : cutlass::fmha::collective::FmhaBwdMainloopTmaWarpSpecialized<Element_, float, TileShape_, Fusion> {
-  using Base = cutlass::fmha::collective::FmhaBwdMainloopTmaWarpSpecialized<Element_, float, TileShape_, Fusion>;
+    : cutlass::fmha::collective::FmhaBwdMainloopTmaWarpSpecialized<Element_, float, TileShape_, NoFusion> {
+  using Base = cutlass::fmha::collective::FmhaBwdMainloopTmaWarpSpecialized<Element_, float, TileShape_, NoFusion>;
   using Element = typename Base::Element;
   using ElementAccumulator = typename Base::ElementAccumulator;
   using TileShape = typename Base::TileShape;
@@ -64,11 +76,11 @@ struct SplitDqMainloop
   using MainloopPipelineQ = typename Base::MainloopPipelineQ;
   using PipelineState = typename Base::PipelineState;
   using PipelineStateQ = typename Base::PipelineStateQ;
-  using Params = typename Base::Params;
   static constexpr int NumMmaWarpGroups = Base::NumMmaWarpGroups;
   static constexpr int StageCount = Base::StageCount;
 
   static constexpr int kBlockM = get<0>(TileShape{});
+  static constexpr int kBlockN = get<1>(TileShape{});
   static constexpr int kHeadDim = get<2>(TileShape{});
   static_assert(NumMmaWarpGroups == 2, "dQ is split in two halves, one per math warp group");
   // How dQ's GEMM is split, over the 256 math threads, the two warp groups side by side:
@@ -93,6 +105,123 @@ struct SplitDqMainloop
   struct SharedStorage : Base::SharedStorage {
     cute::array_aligned<Element, cute::cosize_v<SmemLayoutDS>> smem_ds_odd;
   };
+
+  // Example 88's params and the call's band (launch.h sets it after the params are built).
+  struct Params : Base::Params {
+    Band band;
+  };
+
+  template <class ProblemShape>
+  static Params to_underlying_arguments(ProblemShape const& problem_size, typename Base::Arguments const& args,
+                                        void* workspace) {
+    return Params{Base::to_underlying_arguments(problem_size, args, workspace), Band{}};
+  }
+
+  // The CTA's query tiles; blk_coord's key tile is the CTA's (block_n keys), not a math group's.
+  template <class BlkCoord, class ProblemShape>
+  CUTLASS_DEVICE static QueryTiles cta_query_tiles(BlkCoord const& blk_coord, Params const& params,
+                                                   ProblemShape const& problem_size) {
+    return query_tiles<Kind>(params.band, int(get<1>(blk_coord)), kBlockN, kBlockM, int(get<2>(problem_size)),
+                             int(get<3>(problem_size)));
+  }
+
+  // The load warp: the CTA's K and V halves (one pair per math group) and, per query tile of its
+  // range, Q with its LSE in one pipeline stage and dO with its D in the next. The first loads go
+  // K0, Q, V0, K1, dO, V1, so that group 0's S GEMM can start after two of them.
+  template <bool kLoadOuter, class BlkCoord, class ProblemShape, class PipelineInner, class StateInner,
+            class PipelineOuter, class StateOuter, class LoadWarpBarrier>
+  CUTLASS_DEVICE void load_kv_maybe_q(int block_rank_in_cluster, BlkCoord const& blk_coord, Params const& params,
+                                      ProblemShape const& problem_size, PipelineInner& pipeline_inner,
+                                      StateInner& smem_pipe_write_inner, PipelineOuter& pipeline_outer,
+                                      StateOuter& smem_pipe_write_outer, SharedStorage& storage,
+                                      LoadWarpBarrier& /*unused: K and V load here*/, bool /*do_barrier*/) {
+    static_assert(kLoadOuter, "the kernel's load warp loads K and V too (no separate Q warp)");
+    const QueryTiles tiles = cta_query_tiles(blk_coord, params, problem_size);
+    const int lane_predicate = cute::elect_one_sync();
+
+    int kv_count = NumMmaWarpGroups;
+    int q_count = tiles.count;
+    auto kv_tile = cute::make_coord_iterator(kv_count);
+    TileIndex q_tile{tiles.first};
+
+    typename Base::LoadQ load_q{params.tma_load_q, pipeline_inner, storage.smem_q};
+    auto state_q = load_q.init_state(block_rank_in_cluster, problem_size, TileShapeNM{}, blk_coord, q_count);
+    typename Base::LoadDO load_do{params.tma_load_do, pipeline_inner, storage.smem_do};
+    auto state_do = load_do.init_state(block_rank_in_cluster, problem_size, TileShapeNM{}, blk_coord, q_count);
+    typename Base::LoadK load_k{params.tma_load_k, pipeline_outer, storage.smem_k};
+    auto state_k = load_k.init_state(_0{}, problem_size, TileShapeNM{}, blk_coord, kv_count);
+    typename Base::LoadV load_v{params.tma_load_v, pipeline_outer, storage.smem_v};
+    auto state_v = load_v.init_state(_0{}, problem_size, TileShapeNM{}, blk_coord, kv_count);
+    typename Base::LoadLSE load_lse{params.tma_load_lse, pipeline_inner, storage.smem_lse};
+    auto state_lse = load_lse.init_state(_0{}, problem_size, TileShapeNM{}, blk_coord, kv_count);
+    typename Base::LoadODO load_odo{params.tma_load_odo, pipeline_inner, storage.smem_sumOdO};
+    auto state_odo = load_odo.init_state(_0{}, problem_size, TileShapeNM{}, blk_coord, kv_count);
+
+    // step() counts one per load: K and V per group, Q, LSE, dO and D per query tile. Q's step
+    // acquires the stage that LSE's then advances past; dO and D likewise, D's step moving to the
+    // next query tile.
+    kv_count *= 2;
+    q_count *= 4;
+    auto load_q_lse = [&] {
+      load_q.template step<false, false, true>(q_tile, state_q, smem_pipe_write_inner, lane_predicate, q_count);
+      load_lse.template step<false, true, false>(q_tile, state_lse, smem_pipe_write_inner, lane_predicate, q_count);
+    };
+    auto load_do_odo = [&] {
+      load_do.template step<false, false, true>(q_tile, state_do, smem_pipe_write_inner, lane_predicate, q_count);
+      load_odo.template step<true, true, false>(q_tile, state_odo, smem_pipe_write_inner, lane_predicate, q_count);
+    };
+    load_k.template step<false>(kv_tile, state_k, smem_pipe_write_outer, lane_predicate, kv_count);
+    load_q_lse();
+    load_v.template step<true>(kv_tile, state_v, smem_pipe_write_outer, lane_predicate, kv_count);
+    load_k.template step<false>(kv_tile, state_k, smem_pipe_write_outer, lane_predicate, kv_count);
+    load_do_odo();
+    load_v.template step<true>(kv_tile, state_v, smem_pipe_write_outer, lane_predicate, kv_count);
+    while (kv_count > 0) {
+      load_k.template step<false>(kv_tile, state_k, smem_pipe_write_outer, lane_predicate, kv_count);
+      load_v.template step<true>(kv_tile, state_v, smem_pipe_write_outer, lane_predicate, kv_count);
+    }
+    CUTLASS_PRAGMA_NO_UNROLL
+    while (q_count > 0) {
+      load_q_lse();
+      load_do_odo();
+    }
+  }
+
+  // The dQ reducer warp: each query tile's dQ, as the math groups leave it in a reducer stage, added
+  // into the fp32 accumulator in global memory with a TMA reduction; a stage goes back to the math
+  // groups once the reduction that read it has completed (one reduction kept in flight).
+  template <class BlkCoord, class ProblemShape, class PipelineReducer, class StateReducer>
+  CUTLASS_DEVICE void reduce(BlkCoord const& blk_coord, Params const& params, ProblemShape const& problem_size,
+                             PipelineReducer& pipeline_reducer, StateReducer& smem_pipe_read_reducer,
+                             SharedStorage& storage) {
+    const int lane_predicate = cute::elect_one_sync();
+    Tensor mDQ = params.tma_red_dq.get_tma_tensor(select<2, 4, 0, 1>(problem_size));
+    Tensor gDQ_all = local_tile(mDQ, typename Base::TileShapeMD{}, make_coord(_, _, _), Step<_1, _1, Underscore>{});
+    Tensor gDQ = gDQ_all(_, _, _, _0{}, get<2, 0>(blk_coord), get<2, 1>(blk_coord));
+    Tensor sDQ = make_tensor(make_smem_ptr(storage.smem_dq.data()), SmemLayoutDQ{});
+    auto block_tma = params.tma_red_dq.get_slice(_0{});
+    Tensor tDQsDQ = block_tma.partition_S(sDQ);
+    Tensor tDQgDQ = block_tma.partition_D(gDQ);
+
+    const QueryTiles tiles = cta_query_tiles(blk_coord, params, problem_size);
+    StateReducer smem_pipe_release_reducer = smem_pipe_read_reducer;
+    for (int t = 0; t < tiles.count; ++t) {
+      pipeline_reducer.consumer_wait(smem_pipe_read_reducer);
+      if (lane_predicate) tma_store_wait<1>();  // the previous tile's reduction has read its stage
+      if (t > 0) {
+        pipeline_reducer.consumer_release(smem_pipe_release_reducer);
+        ++smem_pipe_release_reducer;
+      }
+      if (lane_predicate) {
+        copy(params.tma_red_dq, tDQsDQ(_, _, _, smem_pipe_read_reducer.index()), tDQgDQ(_, _, _, tiles.first + t));
+        tma_store_arrive();
+      }
+      ++smem_pipe_read_reducer;
+    }
+    if (lane_predicate) tma_store_wait<0>();
+    pipeline_reducer.consumer_release(smem_pipe_release_reducer);
+    ++smem_pipe_release_reducer;
+  }
 
   template <class BlkCoord, class ProblemShape, class MainloopPipelineReducer, class PipelineStateReducer,
             class MathWgOrderBarrier>
@@ -185,8 +314,10 @@ struct SplitDqMainloop
     const int n_block = get<1>(wg_coord);
     tScS.data() = tScS.data() + E<0>{} * n_block * get<0>(TileShapeNM{});
 
-    int inner_tile_count = this->get_inner_tile_count(wg_coord, problem_size);
-    int k_index = 0;
+    // The CTA's range of query tiles, as the load warp and the reducer walk it.
+    const QueryTiles tiles = cta_query_tiles(blk_coord, params, problem_size);
+    tScS.data() = tScS.data() + E<1>{} * tiles.first * get<1>(TileShapeNM{});
+    int inner_tile_count = tiles.count;
     int parity = 0;
     // A tile's Q and dO stages are released once its dK GEMM has completed.
     bool release_pending = false;
@@ -198,14 +329,6 @@ struct SplitDqMainloop
       release_pending = false;
     };
     while (inner_tile_count > 0) {
-      while (inner_tile_count > 0) {
-        if (Fusion{}.is_contributing(make_coord(k_index, get<1>(blk_coord)), TileShape{}, problem_size)) break;
-        inner_tile_count -= 1;
-        tScS.data() = tScS.data() + E<1>{} * get<1>(TileShapeNM{});
-        k_index += 1;
-      }
-      if (inner_tile_count == 0) break;
-
       // dS of this tile's parity: (block_m, keys, group) for the dQ GEMM, (keys, block_m, group)
       // viewed from the S accumulator's side.
       Element* ds_ptr = parity ? storage.smem_ds_odd.data() : storage.smem_ds.data();
@@ -252,7 +375,7 @@ struct SplitDqMainloop
         warpgroup_fence_operand(acc_DK);
         release_inner_tile();
       }
-      Fusion{}.before_softmax(acc_S, tScS, problem_size);
+      mask_scores<Kind>(params.band, acc_S, tScS, int(get<3>(problem_size)));
       constexpr ElementAccumulator kLog2e = 1.4426950408889634f;
       CUTLASS_PRAGMA_UNROLL
       for (int i = 0; i < size(acc_P); ++i) {
@@ -334,7 +457,6 @@ struct SplitDqMainloop
       release_pending = true;
 
       tScS.data() = tScS.data() + E<1>{} * get<1>(TileShapeNM{});
-      k_index += 1;
       parity ^= 1;
     }
 
