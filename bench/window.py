@@ -4,7 +4,7 @@ gemmgen's own dense causal rate.
 
     python bench/window.py [--dtype bf16] [--head-dim 128 64] [--rounds 5] [--out FILE.md] [--candidates] [--backward]
 
-Shapes: B * N = 16384 tokens, H = 32 query heads, Hkv = 8, N in 4096 to 16384, causal windows of 256,
+Shapes: B * N = 16384 tokens, H = 32 query heads, Hkv = 8 (--kv-heads), N in 4096 to 16384, causal windows of 256,
 1024 and 4096 keys (window=(w - 1, 0): the row's own key and w - 1 before it, as Mistral's and
 Gemma's sliding-window layers) and one two-sided window (512, 512) without the causal mask.
 
@@ -91,6 +91,7 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--out", help="also write the table to this markdown file")
     ap.add_argument("--candidates", action="store_true", help="also time every built local instance (forced)")
+    ap.add_argument("--kv-heads", type=int, default=HKV, help=f"key/value heads (default {HKV}; {H}: no GQA)")
     ap.add_argument("--backward", action="store_true", help="time the backward alone (2.5x the forward's FLOPs)")
     args = ap.parse_args()
     dtype = DTYPES[args.dtype]
@@ -112,7 +113,7 @@ def main() -> int:
         for n in args.seq_len:
             b = TOKENS // n
             q = torch.randn(b, H, n, d, device="cuda", dtype=dtype, requires_grad=args.backward)
-            k, v = (torch.randn(b, HKV, n, d, device="cuda", dtype=dtype, requires_grad=args.backward)
+            k, v = (torch.randn(b, args.kv_heads, n, d, device="cuda", dtype=dtype, requires_grad=args.backward)
                     for _ in range(2))
             expanded = None
             for window, causal in WINDOWS:
@@ -128,8 +129,8 @@ def main() -> int:
                         call()
                     except RuntimeError:  # no GQA in this backend: K and V expanded to H heads outside timing
                         if expanded is None:
-                            expanded = [t.detach().repeat_interleave(H // HKV, dim=1).requires_grad_(args.backward)
-                                        for t in (k, v)]
+                            expanded = [t.detach().repeat_interleave(H // args.kv_heads, dim=1)
+                                        .requires_grad_(args.backward) for t in (k, v)]
                         try:
                             call = timed(functools.partial(run, k=expanded[0], v=expanded[1], gqa=False))
                             call()
@@ -163,7 +164,7 @@ def main() -> int:
                     tile_rows.append(f"| {label} | {window} | {name} | {rate[name]:.0f} | "
                                      f"{rate[name] / rate['gemmgen']:.2f} |")
     what = "backward alone (torch.autograd.grad of a forward that requires grad), " if args.backward else ""
-    head = header(f"{what}{args.dtype}, H={H} Hkv={HKV}, eager calls queued back to back, host path included, default "
+    head = header(f"{what}{args.dtype}, H={H} Hkv={args.kv_heads}, eager calls queued back to back, host path included, default "
                   f"build untuned; each side the median over {args.rounds} rounds in alternating order of the "
                   f"median of {args.reps} CUDA-event timings; TFLOP/s = {flop_factor:g}*4*B*H*d*visible pairs/t; SDPA with "
                   f"enable_gqa=True (K and V expanded for a backend without GQA) and the window as a bool mask; "

@@ -28,8 +28,8 @@ ALIGNMENTS = ("top_left", "bottom_right")
 
 
 def local_instances(head_dims=None) -> list[str]:
-    """The built local instances the GPU runs (their names), head dims in `head_dims` if given (none
-    without a GPU: the module's tests are skipped there)."""
+    """The built local forward instances the GPU runs (their names), head dims in `head_dims` if given
+    (none without a GPU: the module's tests are skipped there)."""
     if not torch.cuda.is_available():
         return []
     cc = torch.cuda.get_device_capability()
@@ -39,7 +39,8 @@ def local_instances(head_dims=None) -> list[str]:
             inst = cand.instance
         except ValueError:
             continue
-        if getattr(inst, "mask", None) is not Mask.LOCAL or registry.build_reason(cand, cc) is not None:
+        if (getattr(inst, "mask", None) is not Mask.LOCAL or registry.family_named(inst.family).KIND != "attention"
+                or registry.build_reason(cand, cc) is not None):
             continue
         if head_dims is None or inst.head_dim in head_dims:
             names.append(inst.name)
