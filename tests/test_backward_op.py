@@ -42,6 +42,7 @@ class FakeKernel:
     params' pointers (kept by the patched set_bwd_pointers) and checks what the C ABI promises it."""
 
     calls: list = []
+    reads_gqa = False  # abi.INFO_READS_GQA: K and V at their own heads, dK and dV per query head
 
     def workspace_bytes(self, p):
         return 0
@@ -52,12 +53,16 @@ class FakeKernel:
             if t[name] is not None:  # this call's pointers, not an earlier call's of the same key
                 assert getattr(p, name) == t[name].data_ptr(), f"{name}'s pointer"
         q, k, v, d_o, lse = t["q"], t["k"], t["v"], t["d_o"], t["lse"]
-        assert k.shape[1] == q.shape[1] and p.heads_kv == p.heads, "K and V reach the kernel with Q's heads"
+        group = q.shape[1] // k.shape[1]
+        assert p.heads_kv == k.shape[1] and q.shape[1] == group * k.shape[1]
+        assert self.reads_gqa or group == 1, "K and V reach an instance without READS_GQA with Q's heads"
+        assert t["dk"].shape[1] == t["dv"].shape[1] == q.shape[1], "dK and dV per query head"
         for name in ("q", "k", "v", "o", "d_o", "dq", "dk", "dv"):
             assert torch_op._kernel_ready(t[name]), f"{name} is not readable by a kernel"
         assert lse.is_contiguous() and lse.dtype == torch.float32
         causal = p.causal_offset != launch.NO_MASK_OFFSET
-        leaves = [x.detach().double().requires_grad_() for x in (q, k, v)]
+        leaves = [x.detach().double().repeat_interleave(r, 1).requires_grad_()
+                  for x, r in ((q, 1), (k, group), (v, group))]
         bias = t.get("bias")
         b64 = bias.detach().double().requires_grad_() if bias is not None else None
         offset_alignment = "top_left" if p.causal_offset == 0 else "bottom_right"
@@ -83,10 +88,11 @@ def cpu_forward(q, k, v, causal=False, causal_alignment="top_left", scale=None, 
     return out, (lse.float() if return_lse else torch.empty(0))
 
 
-@pytest.fixture
-def cpu_ops(monkeypatch, cpu_ops_library):
+@pytest.fixture(params=[False, True], ids=["expanded-kv", "reads-gqa"])
+def cpu_ops(monkeypatch, cpu_ops_library, request):
     """CPU implementations of the forward (float64 reference) and the real backward implementation
-    with FakeKernel behind it; removed afterwards."""
+    with FakeKernel behind it, an instance that takes K and V expanded to Q's heads or one that
+    reads them at their own heads; removed afterwards."""
     forward = cpu_forward
     real_set = launch.set_bwd_pointers
 
@@ -100,6 +106,7 @@ def cpu_ops(monkeypatch, cpu_ops_library):
     # The selection stood in: the backward runs at q's own head dim (padding: tests/test_padding.py).
     monkeypatch.setattr(torch_op, "_bwd_head_dim", lambda q, *a, **kw: q.shape[-1])
     FakeKernel.calls = []
+    monkeypatch.setattr(FakeKernel, "reads_gqa", request.param)
     cpu_ops_library(fused_attention=forward, fused_attention_backward=torch_op._fused_attention_backward)
 
 

@@ -231,6 +231,7 @@ def test_real_build_info(built):
     entry, kernel = built
     info = kernel.info()
     assert info.abi_version == abi.ABI_VERSION and info.flags & abi.INFO_BACKWARD
+    assert not info.flags & abi.INFO_READS_GQA and not kernel.reads_gqa  # example 88's loop: expanded K, V
     assert (info.head_dim, info.block_m, info.block_n, info.causal, info.threads) == (32, 64, 128, 0, entry.threads)
     assert info.smem_bytes == entry.smem_bytes  # the family's figure is exact
 

@@ -286,6 +286,7 @@ def bind_softmax(path: Path, symbol: str) -> Kernel:
 # Fused attention backward (GemmgenAttnBwdParams of abi.h).
 
 INFO_BACKWARD = 2  # GEMMGEN_INFO_BACKWARD
+INFO_READS_GQA = 8  # GEMMGEN_INFO_READS_GQA: a backward reading K and V at their own heads (dK, dV per query head)
 
 
 class AttnBwdParams(ctypes.Structure):
@@ -322,6 +323,8 @@ class BwdInstance(Instance):
         self._workspace = getattr(library, f"{symbol}_workspace")
         self._workspace.argtypes = [ctypes.POINTER(AttnBwdParams)]
         self._workspace.restype = ctypes.c_int64
+        # K and V at their own heads (query head h reads h // group), dK and dV per query head.
+        self.reads_gqa = bool(self.info().flags & INFO_READS_GQA)
 
 
 def bind_bwd(path: Path, symbol: str) -> BwdInstance:

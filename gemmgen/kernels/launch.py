@@ -127,9 +127,10 @@ def params_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tenso
                causal_alignment: str, scale: float | None, dropout_p: float = 0.0, seed: int = 0,
                offset: int = 0, bias: torch.Tensor | None = None, dbias: torch.Tensor | None = None,
                deterministic: bool = False, window: tuple[int, int] | None = None) -> abi.AttnBwdParams:
-    """The C ABI params of one backward call (all [B, H, N, d] by their strides, K and V with Q's
-    heads; LSE the forward's [B, H, Nq] float32; `window` the forward's sliding window, around the
-    diagonal of `causal_alignment`); the workspace is set by bwd_workspace."""
+    """The C ABI params of one backward call (all [B, H, N, d] by their strides; K and V with Q's
+    heads, or with their own for an instance that reads GQA (dK and dV then with Q's heads); LSE the
+    forward's [B, H, Nq] float32; `window` the forward's sliding window, around the diagonal of
+    `causal_alignment`); the workspace is set by bwd_workspace."""
     b, h, nq, d = q.shape
     nk = k.shape[2]
     p = _bwd_pointers(q, k, v, o, d_o, lse, dq, dk, dv)
@@ -205,8 +206,8 @@ def expanded_layout(t: torch.Tensor, group: int, device: str | torch.device | No
 
 
 def expand_heads(t: torch.Tensor, group: int) -> torch.Tensor:
-    """K or V with Q's heads, in t's layout: query head h reads key/value head h // group (the
-    backward instances run heads_kv == heads)."""
+    """K or V with Q's heads, in t's layout: query head h reads key/value head h // group (for the
+    backward instances that do not read GQA, abi.INFO_READS_GQA)."""
     if group == 1:
         return t
     b, hkv, n, d = t.shape

@@ -422,22 +422,35 @@ def _fused_attention_backward(grad_out, q, k, v, out, lse, causal, causal_alignm
         raise InputError(f"the backward needs the forward's LSE [B, H, Nq] = {[b, h, nq]}; got {tuple(lse.shape)} "
                          f"(call the forward with return_lse=True)")
     group = h // hkv
-    kk, vv = launch.expand_heads(k, group), launch.expand_heads(v, group)
-    dkk, dvv = (dk, dv) if group == 1 else (launch.empty_like_layout(kk), launch.empty_like_layout(vv))
     # The forward reads broadcast (stride 0) dims; the backward kernels take dense ones.
-    q, kk, vv, out = (t if _kernel_ready(t) else launch.empty_like_layout(t).copy_(t) for t in (q, kk, vv, out))
+    ready = lambda t: t if _kernel_ready(t) else launch.empty_like_layout(t).copy_(t)  # noqa: E731
+    q, out = ready(q), ready(out)
     d_o = grad_out if _kernel_ready(grad_out) else launch.empty_like_layout(out).copy_(grad_out)
     lse = lse.contiguous()
     index = q.get_device()
     dbias_arg = dbias if bias_grad else None
+    if group == 1:
+        kk, vv, dkk, dvv = ready(k), ready(v), dk, dv
+    else:
+        # The kernel is selected for K and V expanded to the query heads; one that reads them at their
+        # own heads (abi.INFO_READS_GQA) gets them as they are, the others expanded. dK and dV come
+        # back per query head either way, summed over each group below.
+        dkk, dvv = launch.expanded_layout(k, group), launch.expanded_layout(v, group)
+        kernel = _bwd_kernel(q, launch.expanded_layout(k, group, "meta"), causal, causal_alignment, scale, dropout_p,
+                             bias, bias_grad, deterministic, (out, d_o, dq, dkk, dvv), window)
+        if kernel.reads_gqa:
+            kk, vv = ready(k), ready(v)
+        else:
+            kk, vv = launch.expand_heads(k, group), launch.expand_heads(v, group)
     # Everything the kernel's selection and the params look at but the data pointers and dropout's
     # seed and offset (the strides also fix max_offset; every tensor here is 16-byte aligned).
     key = ("bwd plan", index, q.dtype, q.shape, kk.shape,
            *(t.stride() for t in (q, kk, vv, out, d_o, dq, dkk, dvv)), causal,
            causal_alignment if causal or window else None, scale, dropout_p,
            None if bias is None else bias.stride(), bias_grad, deterministic, window)
-    plan = _bwd_plan(key, lambda: _bwd_kernel(q, kk, causal, causal_alignment, scale, dropout_p, bias, bias_grad,
-                                              deterministic, (vv, out, d_o, dq, dkk, dvv), window))
+    plan = _bwd_plan(key, lambda: _bwd_kernel(q, launch.expanded_layout(kk, h // kk.shape[1], "meta"), causal,
+                                              causal_alignment, scale, dropout_p, bias, bias_grad, deterministic,
+                                              (vv, out, d_o, dq, dkk, dvv), window))
     p = plan.params(lambda: launch.params_bwd(q, kk, vv, out, d_o, lse, dq, dkk, dvv, causal=causal,
                                               causal_alignment=causal_alignment, scale=scale, dropout_p=dropout_p,
                                               seed=seed, offset=offset, bias=bias, dbias=dbias_arg,

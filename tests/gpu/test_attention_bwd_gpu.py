@@ -99,14 +99,19 @@ def _bwd_families():
 
 def run_instance(cand, q, k, v, do, *, causal, alignment, scale=None):
     """The forward (any instance, with LSE), then `cand`'s backward into NaN-poisoned buffers.
-    Returns (dq, dk, dv), or None when the instance rejects the problem (its reason checked)."""
+    Returns (dq, dk, dv), or None when the instance rejects the problem (its reason checked). With
+    fewer K/V heads than Q's (an instance that reads GQA), dK and dV come back per query head."""
     with torch.no_grad():
         o, lse = gemmgen.fused_attention(q, k, v, causal=causal, causal_alignment=alignment, scale=scale,
                                          return_lse=True)
-    problem = calls.problem_for_bwd(q, k, causal, causal_alignment=alignment, scale=scale)
+    group = q.shape[1] // k.shape[1]
+    problem = calls.problem_for_bwd(q, launch.expanded_layout(k, group, "meta"), causal, causal_alignment=alignment,
+                                    scale=scale)
     if registry.reject_reason(cand, problem) is not None:
         return None
-    dq, dk, dv = (torch.full_like(t, float("nan")) for t in (q, k, v))
+    assert group == 1 or cand.kernel.reads_gqa, f"{cand.name} takes K and V with Q's heads"
+    dq = torch.full_like(q, float("nan"))
+    dk, dv = (launch.expanded_layout(t, group).fill_(float("nan")) for t in (k, v))
     p = launch.params_bwd(q, k, v, o, do, lse, dq, dk, dv, causal=causal, causal_alignment=alignment, scale=scale)
     launch.run_bwd(cand.kernel, p, q.get_device())
     torch.cuda.synchronize()
@@ -133,14 +138,25 @@ def test_every_backward_instance():
                     for name, g, w in zip(("dQ", "dK", "dV"), got, want):
                         assert_close(f"{cand.name} d{d} {causal}/{alignment} {nq}x{nk} {name}", g, w, dtype)
                     ran += 1
+                if cand.kernel.reads_gqa:  # K and V at their own heads: GQA 2:1 and MQA
+                    for hkv in (2, 1):
+                        key = (cand.name, d, causal, alignment, "gqa", hkv)
+                        q, k, v, do = make(2, 4, hkv, 127, 129, d, dtype, key)
+                        got = run_instance(cand, q, k, v, do, causal=causal, alignment=alignment)
+                        assert got is not None, f"{cand.name} refused GQA {4}:{hkv}"
+                        k4, v4 = (t.repeat_interleave(4 // hkv, 1) for t in (k, v))
+                        want = ref_grads(q, k4, v4, do, causal=causal, alignment=alignment)
+                        for name, g, w in zip(("dQ", "dK per query head", "dV per query head"), got, want):
+                            assert_close(f"{cand.name} d{d} {causal}/{alignment} 4:{hkv} {name}", g, w, dtype)
     assert ran > 0, "no backward instance accepted any test problem"
 
 
-@pytest.mark.parametrize("d, heads", [(64, 32), (128, 16)])
-def test_causal_backward_over_twice_l2(d, heads):
+@pytest.mark.parametrize("d, heads, heads_kv", [(64, 32, 32), (128, 16, 16), (64, 32, 8)])
+def test_causal_backward_over_twice_l2(d, heads, heads_kv):
     """fmha_bwd_sm90's causal instances where the heads' Q, dO and dQ accumulators (8 * N * d bytes
     each) exceed twice L2, so that one backward runs in several launches of fewer heads
-    (launch.h's causal_heads_per_launch): every head against float64."""
+    (launch.h's causal_heads_per_launch; with GQA, whole groups per launch): every head against
+    float64."""
     n = 16384
     if heads * 8 * n * d <= 2 * torch.cuda.get_device_properties(0).L2_cache_size:
         pytest.skip("this GPU's L2 holds the problem in one launch")
@@ -148,13 +164,17 @@ def test_causal_backward_over_twice_l2(d, heads):
              and c.instance.head_dim == d and c.instance.causal]
     if not cands:
         pytest.skip(f"no causal d{d} fmha_bwd_sm90 instance is built")
+    group = heads // heads_kv
     for cand in cands:
+        if group > 1 and not cand.kernel.reads_gqa:
+            continue
         dtype = launch.TORCH_DTYPES[cand.instance.dtype.value]
-        q, k, v, do = make(1, heads, heads, n, n, d, dtype, (cand.name, "launches"))
+        q, k, v, do = make(1, heads, heads_kv, n, n, d, dtype, (cand.name, "launches", heads_kv))
         got = run_instance(cand, q, k, v, do, causal=True, alignment="top_left")
         assert got is not None, f"{cand.name} rejected a causal {n}x{n} problem"
         for h in range(heads):
-            want = ref_grads(*(t[:, h:h + 1] for t in (q, k, v, do)), causal=True)
+            kv = h // group
+            want = ref_grads(q[:, h:h + 1], k[:, kv:kv + 1], v[:, kv:kv + 1], do[:, h:h + 1], causal=True)
             for name, g, w in zip(("dQ", "dK", "dV"), got, want):
                 assert_close(f"{cand.name} head {h} {name}", g[:, h:h + 1], w, dtype)
 

@@ -99,9 +99,9 @@ enum GemmgenStatus {
 // ---------------------------------------------------------------------------------------------
 // Fused attention backward: given dO = dL/dO and the forward's O and LSE, write dQ, dK and dV
 // (and dBias when asked). Sizes, strides and masks mean what they mean in GemmgenAttnParams; the
-// last dimension of every tensor is contiguous. dQ is shaped like Q; dK and dV like K and V. The
-// instances of the current backward families run heads_kv == heads only: the caller expands K and V
-// for GQA/MQA and sums dK and dV over each group.
+// last dimension of every tensor is contiguous. dQ is shaped like Q; dK and dV like K and V, or with
+// Q's heads for an instance with GEMMGEN_INFO_READS_GQA. Other instances run heads_kv == heads only:
+// the caller expands K and V for GQA/MQA and sums dK and dV over each group.
 typedef struct GemmgenAttnBwdParams {
   const void* q;
   const void* k;
@@ -157,6 +157,11 @@ typedef struct GemmgenAttnBwdParams {
 //   int64_t <symbol>_workspace(const GemmgenAttnBwdParams*);  // bytes of workspace the call needs
 //   int <symbol>_info(GemmgenInstanceInfo*);                   // flags include GEMMGEN_INFO_BACKWARD
 #define GEMMGEN_INFO_BACKWARD 2
+// A backward instance that reads K and V at their own heads (heads_kv dividing heads, query head h
+// reading key/value head h / (heads / heads_kv)) and writes dK and dV with `heads` heads, one per
+// query head, by dk's and dv's strides: the caller sums each group's. Without this flag heads_kv
+// must equal heads (the caller expands K and V).
+#define GEMMGEN_INFO_READS_GQA 8
 
 // ---------------------------------------------------------------------------------------------
 // Batched GEMM: C[b, h] = alpha * A[b, h] * op(B[b, h]) for every batch b and head h, fp32

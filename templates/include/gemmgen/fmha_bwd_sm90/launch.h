@@ -28,6 +28,11 @@
 // BwdMask below, ours rather than example 88's FusionBwdAdapter: no mask, or causal top-left (key j
 // visible to query i iff j <= i, causal_offset 0). A query row that sees no key (its forward LSE
 // -inf) has P = 0 everywhere: prep stores its LSE as +inf.
+//
+// GQA: split-dQ instances (GEMMGEN_INFO_READS_GQA) take K and V at their own heads, heads_kv dividing
+// heads: the load warp reads query head h's K and V at head h / group, and dK and dV are written per
+// query head (dk and dv have `heads` heads), which the caller sums over each group. Example 88's
+// loop takes K and V expanded to the query heads.
 #pragma once
 #include <algorithm>
 #include <cfloat>
@@ -282,7 +287,8 @@ struct View {
   const char* name;
   const void* ptr;
   int64_t sb, sh, sr;
-  int64_t n;  // rows
+  int64_t n;      // rows
+  int64_t heads;  // heads_kv for K and V, else heads
 };
 
 inline bool sizes_ok(const GemmgenAttnBwdParams* p) {
@@ -313,10 +319,17 @@ int run(const GemmgenAttnBwdParams* p, cudaStream_t stream, char* err, int err_l
                   "bad sizes: batch %d heads %d heads_kv %d seqlen_q %d seqlen_k %d", p->batch, p->heads,
                   p->heads_kv, p->seqlen_q, p->seqlen_k);
   }
-  if (p->heads_kv != p->heads) {
+  if (p->heads_kv != p->heads && (!Cfg::kBand || p->heads % p->heads_kv != 0 || p->heads_kv > p->heads)) {
     return report(err, err_len, GEMMGEN_INVALID_ARGUMENT,
-                  "heads_kv %d != heads %d: this family runs expanded K and V (one K/V head per query head)",
+                  Cfg::kBand ? "heads_kv %d must divide heads %d"
+                             : "heads_kv %d != heads %d: this instance runs expanded K and V (one K/V head per query "
+                               "head)",
                   p->heads_kv, p->heads);
+  }
+  if (p->heads / p->heads_kv > kMaxGridYZ) {
+    return report(err, err_len, GEMMGEN_INVALID_ARGUMENT,
+                  "heads / heads_kv %d: at most %lld query heads per key/value head", p->heads / p->heads_kv,
+                  static_cast<long long>(kMaxGridYZ));
   }
   if (p->bias != nullptr || p->dbias != nullptr || p->dropout_p != 0.f || p->cu_seqlens_q != nullptr ||
       p->cu_seqlens_k != nullptr) {
@@ -341,25 +354,29 @@ int run(const GemmgenAttnBwdParams* p, cudaStream_t stream, char* err, int err_l
                   Cfg::kLocal ? "this instance runs a sliding window only (local is 0)"
                               : "local is set: this instance runs no sliding window");
   }
-  const int64_t b = p->batch, h = p->heads, nq = p->seqlen_q, nk = p->seqlen_k;
+  const int64_t b = p->batch, h = p->heads, hkv = p->heads_kv, nq = p->seqlen_q, nk = p->seqlen_k;
+  const int64_t group = h / hkv;  // query heads per key/value head (split-dQ instances read GQA)
   auto norm = [](int64_t extent, int64_t stride) {
     return extent == 1 && (stride < 0 || stride > kInt32Max || stride % kVec != 0) ? int64_t(0) : stride;
   };
   const View views[] = {
-      {"q", p->q, p->q_batch_stride, p->q_head_stride, p->q_row_stride, nq},
-      {"k", p->k, p->k_batch_stride, p->k_head_stride, p->k_row_stride, nk},
-      {"v", p->v, p->v_batch_stride, p->v_head_stride, p->v_row_stride, nk},
-      {"o", p->o, p->o_batch_stride, p->o_head_stride, p->o_row_stride, nq},
-      {"d_o", p->d_o, p->do_batch_stride, p->do_head_stride, p->do_row_stride, nq},
-      {"dq", p->dq, p->dq_batch_stride, p->dq_head_stride, p->dq_row_stride, nq},
-      {"dk", p->dk, p->dk_batch_stride, p->dk_head_stride, p->dk_row_stride, nk},
-      {"dv", p->dv, p->dv_batch_stride, p->dv_head_stride, p->dv_row_stride, nk}};
+      {"q", p->q, p->q_batch_stride, p->q_head_stride, p->q_row_stride, nq, h},
+      {"k", p->k, p->k_batch_stride, p->k_head_stride, p->k_row_stride, nk, hkv},
+      {"v", p->v, p->v_batch_stride, p->v_head_stride, p->v_row_stride, nk, hkv},
+      {"o", p->o, p->o_batch_stride, p->o_head_stride, p->o_row_stride, nq, h},
+      {"d_o", p->d_o, p->do_batch_stride, p->do_head_stride, p->do_row_stride, nq, h},
+      {"dq", p->dq, p->dq_batch_stride, p->dq_head_stride, p->dq_row_stride, nq, h},
+      {"dk", p->dk, p->dk_batch_stride, p->dk_head_stride, p->dk_row_stride, nk, h},
+      {"dv", p->dv, p->dv_batch_stride, p->dv_head_stride, p->dv_row_stride, nk, h}};
   View v[8];
   for (int t = 0; t < 8; ++t) {
     v[t] = views[t];
     v[t].sb = norm(b, v[t].sb);
-    v[t].sh = norm(h, v[t].sh);
+    v[t].sh = norm(v[t].heads, v[t].sh);
     v[t].sr = norm(v[t].n, v[t].sr);
+    // MQA: K's and V's TMA descriptors span `heads` heads (the problem's) and are read at head 0
+    // only; a stride of 0 becomes 16 bytes, which TMA takes whatever the extent.
+    if (v[t].heads == 1 && h > 1 && v[t].sh == 0) v[t].sh = kVec;
     if (v[t].ptr == nullptr) {
       return report(err, err_len, GEMMGEN_INVALID_ARGUMENT, "%s is NULL", v[t].name);
     }
@@ -375,7 +392,7 @@ int run(const GemmgenAttnBwdParams* p, cudaStream_t stream, char* err, int err_l
                     static_cast<long long>(v[t].sb), static_cast<long long>(v[t].sh),
                     static_cast<long long>(v[t].sr));
     }
-    const int64_t reach = extent(b, h, v[t].n, D, v[t].sb, v[t].sh, v[t].sr);
+    const int64_t reach = extent(b, v[t].heads, v[t].n, D, v[t].sb, v[t].sh, v[t].sr);
     if (reach > kInt32Max) {
       return report(err, err_len, GEMMGEN_INVALID_ARGUMENT,
                     "%s: element offsets pass int32 (this family indexes with int32)", v[t].name);
@@ -448,14 +465,16 @@ int run(const GemmgenAttnBwdParams* p, cudaStream_t stream, char* err, int err_l
   // (batch, head, row, 1) in elements: the int strides CUTLASS's arguments take.
   auto s3 = [](const View& t) { return make_stride(int(t.sb), int(t.sh), int(t.sr), _1{}); };
   // Chunks keep batch and heads within the grid's y and z limits (causal: the batch in z, the key
-  // tiles in y, and the heads per launch of causal_heads_per_launch).
+  // tiles in y, and the heads per launch of causal_heads_per_launch), whole GQA groups each, so that
+  // a chunk's first query head reads its key/value head h0 / group.
   const int64_t key_tiles = (nk + Cfg::kBlockN - 1) / Cfg::kBlockN;
-  const int64_t head_step = Cfg::kCausal ? causal_heads_per_launch(h, nq, D, key_tiles, device) : kMaxGridYZ;
+  const int64_t head_step = std::max(
+      group, (Cfg::kCausal ? causal_heads_per_launch(h, nq, D, key_tiles, device) : kMaxGridYZ) / group * group);
   for (int64_t b0 = 0; b0 < b; b0 += kMaxGridYZ) {
     for (int64_t h0 = 0; h0 < h; h0 += head_step) {
       const int nb = static_cast<int>(std::min(kMaxGridYZ, b - b0));
       const int nh = static_cast<int>(std::min(head_step, h - h0));
-      auto at = [&](auto* ptr, const View& t) { return ptr + b0 * t.sb + h0 * t.sh; };
+      auto at = [&](auto* ptr, const View& t) { return ptr + b0 * t.sb + h0 / (h / t.heads) * t.sh; };
       const int64_t vec0 = b0 * h + h0;  // first (batch, head) row of the workspace vectors
       typename Kernel::Arguments args{
           make_tuple(nb, nh, static_cast<int>(nq), static_cast<int>(nk), D),
@@ -466,7 +485,10 @@ int run(const GemmgenAttnBwdParams* p, cudaStream_t stream, char* err, int err_l
           {at(dk0, vdk), s3(vdk), at(dv0, vdv), s3(vdv)},
           cutlass::KernelHardwareInfo{device, 0}};
       e = launch_with_scale<Kernel>(args, scale, kSmem, stream, [&](auto& params) {
-        if constexpr (Cfg::kBand) params.mainloop.band = band;
+        if constexpr (Cfg::kBand) {
+          params.mainloop.band = band;
+          params.mainloop.group = static_cast<int>(group);
+        }
       });
       if (e != cudaSuccess) return cuda_failed("backward kernel launch");
     }
@@ -485,7 +507,7 @@ int run(const GemmgenAttnBwdParams* p, cudaStream_t stream, char* err, int err_l
 
 template <class Cfg>
 int info(GemmgenInstanceInfo* out) {
-  return cutlass_kernel_info<Cfg>(out, GEMMGEN_INFO_BACKWARD);
+  return cutlass_kernel_info<Cfg>(out, GEMMGEN_INFO_BACKWARD | (Cfg::kBand ? GEMMGEN_INFO_READS_GQA : 0));
 }
 
 }  // namespace gemmgen::fmha_bwd_sm90

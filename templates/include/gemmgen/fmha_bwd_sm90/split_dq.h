@@ -106,15 +106,17 @@ struct SplitDqMainloop
     cute::array_aligned<Element, cute::cosize_v<SmemLayoutDS>> smem_ds_odd;
   };
 
-  // Example 88's params and the call's band (launch.h sets it after the params are built).
+  // Example 88's params, the call's band and its GQA group: query heads per key/value head (launch.h
+  // sets both after the params are built).
   struct Params : Base::Params {
     Band band;
+    int group = 1;
   };
 
   template <class ProblemShape>
   static Params to_underlying_arguments(ProblemShape const& problem_size, typename Base::Arguments const& args,
                                         void* workspace) {
-    return Params{Base::to_underlying_arguments(problem_size, args, workspace), Band{}};
+    return Params{Base::to_underlying_arguments(problem_size, args, workspace), Band{}, 1};
   }
 
   // The CTA's query tiles; blk_coord's key tile is the CTA's (block_n keys), not a math group's.
@@ -125,9 +127,10 @@ struct SplitDqMainloop
                              int(get<3>(problem_size)));
   }
 
-  // The load warp: the CTA's K and V halves (one pair per math group) and, per query tile of its
-  // range, Q with its LSE in one pipeline stage and dO with its D in the next. The first loads go
-  // K0, Q, V0, K1, dO, V1, so that group 0's S GEMM can start after two of them.
+  // The load warp: the CTA's K and V halves (one pair per math group; K and V of the query head's
+  // key/value head, head / group) and, per query tile of its range, Q with its LSE in one pipeline
+  // stage and dO with its D in the next. The first loads go K0, Q, V0, K1, dO, V1, so that group 0's
+  // S GEMM can start after two of them.
   template <bool kLoadOuter, class BlkCoord, class ProblemShape, class PipelineInner, class StateInner,
             class PipelineOuter, class StateOuter, class LoadWarpBarrier>
   CUTLASS_DEVICE void load_kv_maybe_q(int block_rank_in_cluster, BlkCoord const& blk_coord, Params const& params,
@@ -148,10 +151,13 @@ struct SplitDqMainloop
     auto state_q = load_q.init_state(block_rank_in_cluster, problem_size, TileShapeNM{}, blk_coord, q_count);
     typename Base::LoadDO load_do{params.tma_load_do, pipeline_inner, storage.smem_do};
     auto state_do = load_do.init_state(block_rank_in_cluster, problem_size, TileShapeNM{}, blk_coord, q_count);
+    // (K/V half, key tile, (batch, key/value head)): the coordinate K's and V's loads read at.
+    const auto kv_coord = make_coord(get<0>(blk_coord), get<1>(blk_coord),
+                                     make_coord(get<2, 0>(blk_coord), int(get<2, 1>(blk_coord)) / params.group));
     typename Base::LoadK load_k{params.tma_load_k, pipeline_outer, storage.smem_k};
-    auto state_k = load_k.init_state(_0{}, problem_size, TileShapeNM{}, blk_coord, kv_count);
+    auto state_k = load_k.init_state(_0{}, problem_size, TileShapeNM{}, kv_coord, kv_count);
     typename Base::LoadV load_v{params.tma_load_v, pipeline_outer, storage.smem_v};
-    auto state_v = load_v.init_state(_0{}, problem_size, TileShapeNM{}, blk_coord, kv_count);
+    auto state_v = load_v.init_state(_0{}, problem_size, TileShapeNM{}, kv_coord, kv_count);
     typename Base::LoadLSE load_lse{params.tma_load_lse, pipeline_inner, storage.smem_lse};
     auto state_lse = load_lse.init_state(_0{}, problem_size, TileShapeNM{}, blk_coord, kv_count);
     typename Base::LoadODO load_odo{params.tma_load_odo, pipeline_inner, storage.smem_sumOdO};
