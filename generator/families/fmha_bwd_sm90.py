@@ -13,7 +13,7 @@ have no other target.
 Built by default for sm90: on an H100 and an H200 its default instances pass the backward GPU
 suite (odd and unequal lengths, both causal cases it accepts) and run the FlashAttention sweep's
 backward at 155-584 TFLOP/s, 0.93-1.13x cuDNN at N >= 1024 but one H100 row at 0.74 (NOTES 67;
-example 88's own loop 131-273, NOTES 53; 0.88-1.12x with the band mask, NOTES 75); mea_bwd_sm80
+example 88's own loop 131-273, NOTES 53; 0.91-1.15x with the band mask, NOTES 75-76); mea_bwd_sm80
 serves what it refuses. Causal instances start their CTAs in tile_order.h's order.
 
 One instance = one (dtype, head_dim, mask, tile): block_m queries per step of a CTA's loop, block_n
