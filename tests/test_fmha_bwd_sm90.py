@@ -125,7 +125,7 @@ CAUSAL_64 = FmhaBwdSm90Instance(DType.BF16, 64, Mask.CAUSAL, 64, 128)
     (dict(bias=True), "no bias"),
     (dict(varlen=True), "no varlen"),
     (dict(bias_grad=True), "no dbias"),
-    (dict(deterministic=True), "not deterministic"),
+    (dict(deterministic=True), "not deterministic"),  # example 88's loop; the split-dQ one takes turns
     (dict(negative_scale=True), "scales >= 0"),
     (dict(gqa=4), "heads_kv == heads"),
     (dict(align=8), "16-byte aligned"),
@@ -154,6 +154,8 @@ LOCAL_64_SQ = dataclasses.replace(CAUSAL_64_SQ, mask=Mask.LOCAL)
     (CAUSAL_64_SQ, dict(causal=True, causal_alignment="bottom_right", seqlen_q=4097, seqlen_k=17)),
     (LOCAL_64_SQ, dict(window=(64, 64))),
     (LOCAL_64_SQ, dict(window=(0, 200), causal_alignment="bottom_right", seqlen_q=129, seqlen_k=4097)),
+    (CAUSAL_64_SQ, dict(causal=True, deterministic=True)),  # dQ added in key-tile order
+    (LOCAL_64_SQ, dict(window=(64, 0), deterministic=True)),
 ])
 def test_problem_reason_of_the_band(inst, kw):
     assert fam.problem_reason(inst, problem(**kw)) is None

@@ -123,8 +123,8 @@ def problem_reason(inst: FmhaBwdSm90Instance, problem) -> str | None:
         return reason
     if getattr(problem, "bias_grad", False):
         return f"{FAMILY} has no dbias"
-    if getattr(problem, "deterministic", False):
-        return f"{FAMILY} adds dQ up with atomic TMA reductions across key tiles: not deterministic"
+    if getattr(problem, "deterministic", False) and not inst.split_dq:
+        return f"{inst.name} adds dQ up with atomic TMA reductions across key tiles: not deterministic"
     if problem.negative_scale:
         return f"{FAMILY} runs scales >= 0 (its masked scores are -inf times the scale)"
     if problem.gqa != 1:

@@ -280,16 +280,42 @@ def test_dropout_backward_uses_the_forward_mask():
         assert_close(f"dropout {label}", g, w, dtype)
 
 
-def test_deterministic_is_bitwise_repeatable():
-    q, k, v, do = make(2, 4, 4, 1000, 1000, 128, torch.bfloat16, "det")
+@pytest.mark.parametrize("d, h, hkv, nq, nk, kw", [
+    (128, 4, 4, 1000, 1000, dict(causal=True)),
+    (64, 8, 2, 4097, 4097, dict(causal=True)),
+    (128, 4, 1, 300, 2000, dict(causal=True, causal_alignment="bottom_right")),
+    (64, 4, 4, 2000, 300, dict()),
+    (128, 4, 2, 2048, 2048, dict(window=(255, 0))),
+    (64, 2, 2, 1500, 1700, dict(window=(100, 100), causal_alignment="bottom_right")),
+], ids=["d128-causal", "d64-gqa-causal-4097", "d128-mqa-bottom-right", "d64-none-nq>nk", "d128-window",
+        "d64-two-sided-window"])
+def test_deterministic_is_bitwise_repeatable(d, h, hkv, nq, nk, kw):
+    """deterministic=True: the gradients of repeated calls are bitwise equal and match float64 (on
+    Hopper from fmha_bwd_sm90's split-dQ instances, which add each query tile's dQ in key-tile order)."""
+    q, k, v, do = make(2, h, hkv, nq, nk, d, torch.bfloat16, ("det", d, h, hkv, nq, nk, repr(kw)))
     try:
-        first = train_grads(q, k, v, do, causal=True, deterministic=True)
+        first = train_grads(q, k, v, do, deterministic=True, **kw)
     except NoInstanceError as exc:
+        if torch.cuda.get_device_capability()[0] == 9:
+            raise
         pytest.skip(f"no deterministic backward instance is built: {exc}")
+    if torch.cuda.get_device_capability()[0] == 9:
+        from gemmgen.select import selection
+
+        kk = launch.expanded_layout(k, h // hkv, "meta")
+        problem = calls.problem_for_bwd(q, kk, kw.get("causal", False), deterministic=True,
+                                        causal_alignment=kw.get("causal_alignment", "top_left"), window=kw.get("window"))
+        assert selection.select(problem).entry.family == "fmha_bwd_sm90"
     for _ in range(3):
-        again = train_grads(q, k, v, do, causal=True, deterministic=True)
+        again = train_grads(q, k, v, do, deterministic=True, **kw)
         assert all(torch.equal(a, b) for a, b in zip(first, again))
-    want = ref_grads(q, k, v, do, causal=True)
+    if "window" in kw:
+        from test_window_gpu import window_bias
+
+        want = ref_grads(q, k, v, do, bias=window_bias(nq, nk, kw["window"], kw.get("causal_alignment", "top_left")))
+    else:
+        want = ref_grads(q, k, v, do, causal=kw.get("causal", False),
+                         alignment=kw.get("causal_alignment", "top_left"))
     for name, g, w in zip(("dQ", "dK", "dV"), first, want):
         assert_close(f"deterministic {name}", g, w, torch.bfloat16)
 

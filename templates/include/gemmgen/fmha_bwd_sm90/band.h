@@ -42,12 +42,14 @@ struct Band {
 };
 
 // The query tiles [first, first + count) that key tile `key_tile` (block_n keys) runs, block_m
-// queries each. count is at least 1: where no query sees any of the tile's keys the CTA still runs
-// one tile, which the score mask zeroes whole (a CTA without a query tile would hang in the
-// mainloop: its dQ reducer releases a pipeline stage it never received), so it writes zero dK and dV.
+// queries each. count is at least 1: where no query sees any of the tile's keys (`empty`) the CTA
+// still runs one tile, which the score mask zeroes whole (a CTA without a query tile would hang in
+// the mainloop: its dQ reducer releases a pipeline stage it never received), so it writes zero dK and
+// dV and its dQ reducer adds nothing.
 struct QueryTiles {
   int first;
   int count;
+  bool empty = false;
 };
 
 template <BandKind Kind>
@@ -62,10 +64,18 @@ CUTLASS_HOST_DEVICE QueryTiles query_tiles(Band const& band, int key_tile, int b
     // Queries i with k0 - hi <= i <= k1 - lo see a key of the tile.
     const int64_t i0 = k0 - band.hi > 0 ? k0 - band.hi : 0;
     const int64_t i1 = k1 - band.lo < seqlen_q - 1 ? k1 - band.lo : int64_t(seqlen_q) - 1;
-    if (i0 > i1) return {k1 - band.lo < 0 ? 0 : tiles - 1, 1};
+    if (i0 > i1) return {k1 - band.lo < 0 ? 0 : tiles - 1, 1, true};
     const int first = static_cast<int>(i0 / block_m);
     return {first, static_cast<int>(i1 / block_m) - first + 1};
   }
+}
+
+// The first key tile (block_n keys) whose range of query tiles holds query tile `q_tile`: the key
+// tiles that hold it are contiguous (the band is convex), from this one on. A query tile that no key
+// tile holds has no use for it.
+CUTLASS_HOST_DEVICE int first_key_tile(Band const& band, int q_tile, int block_m, int block_n) {
+  const int64_t key = int64_t(q_tile) * block_m + band.lo;  // the smallest key its first row may see
+  return key > 0 ? static_cast<int>(key / block_n) : 0;
 }
 
 // Scores outside the band, or of keys past seqlen_k, become -inf. acc holds the thread's scores and

@@ -11,7 +11,8 @@
 //      FmhaBwdMainloopTmaWarpSpecialized): one CTA per block_n keys of one (batch, head), looping
 //      over the queries block_m at a time; it writes dK and dV (TMA stores in the element type) and
 //      adds dQ into the fp32 accumulator with TMA reductions (atomic adds across CTAs: the order of
-//      the additions depends on scheduling, so deterministic calls are refused).
+//      the additions depends on scheduling; deterministic calls to split-dQ instances take turns
+//      per query tile in key-tile order (split_dq.h's reduce), other instances refuse them).
 //   3. convert (ours): the fp32 dQ accumulator into dQ by its strides.
 //
 // The LSE convention: the mainloop computes P = exp2(scale_log2 * S - log2(e) * LSE), that is
@@ -189,14 +190,16 @@ inline int64_t causal_heads_per_launch(int64_t heads, int64_t nq, int64_t d, int
   return (heads + launches - 1) / launches;
 }
 
-// The workspace, in order: the LSE copy and D ([B, H, round_up(Nq, kRowPad)] fp32 each), then dQ's
-// accumulator ([B, H, Nq, d] fp32, dense); each part starts kWorkspaceAlign-aligned.
+// The workspace, in order: the LSE copy and D ([B, H, round_up(Nq, kRowPad)] fp32 each), dQ's
+// accumulator ([B, H, Nq, d] fp32, dense), then for split-dQ instances the deterministic turn
+// counters ([B, H, query tiles] int32); each part starts kWorkspaceAlign-aligned. The accumulator
+// and the counters are cleared together.
 struct WorkspaceLayout {
   int64_t rows_padded = 0;
-  int64_t lse_offset = 0, sum_offset = 0, dq_offset = 0, dq_bytes = 0, total = 0;
+  int64_t lse_offset = 0, sum_offset = 0, dq_offset = 0, dq_bytes = 0, turns_offset = 0, total = 0;
 };
 
-inline WorkspaceLayout workspace_layout(int64_t b, int64_t h, int64_t nq, int64_t d) {
+inline WorkspaceLayout workspace_layout(int64_t b, int64_t h, int64_t nq, int64_t d, int64_t query_tiles) {
   WorkspaceLayout w;
   w.rows_padded = round_up(nq, kRowPad);
   const int64_t vec_bytes = round_up(b * h * w.rows_padded * 4, kWorkspaceAlign);
@@ -204,8 +207,15 @@ inline WorkspaceLayout workspace_layout(int64_t b, int64_t h, int64_t nq, int64_
   w.sum_offset = vec_bytes;
   w.dq_offset = 2 * vec_bytes;
   w.dq_bytes = b * h * nq * d * 4;
-  w.total = w.dq_offset + round_up(w.dq_bytes, kWorkspaceAlign);
+  w.turns_offset = w.dq_offset + round_up(w.dq_bytes, kWorkspaceAlign);
+  w.total = w.turns_offset + round_up(b * h * query_tiles * 4, kWorkspaceAlign);
   return w;
+}
+
+// Query tiles a split-dQ instance counts turns for (none for example 88's loop).
+template <class Cfg>
+int64_t turn_tiles(int64_t nq) {
+  return Cfg::kBand ? (nq + Cfg::kBlockM - 1) / Cfg::kBlockM : 0;
 }
 
 // Step 1: D and the LSE copy. kLanes threads share a row (kVec elements each); rows in a grid-stride
@@ -302,7 +312,7 @@ int64_t workspace(const GemmgenAttnBwdParams* p) {
   const int64_t b = p->batch, h = p->heads, nq = p->seqlen_q;
   // run() refuses calls whose dQ accumulator passes int32 offsets; no workspace is needed for them.
   if (b * h > kInt32Max || b * h * nq > kInt32Max / Cfg::kHeadDim) return 0;
-  return workspace_layout(b, h, nq, Cfg::kHeadDim).total;
+  return workspace_layout(b, h, nq, Cfg::kHeadDim, turn_tiles<Cfg>(nq)).total;
 }
 
 template <class Cfg>
@@ -336,9 +346,10 @@ int run(const GemmgenAttnBwdParams* p, cudaStream_t stream, char* err, int err_l
     return report(err, err_len, GEMMGEN_INVALID_ARGUMENT,
                   "this family runs no bias, dbias, dropout or variable lengths");
   }
-  if (p->deterministic != 0) {
+  if (p->deterministic != 0 && !Cfg::kBand) {
     return report(err, err_len, GEMMGEN_INVALID_ARGUMENT,
-                  "deterministic: this family adds dQ up with atomic TMA reductions across key tiles");
+                  "deterministic: this instance adds dQ up with atomic TMA reductions across key tiles (its "
+                  "split-dQ instances run deterministic calls)");
   }
   if (!(p->scale >= 0.f) || std::isinf(p->scale)) {
     return report(err, err_len, GEMMGEN_INVALID_ARGUMENT, "scale %g: this family runs finite scales >= 0",
@@ -405,7 +416,8 @@ int run(const GemmgenAttnBwdParams* p, cudaStream_t stream, char* err, int err_l
   if (p->lse == nullptr || reinterpret_cast<uintptr_t>(p->lse) % alignof(float) != 0) {
     return report(err, err_len, GEMMGEN_INVALID_ARGUMENT, "lse must be a 4-byte aligned float32 buffer");
   }
-  const WorkspaceLayout ws = workspace_layout(b, h, nq, D);
+  const int64_t query_tiles = turn_tiles<Cfg>(nq);
+  const WorkspaceLayout ws = workspace_layout(b, h, nq, D, query_tiles);
   if (p->workspace == nullptr || reinterpret_cast<uintptr_t>(p->workspace) % kWorkspaceAlign != 0 ||
       p->workspace_bytes < ws.total) {
     return report(err, err_len, GEMMGEN_INVALID_ARGUMENT,
@@ -437,7 +449,8 @@ int run(const GemmgenAttnBwdParams* p, cudaStream_t stream, char* err, int err_l
   float* dq_acc = reinterpret_cast<float*>(base + ws.dq_offset);
   const View &vq = v[0], &vk = v[1], &vv = v[2], &vo = v[3], &vdo = v[4], &vdq = v[5], &vdk = v[6], &vdv = v[7];
 
-  e = cudaMemsetAsync(dq_acc, 0, ws.dq_bytes, stream);
+  int* turns = reinterpret_cast<int*>(base + ws.turns_offset);
+  e = cudaMemsetAsync(dq_acc, 0, p->deterministic ? ws.total - ws.dq_offset : ws.dq_bytes, stream);
   if (e != cudaSuccess) return cuda_failed("clearing dQ's accumulator");
 
   const int64_t rows = b * h * nq;
@@ -488,6 +501,11 @@ int run(const GemmgenAttnBwdParams* p, cudaStream_t stream, char* err, int err_l
         if constexpr (Cfg::kBand) {
           params.mainloop.band = band;
           params.mainloop.group = static_cast<int>(group);
+          if (p->deterministic) {
+            params.mainloop.turns = turns + vec0 * query_tiles;
+            params.mainloop.turns_batch_stride = h * query_tiles;
+            params.mainloop.turns_head_stride = static_cast<int>(query_tiles);
+          }
         }
       });
       if (e != cudaSuccess) return cuda_failed("backward kernel launch");

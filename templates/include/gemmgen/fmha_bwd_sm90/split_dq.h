@@ -46,6 +46,26 @@ using namespace cute;
 // ReservedNamedBarrierCount: hardware id 8 of 16).
 constexpr int kDsBarrier = 0;
 
+// Deterministic dQ (SplitDqMainloop::reduce): wait until a query tile's counter reaches `turn`, then
+// order the TMA reduction that follows after the additions the counter stands for.
+CUTLASS_DEVICE void wait_turn(int const* counter, int turn) {
+  int seen;
+  while (true) {
+    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(seen) : "l"(counter) : "memory");
+    if (seen == turn) break;
+    __nanosleep(64);
+  }
+  asm volatile("fence.proxy.async.global;" ::: "memory");
+}
+
+// After this thread's TMA reduction: wait until it has completed in global memory (not only read its
+// shared memory), then advance the counter, releasing the addition to the next key tile's CTA.
+CUTLASS_DEVICE void pass_turn(int* counter) {
+  asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+  asm volatile("fence.proxy.async.global;" ::: "memory");
+  asm volatile("red.release.gpu.global.add.s32 [%0], 1;" ::"l"(counter) : "memory");
+}
+
 // The base mainloop's Fusion parameter: every member of the base that calls it (its loads, reducer
 // and math loop) is replaced below, so it is never called.
 struct NoFusion {};
@@ -106,17 +126,22 @@ struct SplitDqMainloop
     cute::array_aligned<Element, cute::cosize_v<SmemLayoutDS>> smem_ds_odd;
   };
 
-  // Example 88's params, the call's band and its GQA group: query heads per key/value head (launch.h
-  // sets both after the params are built).
+  // Example 88's params, the call's band, its GQA group (query heads per key/value head) and, for a
+  // deterministic call, the dQ turn counters (launch.h sets them after the params are built).
   struct Params : Base::Params {
     Band band;
     int group = 1;
+    // Deterministic calls: one counter per (batch, head, query tile), zero at the launch; nullptr
+    // otherwise. A query tile's dQ additions go in key-tile order (see reduce).
+    int* turns = nullptr;
+    int64_t turns_batch_stride = 0;  // counters per batch entry (heads * query tiles)
+    int turns_head_stride = 0;       // counters per head (query tiles)
   };
 
   template <class ProblemShape>
   static Params to_underlying_arguments(ProblemShape const& problem_size, typename Base::Arguments const& args,
                                         void* workspace) {
-    return Params{Base::to_underlying_arguments(problem_size, args, workspace), Band{}, 1};
+    return Params{Base::to_underlying_arguments(problem_size, args, workspace), Band{}, 1, nullptr, 0, 0};
   }
 
   // The CTA's query tiles; blk_coord's key tile is the CTA's (block_n keys), not a math group's.
@@ -195,7 +220,15 @@ struct SplitDqMainloop
 
   // The dQ reducer warp: each query tile's dQ, as the math groups leave it in a reducer stage, added
   // into the fp32 accumulator in global memory with a TMA reduction; a stage goes back to the math
-  // groups once the reduction that read it has completed (one reduction kept in flight).
+  // groups once the reduction that read it has completed (one reduction kept in flight). A key tile
+  // that no query sees adds nothing.
+  //
+  // Deterministic calls (params.turns): the key tiles that hold a query tile add into its dQ one
+  // after another in key-tile order, so the fp32 sums never depend on scheduling. The reducer waits
+  // for the tile's counter to reach its turn (its key tile less the first that holds the query tile),
+  // adds, waits for the addition to complete in global memory, and advances the counter. A key
+  // tile's CTA waits only on CTAs of lower key tiles of its (batch, head), which the grid starts
+  // before it (key tiles are the faster grid coordinate in both schedules), so the waits end.
   template <class BlkCoord, class ProblemShape, class PipelineReducer, class StateReducer>
   CUTLASS_DEVICE void reduce(BlkCoord const& blk_coord, Params const& params, ProblemShape const& problem_size,
                              PipelineReducer& pipeline_reducer, StateReducer& smem_pipe_read_reducer,
@@ -210,6 +243,10 @@ struct SplitDqMainloop
     Tensor tDQgDQ = block_tma.partition_D(gDQ);
 
     const QueryTiles tiles = cta_query_tiles(blk_coord, params, problem_size);
+    const int key_tile = int(get<1>(blk_coord));
+    int* turns = params.turns == nullptr ? nullptr
+                                         : params.turns + int64_t(get<2, 0>(blk_coord)) * params.turns_batch_stride +
+                                               int64_t(get<2, 1>(blk_coord)) * params.turns_head_stride;
     StateReducer smem_pipe_release_reducer = smem_pipe_read_reducer;
     for (int t = 0; t < tiles.count; ++t) {
       pipeline_reducer.consumer_wait(smem_pipe_read_reducer);
@@ -218,9 +255,14 @@ struct SplitDqMainloop
         pipeline_reducer.consumer_release(smem_pipe_release_reducer);
         ++smem_pipe_release_reducer;
       }
-      if (lane_predicate) {
-        copy(params.tma_red_dq, tDQsDQ(_, _, _, smem_pipe_read_reducer.index()), tDQgDQ(_, _, _, tiles.first + t));
+      if (lane_predicate && !tiles.empty) {
+        const int q_tile = tiles.first + t;
+        if (turns != nullptr) {
+          wait_turn(turns + q_tile, key_tile - first_key_tile(params.band, q_tile, kBlockM, kBlockN));
+        }
+        copy(params.tma_red_dq, tDQsDQ(_, _, _, smem_pipe_read_reducer.index()), tDQgDQ(_, _, _, q_tile));
         tma_store_arrive();
+        if (turns != nullptr) pass_turn(turns + q_tile);
       }
       ++smem_pipe_read_reducer;
     }
