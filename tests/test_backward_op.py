@@ -79,9 +79,9 @@ class FakeKernel:
 
 
 def cpu_forward(q, k, v, causal=False, causal_alignment="top_left", scale=None, return_lse=False, instance=None,
-                dropout_p=0.0, seed=None, offset=0, bias=None, deterministic=False, window=None):
+                dropout_p=0.0, seed=None, offset=0, bias=None, deterministic=False, window=None, softcap=0.0):
     """The forward op's outputs from the float64 reference, in q's layout."""
-    assert window is None, "these tests run no sliding window"
+    assert window is None and softcap == 0.0, "these tests run no sliding window or softcap"
     o, lse = ref_forward(q, k, v, causal, causal_alignment, scale, bias)
     out = launch.empty_like_layout(q)
     out.copy_(o)

@@ -28,7 +28,8 @@ from gemmgen.select.problem import Problem
 PINNED = {
     "fa2_sm80": [("fa2_sm80_fp16_d32_none_m64n32w4s1", "da40b5102dcdab46"),
                  ("fa2_sm80_bf16_d32_none_m128n128w4s1", "97c86b9a5064b61b"),
-                 ("fa2_sm80_bf16_d256_causal_m128n64w8s1", "8382d343febe414f")],
+                 ("fa2_sm80_bf16_d256_causal_m128n64w8s1", "8382d343febe414f"),
+                 ("fa2_sm80_bf16_d128_causal_m128n64w4s1_sc", "086eca89d2e13439")],
     "fmha_sm90": [("fmha_sm90_fp16_d32_none_tma_m64n64s4", "020906f25fcacb00"),
                   ("fmha_sm90_bf16_d64_none_pingpong_m256n64s5_lr_q2", "8e9c28f2a9c49c70"),
                   ("fmha_sm90_bf16_d256_causal_pingpong_m128n64s3_lr", "fa4de306d9f646df")],
@@ -55,7 +56,7 @@ PINNED = {
                      ("mea_bwd_sm80_bf16_k128_q128k128_preload_dropout", "457025b1e68956e7"),
                      ("mea_bwd_sm80_bf16_k256_q128k64", "c4de8ed16290850b")],
 }
-SPACE_SIZES = {"fa2_sm80": 552, "fmha_sm90": 734, "mea_sm80": 36, "decode_sm80": 566, "gemm_sm80": 1312, "gemm_sm90": 2576,
+SPACE_SIZES = {"fa2_sm80": 1104, "fmha_sm90": 734, "mea_sm80": 36, "decode_sm80": 566, "gemm_sm80": 1312, "gemm_sm90": 2576,
                "softmax_sm80": 4, "fmha_bwd_sm90": 38, "mea_bwd_sm80": 72}
 
 

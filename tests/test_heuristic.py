@@ -84,8 +84,8 @@ def test_heuristic_on_the_h200_sweep():
     """Every tile measured at every shape of the sweep: the heuristic's pick against the best."""
     ratios, default_ratios = [], []
     for shape, measured in sweep_rows():
-        cands = [cand(i) for i in fam.SPACE if (i.dtype.value, i.head_dim, i.mask.value) ==
-                 (shape.dtype, shape.head_dim, "causal" if shape.causal else "none") and tile(i) in measured]
+        cands = [cand(i) for i in fam.SPACE if (i.dtype.value, i.head_dim, i.mask.value, i.softcap) ==
+                 (shape.dtype, shape.head_dim, "causal" if shape.causal else "none", False) and tile(i) in measured]
         assert len(cands) == len(measured)
         p = Problem(shape.dtype, shape.head_dim, shape.causal, H200, batch_heads=shape.batch * shape.heads,
                     seqlen_q=shape.seqlen_q, seqlen_k=shape.seqlen_k)

@@ -19,9 +19,24 @@ def test_space_nonempty_valid_unique():
 
 
 def test_default_one_tile_per_functional_key():
-    keys = [(i.dtype, i.head_dim, i.mask) for i in fam.DEFAULT]
-    assert len(keys) == len(set(keys)) == len(fam.DTYPES) * len(fam.HEAD_DIMS) * len(fam.MASKS)
+    keys = [(i.dtype, i.head_dim, i.mask, i.softcap) for i in fam.DEFAULT]
+    assert len(keys) == len(set(keys)) == len(fam.DTYPES) * len(fam.MASKS) * (
+        len(fam.HEAD_DIMS) + len(fam.SOFTCAP_DEFAULT_HEAD_DIMS))
+    assert {i.head_dim for i in fam.DEFAULT if i.softcap} == set(fam.SOFTCAP_DEFAULT_HEAD_DIMS)
     assert set(fam.DEFAULT) <= set(fam.SPACE)
+
+
+def test_softcap_instances_keep_the_others_params():
+    """softcap joined the family after its first builds: False is left out of params (the names,
+    hashes and tuning records of those instances stay), True is named `_sc` and rendered."""
+    plain = Fa2Sm80Instance(DType.BF16, 128, Mask.CAUSAL, 128, 64, 4)
+    capped = Fa2Sm80Instance(DType.BF16, 128, Mask.CAUSAL, 128, 64, 4, softcap=True)
+    assert "softcap" not in plain.params() and capped.params()["softcap"] is True
+    assert Fa2Sm80Instance.from_params(plain.params()) == plain and Fa2Sm80Instance.from_params(capped.params()) == capped
+    assert capped.name == plain.name + "_sc" and capped.content_hash() != plain.content_hash()
+    from gemmgen.generator import render
+    text = render.render_text(capped, render.Toolchain(flags=("-O3",), nvcc_version="13.0", cutlass_version="4.2.0"))
+    assert "constexpr bool kSoftcap = true;" in text and "run<Traits, kCausal, kLocal, kSoftcap>(" in text
 
 
 def test_pinned_names():

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import math
+import sys
 
 import pytest
 import torch
@@ -16,11 +17,12 @@ transformers = pytest.importorskip("transformers", minversion="4.56")
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, Qwen2Config  # noqa: E402
 from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: E402
 
+import gemmgen  # noqa: E402
 import gemmgen.integrations.transformers as gt  # noqa: E402
 
 
 def stand_in(q, k, v, *, causal=False, scale=None, dropout_p=0.0, attn_mask=None, calls=None,
-             causal_alignment="top_left", window=None):
+             causal_alignment="top_left", window=None, softcap=0.0):
     """fused_attention's contract in float64 on the CPU: GQA, top-left causal, bool or additive mask,
     O = 0 for a row that sees no key. (CPU masks are never marked as windows: top-left, no window.)"""
     assert causal_alignment == "top_left" and window is None
@@ -135,7 +137,7 @@ def test_models_run_on_gemmgen_through_attn_implementation(config_cls, recorded)
     assert any(c["shapes"][0][2] == 1 for c in recorded)  # decode steps of one query row
 
 
-def test_calls_gemmgen_cannot_run_fall_back_with_one_warning(caplog):
+def test_calls_gemmgen_cannot_run_fall_back_with_one_warning(caplog, monkeypatch):
     gt._reasons.clear()
     q, k, v = qkv()  # float32 on the CPU: no gemmgen family runs it
     with caplog.at_level(logging.WARNING, logger="gemmgen.transformers"):
@@ -146,6 +148,17 @@ def test_calls_gemmgen_cannot_run_fall_back_with_one_warning(caplog):
     (reason, count), = gt.fallback_reasons().items()
     assert count == 3 and "dtype" in reason
     assert len([r for r in caplog.records if r.name == "gemmgen.transformers"]) == 1
-    with pytest.raises(ValueError, match="softcap"):  # transformers' own path refuses it, as for sdpa
+    # A softcap gemmgen cannot run here goes to the layer's model's eager attention (SDPA's path refuses
+    # softcaps); without one, a clear error.
+    with pytest.raises(gemmgen.InputError, match="eager attention function"):
         gt.attention_forward(Layer(groups=4), q, k, v, None, softcap=30.0)
-    assert "a logit softcap" in gt.fallback_reasons()
+    seen = []
+
+    def eager_attention_forward(module, query, key, value, attention_mask, **kwargs):
+        seen.append(kwargs["softcap"])
+        return query.transpose(1, 2), None
+
+    monkeypatch.setattr(sys.modules[Layer.__module__], "eager_attention_forward", eager_attention_forward,
+                        raising=False)
+    out, _ = gt.attention_forward(Layer(groups=4), q, k, v, None, softcap=30.0)
+    assert seen == [30.0] and torch.equal(out, q.transpose(1, 2))

@@ -94,13 +94,15 @@ def test_registry_sends_windows_to_local_instances_only(tmp_path):
     registry.set_build_dirs([write_build_dir(tmp_path, entries)])
     try:
         good, rejected = registry.candidates(_problem())
-        assert {c.name for c in good} == {i.name for i in fa2 + sm90 if i.mask is Mask.LOCAL}
+        assert {c.name for c in good} == {i.name for i in fa2 + sm90 if i.mask is Mask.LOCAL
+                                          and not getattr(i, "softcap", False)}
         reasons = dict(rejected)
+        assert any("built for a logit softcap" in r for r in reasons.values())
         assert any("mask none, the problem needs local" in r for r in reasons.values())
         assert any(mea[0].name in label and "has no sliding window" in r for label, r in rejected)
         # fmha_sm90's window needs every row's diagonal key: Nq <= Nk.
         good, rejected = registry.candidates(_problem(seqlen_q=3000))
-        assert {c.name for c in good} == {i.name for i in fa2 if i.mask is Mask.LOCAL}
+        assert {c.name for c in good} == {i.name for i in fa2 if i.mask is Mask.LOCAL and not i.softcap}
         assert any("local needs seqlen_q <= seqlen_k" in r for _, r in rejected)
         # The registry's winner on Hopper: fmha_sm90's local instance.
         from gemmgen.select import selection
@@ -117,7 +119,7 @@ def test_local_instances_and_their_source():
     assert {(i.dtype, i.head_dim) for i in fa2_local} == {(dt, d) for dt in fa2_sm80.DTYPES for d in fa2_sm80.HEAD_DIMS}
     text = render.render_text(fa2_local[0], TC)
     assert "constexpr bool kCausal = false;" in text and "constexpr bool kLocal = true;" in text
-    assert "run<Traits, kCausal, kLocal>(" in text
+    assert "run<Traits, kCausal, kLocal, kSoftcap>(" in text and "constexpr bool kSoftcap = false;" in text
     sm90_local = [i for i in fmha_sm90.DEFAULT if i.mask is Mask.LOCAL]
     assert {(i.dtype, i.head_dim) for i in sm90_local} == {(dt, d) for dt in fmha_sm90.DTYPES
                                                            for d in fmha_sm90.HEAD_DIMS}
@@ -131,7 +133,7 @@ def test_local_instances_and_their_source():
 def test_params_carry_the_window():
     """The C ABI fields: local set with both sides, the offset of the alignment; zero otherwise
     (a library built before the fields existed never reads them)."""
-    assert [n for n, _ in abi.AttnParams._fields_][-3:] == ["local", "window_left", "window_right"]
+    assert [n for n, _ in abi.AttnParams._fields_][-4:-1] == ["local", "window_left", "window_right"]
     q = torch.empty(1, 2, 5, 64, dtype=torch.float16)
     k = torch.empty(1, 2, 9, 64, dtype=torch.float16)
     p = launch.params(q, k, k, q, None, causal=False, causal_alignment="bottom_right", scale=None, window=(3, -1))

@@ -19,14 +19,17 @@ fused_attention(window=...), skipping the key tiles outside the window, in train
 backward runs the window (fmha_bwd_sm90 on Hopper); any other mask, and a window nothing here runs
 (with dropout, or its backward on other GPUs), runs with the mask as before.
 
-A call gemmgen cannot run (a dtype, head dim or mask no family serves, CPU tensors, a logit softcap)
-runs on transformers' own SDPA path instead, with one warning per distinct reason on the logger
+A logit softcap (Gemma 2's) runs on the instances built for one, in inference (it has no backward).
+A call gemmgen cannot run (a dtype, head dim or mask no family serves, CPU tensors, a softcap in training)
+runs on transformers' own SDPA path instead (a softcap on the model's eager attention, which SDPA's
+path refuses), with one warning per distinct reason on the logger
 "gemmgen.transformers"; fallback_reasons() lists them. Needs transformers >= 4.56 (the optional
 extra: pip install 'gemmgen[transformers]').
 """
 from __future__ import annotations
 
 import logging
+import sys
 from typing import Any
 
 import torch
@@ -58,12 +61,21 @@ def fallback_reasons() -> dict[str, int]:
 
 
 def _fallback(reason: str, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """The call on transformers' SDPA path, or, with a logit softcap (which that path refuses), on the
+    layer's own model's eager attention function."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    forward, path = sdpa_attention_forward, "SDPA"
+    if kwargs.get("softcap") is not None:
+        forward = getattr(sys.modules.get(type(args[0]).__module__), "eager_attention_forward", None)
+        if forward is None:
+            raise InputError(f"gemmgen does not run this call ({reason}), and its model defines no eager attention "
+                             "function to run its logit softcap")
+        path = "eager"
     if reason not in _reasons:
-        logger.warning("gemmgen does not run %s; transformers' SDPA path does (logged once per reason)", reason)
+        logger.warning("gemmgen does not run %s; transformers' %s path does (logged once per reason)", reason, path)
     _reasons[reason] = _reasons.get(reason, 0) + 1
-    return sdpa_attention_forward(*args, **kwargs)
+    return forward(*args, **kwargs)
 
 
 def _mark_window(mask: torch.Tensor | None, kwargs: dict) -> torch.Tensor | None:
@@ -108,8 +120,7 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     SDPA path means it."""
     args = (module, query, key, value, attention_mask)
     rest = dict(dropout=dropout, scaling=scaling, is_causal=is_causal, position_bias=position_bias, **kwargs)
-    if kwargs.get("softcap") is not None:
-        return _fallback("a logit softcap", *args, **rest)
+    softcap = float(kwargs.get("softcap") or 0.0)
     q_len = query.shape[2]
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     causal = bool(q_len > 1 and attention_mask is None and causal)
@@ -122,13 +133,13 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     if window is not None:
         try:  # the marked mask is exactly this window
             out = fused_attention(query, key, value, causal=True, causal_alignment="bottom_right", scale=scaling,
-                                  dropout_p=float(dropout), window=window)
+                                  dropout_p=float(dropout), window=window, softcap=softcap)
             return out.transpose(1, 2).contiguous(), None
         except NoInstanceError:
             pass  # nothing runs the window here (with dropout, or its backward on this GPU): the mask does
     try:
         out = fused_attention(query, key, value, causal=causal, scale=scaling, dropout_p=float(dropout),
-                              attn_mask=mask)
+                              attn_mask=mask, softcap=softcap)
     except (NoInstanceError, InputError, DeviceError) as exc:
         return _fallback(str(exc).splitlines()[0], *args, **rest)
     return out.transpose(1, 2).contiguous(), None

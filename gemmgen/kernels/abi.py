@@ -59,6 +59,7 @@ class AttnParams(ctypes.Structure):
         ("local", ctypes.c_int32),  # 1: the sliding window below (left/right, -1 unbounded) applies
         ("window_left", ctypes.c_int32),
         ("window_right", ctypes.c_int32),
+        ("softcap", ctypes.c_float),  # > 0: scaled scores s become softcap * tanh(s / softcap); 0: none
     ]
 
 

@@ -72,10 +72,10 @@ NO_MASK_OFFSET = 2**31 - 1
 def params(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor | None,
            *, causal: bool, causal_alignment: str, scale: float | None, dropout_p: float = 0.0,
            seed: int = 0, offset: int = 0, bias: torch.Tensor | None = None,
-           window: tuple[int, int] | None = None) -> abi.AttnParams:
+           window: tuple[int, int] | None = None, softcap: float = 0.0) -> abi.AttnParams:
     """The C ABI params of one call (pointers, sizes, strides in elements, scale, causal offset, and
-    the optional dropout, bias and sliding window; `bias` is [B, H, Nq, Nk] by its strides, 0
-    broadcasting; a `window` (left, right) lies around the diagonal of `causal_alignment`)."""
+    the optional dropout, bias, sliding window and logit softcap; `bias` is [B, H, Nq, Nk] by its
+    strides, 0 broadcasting; a `window` (left, right) lies around the diagonal of `causal_alignment`)."""
     b, h, nq, d = q.shape
     nk = k.shape[2]
     qs, ks, vs, os_ = q.stride(), k.stride(), v.stride(), o.stride()
@@ -88,6 +88,7 @@ def params(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, l
     _set_features(p, dropout_p, seed, offset)
     if window is not None:
         p.local, (p.window_left, p.window_right) = 1, window
+    p.softcap = softcap
     if bias is not None:
         p.bias = bias.data_ptr()
         p.bias_batch_stride, p.bias_head_stride, p.bias_row_stride = bias.stride()[:3]

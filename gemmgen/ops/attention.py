@@ -10,6 +10,7 @@ from gemmgen.kernels import launch
 from gemmgen.select import calls, selection
 from gemmgen.ops import eager, padding, torch_op
 from gemmgen.ops.checks import (check_4d, check_bool, check_dense, check_finite, check_instance, check_no_overlap,
+                                check_softcap,
                                 check_window)
 from gemmgen.ops.grad import check_no_grad
 from gemmgen.errors import DeviceError, InputError
@@ -194,8 +195,8 @@ def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
                     return_lse: bool = False, instance: str | None = None,
                     out: torch.Tensor | None = None, dropout_p: float = 0.0, seed: int | None = None,
                     offset: int = 0, attn_mask: torch.Tensor | None = None,
-                    deterministic: bool = False,
-                    window: tuple[int, int] | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                    deterministic: bool = False, window: tuple[int, int] | None = None,
+                    softcap: float = 0.0) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """O = softmax(scale * Q K^T + mask) V on the GPU, reading the inputs where they are (at a tile
     head dim; see d below).
 
@@ -217,7 +218,8 @@ def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
     The forward checks at once that a backward instance serves the call, and raises NoInstanceError
     with every instance's reason if none does. deterministic=True asks for a backward whose result does
     not depend on the order blocks finish in (bitwise repeatable; slower: on Hopper fmha_bwd_sm90 adds
-    each query tile's dQ in key-tile order, elsewhere mea_bwd_sm80 runs one CTA per head). The returned LSE has
+    each query tile's dQ in key-tile order, at 0.74-1.0x its default speed on an H100; elsewhere
+    mea_bwd_sm80 runs one CTA per head, several times slower). The returned LSE has
     no gradient of its own; `out=` has no backward. Double backward raises.
 
     dropout_p zeroes each attention weight with that probability and scales the rest by
@@ -234,6 +236,11 @@ def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
     built for the "local" mask run it (fa2_sm80 and, on Hopper, fmha_sm90 build them by default); its
     backward runs on fmha_bwd_sm90's local instances (Hopper): elsewhere inputs that require grad
     raise NoInstanceError at the forward.
+
+    softcap > 0 caps the logits (Gemma 2's attn_logit_softcapping): the scaled scores s become
+    softcap * tanh(s / softcap) before the mask; 0 (the default) leaves them. Instances built for it
+    run it (fa2_sm80's `_sc` instances at head dims 128 and 256 by default, on every GPU); it has no
+    backward yet: inputs that require grad raise NoInstanceError at the forward.
     """
     check_bool("causal", causal)
     check_bool("return_lse", return_lse)
@@ -242,10 +249,12 @@ def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
     scale = _check_args(causal_alignment, scale)
     dropout_p = _check_dropout(dropout_p, seed, offset)
     causal, window = check_window(window, causal)
+    softcap = check_softcap(softcap)
     if (dp := padding.needs_padding(q, k, v)) is not None:
         return _fused_attention_padded(q, k, v, dp, out, return_lse, scale, attn_mask, causal=causal,
                                        causal_alignment=causal_alignment, instance=instance, dropout_p=dropout_p,
-                                       seed=seed, offset=offset, deterministic=deterministic, window=window)
+                                       seed=seed, offset=offset, deterministic=deterministic, window=window,
+                                       softcap=softcap)
     direct = eager.runs_directly(q, k, v, out, attn_mask)
     training = not direct and torch.is_grad_enabled() and any(
         isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v, attn_mask))  # direct: no graph
@@ -278,10 +287,10 @@ def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
         else:
             op = torch_op.fused_attention_op
         o, lse = op(q, k, v, causal, causal_alignment, scale, return_lse or training, instance, *features,
-                    deterministic, window_arg)
+                    deterministic, window_arg, softcap)
     else:
         op = torch_op.run_fused_attention_out if direct else torch_op.fused_attention_out_op
-        lse = op(q, k, v, out, causal, causal_alignment, scale, return_lse, instance, *features, window_arg)
+        lse = op(q, k, v, out, causal, causal_alignment, scale, return_lse, instance, *features, window_arg, softcap)
         o = out
     return (o, lse) if return_lse else o
 
@@ -404,7 +413,8 @@ def fused_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
 
 def explain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
             causal_alignment: str = "top_left", instance: str | None = None, dropout_p: float = 0.0,
-            attn_mask: torch.Tensor | None = None, window: tuple[int, int] | None = None) -> selection.Decision:
+            attn_mask: torch.Tensor | None = None, window: tuple[int, int] | None = None,
+            softcap: float = 0.0) -> selection.Decision:
     """The decision fused_attention makes for these tensors: candidates, rejects with their reasons,
     winner and its source (decision.report() gives the text `gemmgen explain` prints). A head dim
     without tiles is explained as the padded call it runs (gemmgen.ops.padding)."""
@@ -412,6 +422,7 @@ def explain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool =
     check_instance(instance)
     _check_args(causal_alignment, None)
     causal, window = check_window(window, causal)
+    softcap = check_softcap(softcap)
     if (dp := padding.needs_padding(q, k, v)) is not None:  # the padded call it runs
         q, k, v = (padding.pad(t, dp) for t in (q, k, v))
     _validate(q, k, v, None, device=False)
@@ -420,19 +431,21 @@ def explain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool =
     _check_device(q, k, v, None)
     bias = _prepare_mask(attn_mask, q, k)
     return selection.decide(calls.problem_for(q, k, causal, v=v, causal_alignment=causal_alignment,
-                                              dropout=dropout_p > 0.0, bias=bias, window=window), instance)
+                                              dropout=dropout_p > 0.0, bias=bias, window=window,
+                                              softcap=softcap > 0), instance)
 
 
 def selected_instance(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
                       causal_alignment: str = "top_left", instance: str | None = None,
-                      window: tuple[int, int] | None = None) -> str:
+                      window: tuple[int, int] | None = None, softcap: float = 0.0) -> str:
     """The name of the instance fused_attention would run for these tensors."""
     check_bool("causal", causal)
     check_instance(instance)
     _check_args(causal_alignment, None)
     causal, window = check_window(window, causal)
+    softcap = check_softcap(softcap)
     if (dp := padding.needs_padding(q, k, v)) is not None:  # the padded call it runs
         q, k, v = (padding.pad(t, dp) for t in (q, k, v))
     _validate(q, k, v, None)
-    return selection.select(calls.problem_for(q, k, causal, causal_alignment=causal_alignment, window=window),
-                            instance).name
+    return selection.select(calls.problem_for(q, k, causal, causal_alignment=causal_alignment, window=window,
+                                              softcap=softcap > 0), instance).name

@@ -112,3 +112,12 @@ def check_window(window, causal: bool) -> tuple[bool, tuple[int, int] | None]:
     if left == -1 and right == 0:
         return True, None
     return False, (left, right)
+
+
+def check_softcap(softcap: object) -> float:
+    """The logit softcap as the ops take it: a finite float >= 0 (0: none; torch.float32 holds it)."""
+    value = check_finite("softcap", softcap)
+    if value < 0 or value > 3.0e38:
+        raise InputError(f"softcap must be 0 (none) or a positive float32 (scores become softcap * tanh(s / softcap)); "
+                         f"got {softcap}")
+    return value

@@ -2,14 +2,14 @@
 torch.compile traces them without a graph break and CUDA graphs capture them:
 
     torch.ops.gemmgen.fused_attention(q, k, v, causal, causal_alignment, scale, return_lse, instance,
-                                      dropout_p, seed, offset, bias, deterministic, window)
+                                      dropout_p, seed, offset, bias, deterministic, window, softcap)
         -> (O in q's layout, LSE [B, H, Nq] float32, or an empty tensor without return_lse)
     torch.ops.gemmgen.fused_attention_backward(grad_out, q, k, v, out, lse, causal, causal_alignment,
                                                scale, dropout_p, seed, offset, bias, bias_grad,
                                                deterministic, window)
         -> (dQ like q, dK like k, dV like v, dBias [B, H, Nq, Nk], or an empty tensor without bias_grad)
     torch.ops.gemmgen.fused_attention_out(q, k, v, out, causal, causal_alignment, scale, return_lse,
-                                          instance, dropout_p, seed, offset, bias, window)
+                                          instance, dropout_p, seed, offset, bias, window, softcap)
         -> LSE (O written into `out`)
     torch.ops.gemmgen.fused_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                              max_seqlen_k, causal, scale, return_lse, instance,
@@ -36,7 +36,9 @@ backward raises.
 
 bias is the additive mask as [B, H, Nq, Nk] by its strides (gemmgen.ops.attention broadcasts and pads it).
 window is a sliding window [left, right] around the diagonal of causal_alignment (causal False; a
-side of -1 unbounded; gemmgen.ops.attention normalizes it), or None.
+side of -1 unbounded; gemmgen.ops.attention normalizes it), or None. softcap > 0 is a logit
+softcap (scaled scores s become softcap * tanh(s / softcap)), 0 none; no backward runs one, so a
+forward with it that records a graph raises NoInstanceError.
 A seed of None draws one from torch's CUDA generator when the op runs (not when it is traced).
 
 The CUDA kernels expect inputs that gemmgen.ops.attention validated. The hot path is one dictionary lookup
@@ -55,9 +57,9 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from gemmgen.select import calls, jit, registry, selection
 from gemmgen.kernels import launch
-from gemmgen.errors import InputError
+from gemmgen.errors import InputError, NoInstanceError
 from gemmgen.ops import padding
-from gemmgen.ops.checks import check_window
+from gemmgen.ops.checks import check_softcap, check_window
 from gemmgen.ops.grad import check_no_grad
 from gemmgen.select.problem import ALIGN_BYTES, Problem
 
@@ -65,12 +67,12 @@ _LIB = torch.library.Library("gemmgen", "DEF")
 _ARGS = "bool causal=False, str causal_alignment='top_left', float? scale=None, bool return_lse=False, str? instance=None"
 _FEATURES = "float dropout_p=0.0, int? seed=None, int offset=0"
 _LIB.define(f"fused_attention(Tensor q, Tensor k, Tensor v, {_ARGS}, {_FEATURES}, Tensor? bias=None, "
-            f"bool deterministic=False, int[]? window=None) -> (Tensor, Tensor)")
+            f"bool deterministic=False, int[]? window=None, float softcap=0.0) -> (Tensor, Tensor)")
 _LIB.define("fused_attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
             "bool causal, str causal_alignment, float? scale, float dropout_p, int seed, int offset, "
             "Tensor? bias, bool bias_grad, bool deterministic, int[]? window=None) -> (Tensor, Tensor, Tensor, Tensor)")
 _LIB.define(f"fused_attention_out(Tensor q, Tensor k, Tensor v, Tensor(a!) out, {_ARGS}, {_FEATURES}, "
-            f"Tensor? bias=None, int[]? window=None) -> Tensor")
+            f"Tensor? bias=None, int[]? window=None, float softcap=0.0) -> Tensor")
 _LIB.define("fused_attention_varlen(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
             "int max_seqlen_q, int max_seqlen_k, bool causal=False, float? scale=None, bool return_lse=False, "
             f"str? instance=None, {_FEATURES}) -> (Tensor, Tensor)")
@@ -181,23 +183,26 @@ def _mask_args(causal: bool, window) -> tuple[bool, tuple[int, int] | None]:
 def _run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor | None,
          causal: bool, causal_alignment: str, scale: float | None, instance: str | None,
          dropout_p: float = 0.0, seed: int | None = None, offset: int = 0, bias: torch.Tensor | None = None,
-         window=None) -> None:
+         window=None, softcap: float = 0.0) -> None:
     if _nothing_to_launch(q, k, v, o, lse, o.numel() == 0 or k.shape[2] == 0):
         return
     if bias is not None and bias.data_ptr() % ALIGN_BYTES:
         raise InputError(f"the attention mask must be {ALIGN_BYTES}-byte aligned")
     index = q.get_device()
     causal, window = _mask_args(causal, window)
+    if softcap:  # an op called directly gets fused_attention's check
+        softcap = check_softcap(softcap)
     # Everything a family's problem_reason and the params look at but the data pointers: shapes and
-    # strides (layout kind, offsets past int32), mask and its alignment, scale, dropout, a bias.
+    # strides (layout kind, offsets past int32), mask and its alignment, scale, dropout, a bias, a softcap.
     key = (index, q.dtype, q.shape, k.shape, q.stride(), k.stride(), v.stride(), o.stride(), causal,
            causal_alignment if causal or window else None, scale, instance, dropout_p,
-           None if bias is None else bias.stride(), False, window)
+           None if bias is None else bias.stride(), False, window, softcap)
     plan = _kernel_for(key, lambda: calls.problem_for(
         q, k, causal, v=v, causal_alignment=causal_alignment, scale=scale, dropout=dropout_p > 0.0,
-        bias=bias, window=window), q, k, causal, instance)
+        bias=bias, window=window, softcap=softcap > 0), q, k, causal, instance)
     p = plan.params(lambda: launch.params(q, k, v, o, None, causal=causal, causal_alignment=causal_alignment,
-                                          scale=scale, dropout_p=dropout_p, bias=bias, window=window))
+                                          scale=scale, dropout_p=dropout_p, bias=bias, window=window,
+                                          softcap=softcap))
     p.q, p.k, p.v, p.o = q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr()
     if lse is not None:
         p.lse = lse.data_ptr()
@@ -248,9 +253,10 @@ def _no_lse_on(device: torch.device) -> torch.Tensor:
 
 
 def _fused_attention(q, k, v, causal=False, causal_alignment="top_left", scale=None, return_lse=False,
-                     instance=None, dropout_p=0.0, seed=None, offset=0, bias=None, deterministic=False, window=None):
+                     instance=None, dropout_p=0.0, seed=None, offset=0, bias=None, deterministic=False, window=None,
+                     softcap=0.0):
     o = launch.empty_like_layout(q)
-    features = (dropout_p, seed, offset, bias, window)
+    features = (dropout_p, seed, offset, bias, window, softcap)
     if not return_lse:
         _run(q, k, v, o, None, causal, causal_alignment, scale, instance, *features)
         return o, _no_lse_on(q.device)
@@ -260,11 +266,12 @@ def _fused_attention(q, k, v, causal=False, causal_alignment="top_left", scale=N
 
 
 def _fused_attention_out(q, k, v, out, causal=False, causal_alignment="top_left", scale=None,
-                         return_lse=False, instance=None, dropout_p=0.0, seed=None, offset=0, bias=None, window=None):
+                         return_lse=False, instance=None, dropout_p=0.0, seed=None, offset=0, bias=None, window=None,
+                         softcap=0.0):
     check_no_grad("torch.ops.gemmgen.fused_attention_out", q=q, k=k, v=v, bias=bias)
     lse = _lse_like(q, return_lse)
     _run(q, k, v, out, lse if return_lse else None, causal, causal_alignment, scale, instance, dropout_p, seed,
-         offset, bias, window)
+         offset, bias, window, softcap)
     return lse
 
 
@@ -285,12 +292,12 @@ def _fused_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, m
 
 
 def _fake(q, k, v, causal=False, causal_alignment="top_left", scale=None, return_lse=False, instance=None,
-          dropout_p=0.0, seed=None, offset=0, bias=None, deterministic=False, window=None):
+          dropout_p=0.0, seed=None, offset=0, bias=None, deterministic=False, window=None, softcap=0.0):
     return launch.empty_like_layout(q), _lse_like(q, return_lse)
 
 
 def _fake_out(q, k, v, out, causal=False, causal_alignment="top_left", scale=None, return_lse=False,
-              instance=None, dropout_p=0.0, seed=None, offset=0, bias=None, window=None):
+              instance=None, dropout_p=0.0, seed=None, offset=0, bias=None, window=None, softcap=0.0):
     return _lse_like(q, return_lse)
 
 
@@ -314,23 +321,23 @@ def _kernel_ready(t: torch.Tensor) -> bool:
 
 
 def _bwd_problem(q, k, causal, causal_alignment, scale, dropout_p, bias, bias_grad, deterministic, tensors=(),
-                 window=None):
+                 window=None, softcap=False):
     return calls.problem_for_bwd(q, k, causal, causal_alignment=causal_alignment, scale=scale,
                                   dropout=dropout_p > 0.0, bias=bias, bias_grad=bias_grad,
-                                  deterministic=deterministic, tensors=tensors, window=window)
+                                  deterministic=deterministic, tensors=tensors, window=window, softcap=softcap)
 
 
 def _bwd_kernel(q, k, causal, causal_alignment, scale, dropout_p, bias, bias_grad, deterministic,
-                tensors=(), window=None) -> Any:
+                tensors=(), window=None, softcap=False) -> Any:
     """The backward kernel for a call (K with Q's heads), selected once per key and cached; a
     missing instance is compiled on demand as for the forward."""
     qs, ks = q.stride(), k.stride()
     big = launch.max_offset(q, k, bias, *tensors) >= 2**31
     key = ("bwd", q.get_device(), q.dtype, q.shape, k.shape, qs[2] <= qs[1], ks[2] <= ks[1], causal,
            causal_alignment if causal or window else None, _sign(scale), big, dropout_p > 0.0, bias is not None,
-           bias_grad, deterministic, window)
+           bias_grad, deterministic, window, softcap)
     return _cached_bwd_kernel(key, lambda: _bwd_problem(q, k, causal, causal_alignment, scale, dropout_p, bias,
-                                                        bias_grad, deterministic, tensors, window))
+                                                        bias_grad, deterministic, tensors, window, softcap))
 
 
 def _cached_bwd_kernel(key: tuple, problem_of: Callable[[], Problem]) -> Any:
@@ -358,13 +365,14 @@ def _bwd_plan(key: tuple, kernel_of: Callable[[], Any]) -> _Plan:
 
 
 def _check_backward_exists(q, k, causal, causal_alignment, scale, dropout_p, bias, bias_grad, deterministic,
-                           window) -> None:
+                           window, softcap=False) -> None:
     """At a forward whose inputs require grad: raise NoInstanceError (every instance's reason) unless
     a backward runs the call, at its head dim or padded to a larger one (_bwd_head_dim)."""
     if _bwd_head_dim(q, k, causal, causal_alignment, scale, dropout_p, bias, bias_grad, deterministic,
-                     window) == q.shape[-1]:
+                     window, softcap) == q.shape[-1]:
         kk = launch.expanded_layout(k, q.shape[1] // k.shape[1], "meta")
-        _bwd_kernel(q, kk, causal, causal_alignment, scale, dropout_p, bias, bias_grad, deterministic, window=window)
+        _bwd_kernel(q, kk, causal, causal_alignment, scale, dropout_p, bias, bias_grad, deterministic, window=window,
+                    softcap=softcap)
 
 
 def _refuse_double_backward(op: str, tensors: tuple[torch.Tensor, ...]) -> None:
@@ -382,18 +390,18 @@ def _sum_groups(dst: torch.Tensor, grads: torch.Tensor, heads_kv: int, group: in
 
 
 def _bwd_head_dim(q, k, causal, causal_alignment, scale, dropout_p, bias, bias_grad, deterministic,
-                  window=None) -> int:
+                  window=None, softcap=False) -> int:
     """The head dim a backward runs at (selection.padded_backward_head_dim), decided once per call key."""
     qs, ks = q.stride(), k.stride()
     key = ("bwd head dim", q.get_device(), q.dtype, q.shape, k.shape, qs[2] <= qs[1], ks[2] <= ks[1], causal,
            causal_alignment if causal or window else None, _sign(scale), dropout_p > 0.0, bias is not None, bias_grad,
-           deterministic, window)
+           deterministic, window, softcap)
     found = _kernels.get(key)
     if found is None:
         kk = launch.expanded_layout(k, q.shape[1] // k.shape[1], "meta")  # as the kernels read K: Q's heads
         found = selection.padded_backward_head_dim(
             _bwd_problem(q, kk, causal, causal_alignment, scale, dropout_p, bias, bias_grad, deterministic,
-                         window=window))
+                         window=window, softcap=softcap))
         if len(_kernels) >= _MAX_CACHED:
             _kernels.clear()
         _kernels[key] = found
@@ -473,7 +481,8 @@ def _fake_backward(grad_out, q, k, v, out, lse, causal, causal_alignment, scale,
 
 
 # The positions of fused_attention's arguments (its schema) that the backward reads.
-_Q, _K, _V, _CAUSAL, _ALIGNMENT, _SCALE, _RETURN_LSE, _INSTANCE, _DROPOUT, _SEED, _OFFSET, _BIAS, _DET, _WINDOW = range(14)
+(_Q, _K, _V, _CAUSAL, _ALIGNMENT, _SCALE, _RETURN_LSE, _INSTANCE, _DROPOUT, _SEED, _OFFSET, _BIAS, _DET, _WINDOW,
+ _SOFTCAP) = range(15)
 
 
 def _setup_context(ctx, inputs, output) -> None:
@@ -486,8 +495,12 @@ def _setup_context(ctx, inputs, output) -> None:
     o, lse = output
     _check_saves("fused_attention", inputs[_RETURN_LSE], dropout_p, seed)
     bias_grad = bias is not None and bias.requires_grad
+    softcap = bool(inputs[_SOFTCAP]) if len(inputs) > _SOFTCAP else False
     if not isinstance(q, FakeTensor) and not torch.compiler.is_compiling() and q.numel() and k.shape[2]:
-        _check_backward_exists(q, k, causal, alignment, scale, dropout_p, bias, bias_grad, deterministic, window)
+        _check_backward_exists(q, k, causal, alignment, scale, dropout_p, bias, bias_grad, deterministic, window,
+                               softcap)
+    elif softcap:  # traced: no backward runs a softcap (eager and traced calls refuse alike)
+        raise NoInstanceError("no backward instance runs a logit softcap: call it without grad")
     ctx.save_for_backward(q, k, v, o, lse, bias)
     ctx.args = (causal, alignment, scale, dropout_p, 0 if seed is None else seed, offset, bias_grad, deterministic,
                 window)
@@ -511,13 +524,13 @@ def _autograd_backward(ctx, grad_o, grad_lse):
 
 
 def _gradients(ctx, grad_o, backward: Callable) -> tuple:
-    """The gradients of fused_attention's 14 inputs from what _setup_context saved, computed by
+    """The gradients of fused_attention's 15 inputs from what _setup_context saved, computed by
     `backward` (the backward op, or its implementation in eager calls)."""
     q, k, v, o, lse, bias = ctx.saved_tensors
     causal, alignment, scale, dropout_p, seed, offset, bias_grad, deterministic, window = ctx.args
     dq, dk, dv, dbias = backward(grad_o, q, k, v, o, lse, causal, alignment, scale, dropout_p, seed, offset, bias,
                                  bias_grad, deterministic, None if window is None else list(window))
-    return dq, dk, dv, None, None, None, None, None, None, None, None, dbias if bias_grad else None, None, None
+    return dq, dk, dv, None, None, None, None, None, None, None, None, dbias if bias_grad else None, None, None, None
 
 
 def _eager_training(name: str, forward: Callable, setup_context: Callable, gradients: Callable) -> type:

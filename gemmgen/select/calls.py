@@ -14,9 +14,10 @@ from gemmgen.select.problem import ALIGN_BYTES, BwdProblem, Problem, layout_kind
 def problem_for(q: torch.Tensor, k: torch.Tensor, causal: bool, *, v: torch.Tensor | None = None,
                 causal_alignment: str = "top_left", scale: float | None = None, dropout: bool = False,
                 bias: bool | torch.Tensor | None = False, varlen: bool = False,
-                window: tuple[int, int] | None = None) -> Problem:
+                window: tuple[int, int] | None = None, softcap: bool = False) -> Problem:
     """The Problem of a validated call (q, k on one CUDA device). `bias` may be the bias tensor itself
-    (its extent then counts in max_offset); `window` a normalized sliding window (ops.attention)."""
+    (its extent then counts in max_offset); `window` a normalized sliding window (ops.attention);
+    `softcap` whether a logit softcap applies."""
     b, h, nq, d = q.shape
     bias_tensor = bias if isinstance(bias, torch.Tensor) else None
     return Problem(dtype=DTYPE_NAMES[q.dtype], head_dim=d, causal=bool(causal),
@@ -26,7 +27,7 @@ def problem_for(q: torch.Tensor, k: torch.Tensor, causal: bool, *, v: torch.Tens
                    causal_alignment=causal_alignment, negative_scale=scale is not None and scale < 0,
                    zero_scale=scale == 0,
                    dropout=dropout, bias=bias is not None and bias is not False, varlen=varlen,
-                   max_offset=max_offset(q, k, v, bias_tensor), window=window)
+                   max_offset=max_offset(q, k, v, bias_tensor), window=window, softcap=bool(softcap))
 
 
 def problem_for_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: int, max_seqlen_q: int,
@@ -46,11 +47,11 @@ def problem_for_bwd(q: torch.Tensor, k: torch.Tensor, causal: bool, *, causal_al
                     scale: float | None = None, dropout: bool = False, bias: torch.Tensor | None = None,
                     bias_grad: bool = False, deterministic: bool = False,
                     tensors: tuple[torch.Tensor | None, ...] = (),
-                    window: tuple[int, int] | None = None) -> BwdProblem:
+                    window: tuple[int, int] | None = None, softcap: bool = False) -> BwdProblem:
     """The BwdProblem of a backward call on validated tensors: q and k as the kernel reads them (K
     with as many heads as Q), `tensors` the others whose extent counts in max_offset."""
     fwd = problem_for(q, k, causal, causal_alignment=causal_alignment, scale=scale, dropout=dropout, bias=bias,
-                      window=window)
+                      window=window, softcap=softcap)
     return _backward_of(fwd, tensors, bias_grad=bias_grad, deterministic=deterministic)
 
 

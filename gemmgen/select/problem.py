@@ -10,7 +10,7 @@ from gemmgen.select.device import DeviceFacts
 
 ALIGN_BYTES = 16  # data pointers and outer strides; the kernels load 16 bytes per thread per copy
 # What only some families run (Problem's flags of the same names), in the order keys name them.
-FEATURES = ("dropout", "bias", "varlen", "kv_cache")
+FEATURES = ("dropout", "bias", "varlen", "kv_cache", "softcap")
 
 
 def layout_kind(q_strides: tuple[int, ...], k_strides: tuple[int, ...]) -> str:
@@ -31,7 +31,7 @@ class Problem:
     `window` (left, right) around the diagonal, each side -1 for unbounded), the GPU (`device`), the
     layout kind, the GQA ratio H / Hkv and the byte alignment of the data, and what only some
     families run: the causal alignment, a negative or zero scale, dropout, an additive bias, variable
-    lengths, element offsets past int32. Sizes (select the winner, through `bucket`):
+    lengths, a logit softcap, element offsets past int32. Sizes (select the winner, through `bucket`):
     batch_heads = B * H, seqlen_q, seqlen_k.
     """
 
@@ -54,6 +54,7 @@ class Problem:
     kv_cache: bool = False  # per-sequence key counts and/or a paged K/V (fused_attention_with_kvcache)
     max_offset: int = 0  # the largest element offset from a tensor's data pointer the call reaches
     window: tuple[int, int] | None = None  # a sliding window (causal False; never (-1, -1) or (-1, 0))
+    softcap: bool = False  # a logit softcap (its value is a launch parameter)
     kind: ClassVar[str] = "attention"  # the selection engine's Kind for it
 
     @property

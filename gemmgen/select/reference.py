@@ -13,13 +13,15 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causa
                         causal_alignment: str = "top_left",
                         scale: float | None = None, *,
                         bias: torch.Tensor | None = None,
-                        window: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                        window: tuple[int, int] | None = None,
+                        softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """softmax(scale * Q K^T + bias + mask) V in float64, and the natural-log LSE of each row.
 
     q: [B, H, Nq, d]; k, v: [B, Hkv, Nk, d] with Hkv dividing H (query head h reads kv head
     h // (H // Hkv)); bias: an additive mask broadcastable to [B, H, Nq, Nk] (any float dtype).
     window (left, right): key j visible to query i iff i + off - left <= j <= i + off + right, off the
     diagonal's offset of causal_alignment, a side of -1 unbounded (with causal, also j <= i + off).
+    softcap > 0: the scaled scores s become softcap * tanh(s / softcap) before the bias and masks.
     Returns (O [B, H, Nq, d] float64, LSE [B, H, Nq] float64). A row that sees no key gives O = 0
     and LSE = -inf, never NaN.
     """
@@ -29,6 +31,8 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causa
     k64 = k.to(torch.float64).repeat_interleave(group, dim=1)
     v64 = v.to(torch.float64).repeat_interleave(group, dim=1)
     scores = scale * (q64 @ k64.transpose(-2, -1))  # [B, H, Nq, Nk]
+    if softcap > 0:
+        scores = softcap * torch.tanh(scores / softcap)
     if bias is not None:  # broadcastable to [B, H, Nq, Nk]; -inf entries remove a key
         scores = scores + bias.to(torch.float64)
     if causal or window is not None:

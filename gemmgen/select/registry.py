@@ -198,7 +198,8 @@ def runs_on(gencode: Iterable[str], cc: tuple[int, int]) -> bool:
 def functional_reason(family: Any, inst: AttentionInstance, problem: Problem) -> str | None:
     """Why `inst`, an instance of the attention family `family`, cannot run `problem` whatever its
     build state: dtype, then head_dim and mask where the instance fixes them (None where it serves
-    several, no mask and causal: its family checks them), then the family's own problem_reason."""
+    several, no mask and causal: its family checks them), the logit softcap (an instance built for
+    one runs softcap calls only, the others none), then the family's own problem_reason."""
     mask = Mask(problem.mask)
     if inst.dtype.value != problem.dtype:
         return f"dtype {inst.dtype.value}, the problem is {problem.dtype}"
@@ -209,6 +210,10 @@ def functional_reason(family: Any, inst: AttentionInstance, problem: Problem) ->
     if inst.mask is None and mask is Mask.LOCAL and not getattr(family, "SLIDING_WINDOW", False):
         # Such an instance serves no mask and causal; a family whose kernel reads the window says so.
         return f"{inst.family} has no sliding window (only instances built for the local mask run one)"
+    softcap = getattr(inst, "softcap", False)
+    if getattr(problem, "softcap", False) != softcap:  # an instance built for a softcap runs nothing else
+        return ("built for a logit softcap; the problem has none" if softcap else
+                f"{inst.name} has no logit softcap (only instances built for one, `_sc`, run it)")
     return family.problem_reason(inst, problem)
 
 

@@ -27,6 +27,11 @@ from typing import Any, ClassVar, Mapping, NamedTuple, Protocol, TypeVar
 from gemmgen.arch import Arch
 
 
+# dataclasses.field metadata key of an instance field added to a family after its first builds
+# (Instance.params leaves it out while it holds its default).
+ADDED = "added"
+
+
 class DType(enum.Enum):
     """An element type, by the name the manifest and the instance names use."""
 
@@ -110,8 +115,12 @@ class Instance(abc.ABC):
         return f"gemmgen_{self.name}"
 
     def params(self) -> dict[str, Any]:
-        """Plain values for the manifest and the template: every field in order, enums by value."""
-        return {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
+        """Plain values for the manifest and the template: every field in order, enums by value. A
+        field added after its family's instances were first built (metadata ADDED) is left out while
+        it holds its default, so that those instances keep their params, content hash and tuning
+        records (from_params gives it back its default)."""
+        return {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)
+                if not (f.metadata.get(ADDED) and getattr(self, f.name) == f.default)}
 
     @classmethod
     def from_params(cls: type[InstanceT], params: Mapping[str, Any]) -> InstanceT:

@@ -10,7 +10,7 @@ import dataclasses
 import itertools
 
 from gemmgen.arch import Arch
-from gemmgen.generator.families.base import (AttentionInstance, DType, Mask, QKVStages, Warps, axis_reason,
+from gemmgen.generator.families.base import (ADDED, AttentionInstance, DType, Mask, QKVStages, Warps, axis_reason,
                                              feature_reason, smem_reason)
 
 FAMILY = "fa2_sm80"
@@ -29,6 +29,10 @@ BLOCK_MS = (64, 128)
 BLOCK_NS = (32, 64, 128)
 WARPS = (4, 8)
 STAGES = (1, 2)  # K/V pipeline: 1 = one K and one V buffer alternating, 2 = both double-buffered
+SOFTCAPS = (False, True)
+# Head dims whose default tiles are also built with a softcap: Gemma 2's (256, and 128 in its
+# largest model) and Grok-1's (128).
+SOFTCAP_DEFAULT_HEAD_DIMS = (128, 256)
 
 # fp32 accumulator registers per thread (O tile + score tile) above which nvcc spills:
 # the 255-register file also holds the Q/K fragments, addresses and softmax state.
@@ -50,13 +54,18 @@ class Fa2Sm80Instance(QKVStages, Warps, AttentionInstance):
     block_n: int
     warps: int
     stages: int = 1
+    # A logit softcap (a launch parameter, > 0): the scaled scores s become c * tanh(s / c) before the
+    # mask. Such an instance runs softcap calls only, the others none (suffix `_sc`).
+    softcap: bool = dataclasses.field(default=False, metadata={ADDED: True})
 
     @property
     def name(self) -> str:
-        return f"{self.name_stem}_m{self.block_m}n{self.block_n}w{self.warps}s{self.stages}"
+        return (f"{self.name_stem}_m{self.block_m}n{self.block_n}w{self.warps}s{self.stages}"
+                + ("_sc" if self.softcap else ""))
 
     def template_values(self) -> dict:
-        return {**super().template_values(), "causal": self.causal, "local": self.mask is Mask.LOCAL}
+        return {**super().template_values(), "causal": self.causal, "local": self.mask is Mask.LOCAL,
+                "softcap": self.softcap}
 
 
 INSTANCE = Fa2Sm80Instance
@@ -94,8 +103,8 @@ def problem_reason(inst: Fa2Sm80Instance, problem) -> str | None:
 
 SPACE: tuple[Fa2Sm80Instance, ...] = tuple(
     inst
-    for inst in itertools.starmap(Fa2Sm80Instance,
-                                  itertools.product(DTYPES, HEAD_DIMS, MASKS, BLOCK_MS, BLOCK_NS, WARPS, STAGES))
+    for inst in itertools.starmap(Fa2Sm80Instance, itertools.product(DTYPES, HEAD_DIMS, MASKS, BLOCK_MS, BLOCK_NS,
+                                                                     WARPS, STAGES, SOFTCAPS))
     if invalid_reason(inst) is None
 )
 
@@ -108,4 +117,5 @@ DEFAULT_TILE = {32: (128, 128, 4, 1), 64: (128, 64, 4, 1), 96: (128, 64, 4, 1), 
 DEFAULT: tuple[Fa2Sm80Instance, ...] = tuple(
     inst for inst in SPACE
     if (inst.block_m, inst.block_n, inst.warps, inst.stages) == DEFAULT_TILE[inst.head_dim]
+    and (not inst.softcap or inst.head_dim in SOFTCAP_DEFAULT_HEAD_DIMS)
 )

@@ -69,6 +69,10 @@ typedef struct GemmgenAttnParams {
   int32_t local;
   int32_t window_left;
   int32_t window_right;
+
+  // Logit softcap (read by instances built for it, which require it > 0; the registry sends it to
+  // no other instance): the scaled scores s become softcap * tanh(s / softcap) before the mask.
+  float softcap;
 } GemmgenAttnParams;
 
 // Static facts of one compiled instance, for the manifest and the registry.

@@ -32,9 +32,14 @@ CUTE_DEVICE void write_empty_tile(GemmgenAttnParams const& p, typename Traits::E
   }
 }
 
+// tanh(x) as 1 - 2 / (e^2x + 1): one MUFU exponential and one reciprocal, relative error near
+// fp32's where the result is not near 0 (there, absolute error ~1e-7), and exactly +-1 for large |x|.
+__device__ __forceinline__ float softcap_tanh(float x) { return 1.f - __fdividef(2.f, __expf(2.f * x) + 1.f); }
+
 // Local: the sliding window of Mask.LOCAL (abi.h's window_left / window_right around the diagonal
-// at causal_offset); Causal and Local are never both set.
-template <class Traits, bool Causal, bool Local = false>
+// at causal_offset); Causal and Local are never both set. Softcap: the scaled scores s become
+// softcap * tanh(s / softcap) (abi.h's softcap, > 0) before the mask.
+template <class Traits, bool Causal, bool Local = false, bool Softcap = false>
 __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const GemmgenAttnParams p) {
   using Element = typename Traits::Element;
   constexpr int kBlockM = Traits::kBlockM;
@@ -180,6 +185,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const Gemmgen
     __syncthreads();
   }
   OnlineSoftmax<2 * size<1>(acc_o)> softmax(fabsf(p.scale) * kLog2e);
+  // Softcap in the units of the raw scores the softmax scales by |scale|: s -> out * tanh(in * s).
+  const float softcap_in = Softcap ? fabsf(p.scale) / p.softcap : 0.f;
+  const float softcap_out = Softcap ? p.softcap / fabsf(p.scale) : 0.f;
 
   // S = Q K^T for key tile n (K in `stage`), with keys past the end and, for causal
   // instances, right of the diagonal (local: outside the window) masked when kMask.
@@ -188,6 +196,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const Gemmgen
     clear(acc_s);
     gemm_ss(acc_s, tSrQ, tSrK, tSsQ, staged(tSsK, stage), tiled_mma, smem_tiled_copy_Q, smem_tiled_copy_K,
             smem_thr_copy_Q, smem_thr_copy_K);
+    if constexpr (Softcap) {  // before the mask, whose -inf it would undo
+      CUTE_UNROLL
+      for (int i = 0; i < size(acc_s); ++i) acc_s(i) = softcap_out * softcap_tanh(softcap_in * acc_s(i));
+    }
     if constexpr (decltype(mask_tag)::value) {
       // One column limit per accumulator row (keys at or past it are hidden), then one int32
       // compare per score: the mask runs on the diagonal tiles of every causal row tile, where

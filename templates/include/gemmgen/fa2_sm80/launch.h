@@ -17,7 +17,7 @@ namespace gemmgen::fa2_sm80 {
 // CUDA caps grid.y and grid.z at 65535: batch*heads is spread over both.
 constexpr int64_t kMaxGridYZ = 65535;
 
-template <class Traits, bool Causal, bool Local = false>
+template <class Traits, bool Causal, bool Local = false, bool Softcap = false>
 int run(const GemmgenAttnParams* p, cudaStream_t stream, char* err, int err_len) {
   if (int status = check_sizes<Traits::kHeadDim>(p, 1, err, err_len)) return status;
   if (p->bias != nullptr || p->dropout_p != 0.f || p->cu_seqlens_q != nullptr || p->cu_seqlens_k != nullptr ||
@@ -30,6 +30,12 @@ int run(const GemmgenAttnParams* p, cudaStream_t stream, char* err, int err_len)
                   Local ? "this instance runs sliding windows only (params.local is 0)"
                         : "a sliding window (params.local): this instance runs none (a local one does)");
   }
+  if (Softcap ? !(p->softcap > 0.f && p->softcap < INFINITY) : p->softcap != 0.f) {
+    return report(err, err_len, GEMMGEN_INVALID_ARGUMENT,
+                  Softcap ? "softcap %g: this instance runs a finite logit softcap > 0"
+                          : "softcap %g: this instance runs no logit softcap (one built for it does)",
+                  p->softcap);
+  }
   if (Local && (p->window_left < -1 || p->window_right < -1)) {
     return report(err, err_len, GEMMGEN_INVALID_ARGUMENT, "window (%d, %d): each side is -1 (unbounded) or >= 0",
                   p->window_left, p->window_right);
@@ -39,9 +45,9 @@ int run(const GemmgenAttnParams* p, cudaStream_t stream, char* err, int err_len)
     return report(err, err_len, GEMMGEN_INVALID_ARGUMENT, "batch*heads %lld exceeds %lld",
                   static_cast<long long>(bh), static_cast<long long>(kMaxGridYZ * kMaxGridYZ));
   }
-  auto kernel = &fwd_kernel<Traits, Causal, Local>;
+  auto kernel = &fwd_kernel<Traits, Causal, Local, Softcap>;
   constexpr int kSmem = Traits::kSmemSize;
-  if (int status = opt_in_smem<&fwd_kernel<Traits, Causal, Local>>(kSmem, err, err_len)) return status;
+  if (int status = opt_in_smem<&fwd_kernel<Traits, Causal, Local, Softcap>>(kSmem, err, err_len)) return status;
   const unsigned grid_y = static_cast<unsigned>(bh < kMaxGridYZ ? bh : kMaxGridYZ);
   const unsigned grid_z = static_cast<unsigned>((bh + grid_y - 1) / grid_y);
   const dim3 grid((p->seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM, grid_y, grid_z);
