@@ -93,6 +93,15 @@ def queued_rounds_us(sides: dict[str, Callable[[], object]], rounds: int, burst_
     return {name: statistics.median(t) for name, t in times.items()}
 
 
+def backward_alone(attend: Callable[[], torch.Tensor], inputs: tuple[torch.Tensor, ...]) -> Callable[[], object]:
+    """The backward alone of attend()'s output, as the bench scripts time it with --backward:
+    torch.autograd.grad(o, inputs, do, retain_graph=True) with one random dO (an input the side does
+    not use, such as K before its expansion, gets no gradient)."""
+    o = attend()
+    do = torch.randn_like(o)
+    return lambda: torch.autograd.grad(o, inputs, do, retain_graph=True, allow_unused=True)
+
+
 def publish(text: str, out: str | None) -> None:
     """Print a result table and, with --out, write it to that file."""
     print("\n" + text)

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import DTYPES, header, publish  # noqa: E402
+from common import DTYPES, backward_alone, header, publish  # noqa: E402
 
 import gemmgen  # noqa: E402
 from gemmgen.select import calls, registry, selection, timing  # noqa: E402
@@ -99,11 +99,7 @@ def main() -> int:
 
     def timed(attend):
         """The side's call: attend() itself, or with --backward the backward alone of its output."""
-        if not args.backward:
-            return attend
-        o = attend()
-        do = torch.randn_like(o)
-        return lambda: torch.autograd.grad(o, (q, k, v), do, retain_graph=True, allow_unused=True)
+        return backward_alone(attend, (q, k, v)) if args.backward else attend
     rows = ["| shape | window | gemmgen instance | gemmgen | efficient (mask) | cuDNN (mask) | gemmgen/best SDPA "
             "| gemmgen dense causal | window/dense |", "|---|---|---|---|---|---|---|---|---|"]
     fmt = lambda x: "-" if x is None else f"{x:.0f}"  # noqa: E731
@@ -164,10 +160,10 @@ def main() -> int:
                     tile_rows.append(f"| {label} | {window} | {name} | {rate[name]:.0f} | "
                                      f"{rate[name] / rate['gemmgen']:.2f} |")
     what = "backward alone (torch.autograd.grad of a forward that requires grad), " if args.backward else ""
-    head = header(f"{what}{args.dtype}, H={H} Hkv={args.kv_heads}, eager calls queued back to back, host path included, default "
-                  f"build untuned; each side the median over {args.rounds} rounds in alternating order of the "
-                  f"median of {args.reps} CUDA-event timings; TFLOP/s = {flop_factor:g}*4*B*H*d*visible pairs/t; SDPA with "
-                  f"enable_gqa=True (K and V expanded for a backend without GQA) and the window as a bool mask; "
+    head = header(f"{what}{args.dtype}, H={H} Hkv={args.kv_heads}, eager calls queued back to back, host path "
+                  f"included, default build untuned; each side the median over {args.rounds} rounds in alternating "
+                  f"order of the median of {args.reps} CUDA-event timings; TFLOP/s = {flop_factor:g}*4*B*H*d*visible "
+                  f"pairs/t; SDPA with enable_gqa=True (K and V expanded for a backend without GQA) and the window as a bool mask; "
                   f"command: python bench/window.py {' '.join(sys.argv[1:])}".rstrip())
     summary = []
     if ratios:

@@ -33,24 +33,26 @@ def test_family_keeps_the_contract_and_is_registered():
 
 def test_space_names_unique_and_stable():
     names = [inst.name for inst in fam.SPACE]
-    assert len(names) == len(set(names)) == 38
+    assert len(names) == len(set(names)) == 56
     assert all("bwd" in n and n.startswith("fmha_bwd_sm90_") for n in names)
     assert "fmha_bwd_sm90_bf16_d128_causal_m64n128" in names
     assert "fmha_bwd_sm90_fp16_d64_none_m128n128" in names
     assert "fmha_bwd_sm90_fp16_d128_none_m128n128" not in names  # shared memory
     assert "fmha_bwd_sm90_bf16_d64_none_m64n128_sq" in names
+    assert {n.removesuffix("_sc") for n in names if n.endswith("_sc")} == {n for n in names if n.endswith("_sq")}
     assert {n for n in names if n.endswith("_sq")} == {
         f"fmha_bwd_sm90_{dt}_d{d}_{m}_m{bm}n128_sq" for dt in ("fp16", "bf16") for m in ("none", "causal", "local")
         for d, bm in ((64, 64), (64, 128), (128, 64))}
-    assert not any("_local_" in n and not n.endswith("_sq") for n in names)  # example 88's loop has no window
+    assert not any("_local_" in n and "_sq" not in n for n in names)  # example 88's loop has no window
     assert len({inst.content_hash() for inst in fam.SPACE}) == len(names)
 
 
 def test_default_covers_every_dtype_head_dim_mask_once():
-    keys = [(i.dtype, i.head_dim, i.mask) for i in fam.DEFAULT]
+    keys = [(i.dtype, i.head_dim, i.mask, i.softcap) for i in fam.DEFAULT]
     assert len(keys) == len(set(keys))
-    assert set(keys) == {(dt, d, m) for dt in fam.DTYPES for d in fam.HEAD_DIMS for m in fam.MASKS
-                         if not (d == 32 and m is Mask.LOCAL)}
+    assert set(keys) == {(dt, d, m, sc) for dt in fam.DTYPES for d in fam.HEAD_DIMS for m in fam.MASKS
+                         for sc in (False, True)
+                         if not (d == 32 and m is Mask.LOCAL) and (not sc or d in fam.SOFTCAP_DEFAULT_HEAD_DIMS)}
     assert set(fam.DEFAULT) <= set(fam.SPACE)
     # The split-dQ mainloop wherever it runs (d64, d128), example 88's at d32.
     assert all(i.split_dq == (i.head_dim != 32) for i in fam.DEFAULT)
@@ -81,6 +83,8 @@ def test_built_by_default_for_sm90_only():
     (dict(split_dq=True, block_m=128), None),  # d64 128x128: the d64 default
     (dict(split_dq=True, head_dim=128, block_m=128), "shared memory"),
     (dict(mask=Mask.LOCAL), "split-dQ mainloop only"),
+    (dict(softcap=True), "softcap runs on the split-dQ"),
+    (dict(softcap=True, split_dq=True), None),
     (dict(mask=Mask.LOCAL, split_dq=True), None),
 ])
 def test_invalid_reason(change, reason):
@@ -177,9 +181,11 @@ def test_rendered_text():
     assert '#include "gemmgen/fmha_bwd_sm90/launch.h"' in text
     assert "Config<cutlass::bfloat16_t, /*BlockM=*/64, /*BlockN=*/128," in text
     assert "/*HeadDim=*/128,\n" in text and "/*Kind=*/gemmgen::fmha_bwd_sm90::BandKind::kCausal," in text
-    assert "/*SplitDq=*/false>;" in text
+    assert "/*SplitDq=*/false,\n" in text and "/*Softcap=*/false>;" in text
     split = next(i for i in fam.SPACE if i.name == "fmha_bwd_sm90_bf16_d128_causal_m64n128_sq")
-    assert "/*SplitDq=*/true>;" in render.render_text(split, tc)
+    assert "/*SplitDq=*/true," in render.render_text(split, tc)
+    capped = next(i for i in fam.SPACE if i.name == "fmha_bwd_sm90_bf16_d128_causal_m64n128_sq_sc")
+    assert "/*Softcap=*/true>;" in render.render_text(capped, tc) and "softcap" not in split.params()
     local = next(i for i in fam.SPACE if i.name == "fmha_bwd_sm90_bf16_d128_local_m64n128_sq")
     assert "BandKind::kLocal," in render.render_text(local, tc)
     sym = inst.symbol
@@ -269,6 +275,7 @@ def test_real_build_workspace(built):
     (dict(workspace=0x10000010), "workspace"),
     (dict(workspace_bytes=1024), "workspace"),
     (dict(local=1, window_left=8, window_right=8), "local is set: this instance runs no sliding window"),
+    (dict(softcap=30.0), "this instance runs no logit softcap"),
 ])
 def test_real_build_refuses(built, kw, words):
     """Every refusal comes before any CUDA call, so it runs without a GPU."""

@@ -119,7 +119,7 @@ def test_backward_context_refuses_what_it_cannot_differentiate():
         torch_op._setup_context(Ctx(), base[:8] + [0.1] + base[9:], (q, lse))
     ctx = Ctx()
     torch_op._setup_context(ctx, base, (q, lse))
-    assert ctx.saved[4] is lse and ctx.nondiff == (lse,) and ctx.args[-3:] == (False, False, None)
+    assert ctx.saved[4] is lse and ctx.nondiff == (lse,) and ctx.args[-4:] == (False, False, None, 0.0)
 
 
 def test_backward_fake_and_gqa_expansion():

@@ -310,6 +310,7 @@ class AttnBwdParams(ctypes.Structure):
         ("local", ctypes.c_int32),  # 1: the forward's sliding window (GemmgenAttnParams' fields) applies
         ("window_left", ctypes.c_int32),
         ("window_right", ctypes.c_int32),
+        ("softcap", ctypes.c_float),  # the forward's logit softcap (0: none)
     ]
 
 

@@ -127,11 +127,12 @@ def params_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tenso
                lse: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, *, causal: bool,
                causal_alignment: str, scale: float | None, dropout_p: float = 0.0, seed: int = 0,
                offset: int = 0, bias: torch.Tensor | None = None, dbias: torch.Tensor | None = None,
-               deterministic: bool = False, window: tuple[int, int] | None = None) -> abi.AttnBwdParams:
+               deterministic: bool = False, window: tuple[int, int] | None = None,
+               softcap: float = 0.0) -> abi.AttnBwdParams:
     """The C ABI params of one backward call (all [B, H, N, d] by their strides; K and V with Q's
     heads, or with their own for an instance that reads GQA (dK and dV then with Q's heads); LSE the
     forward's [B, H, Nq] float32; `window` the forward's sliding window, around the diagonal of
-    `causal_alignment`); the workspace is set by bwd_workspace."""
+    `causal_alignment`; `softcap` its logit softcap); the workspace is set by bwd_workspace."""
     b, h, nq, d = q.shape
     nk = k.shape[2]
     p = _bwd_pointers(q, k, v, o, d_o, lse, dq, dk, dv)
@@ -144,6 +145,7 @@ def params_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tenso
         causal_offset(nq, nk, causal_alignment) if causal or window is not None else NO_MASK_OFFSET)
     if window is not None:
         p.local, (p.window_left, p.window_right) = 1, window
+    p.softcap = softcap
     if bias is not None:
         p.bias = bias.data_ptr()
         p.bias_batch_stride, p.bias_head_stride, p.bias_row_stride = _triple(bias)

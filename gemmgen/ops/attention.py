@@ -239,8 +239,9 @@ def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
 
     softcap > 0 caps the logits (Gemma 2's attn_logit_softcapping): the scaled scores s become
     softcap * tanh(s / softcap) before the mask; 0 (the default) leaves them. Instances built for it
-    run it (fa2_sm80's `_sc` instances at head dims 128 and 256 by default, on every GPU); it has no
-    backward yet: inputs that require grad raise NoInstanceError at the forward.
+    run it (fa2_sm80's `_sc` instances at head dims 128 and 256 by default, on every GPU); its backward
+    runs on fmha_bwd_sm90's `_sc` instances (Hopper, head dim 128 by default): elsewhere inputs that
+    require grad raise NoInstanceError at the forward.
     """
     check_bool("causal", causal)
     check_bool("return_lse", return_lse)

@@ -6,7 +6,7 @@ torch.compile traces them without a graph break and CUDA graphs capture them:
         -> (O in q's layout, LSE [B, H, Nq] float32, or an empty tensor without return_lse)
     torch.ops.gemmgen.fused_attention_backward(grad_out, q, k, v, out, lse, causal, causal_alignment,
                                                scale, dropout_p, seed, offset, bias, bias_grad,
-                                               deterministic, window)
+                                               deterministic, window, softcap)
         -> (dQ like q, dK like k, dV like v, dBias [B, H, Nq, Nk], or an empty tensor without bias_grad)
     torch.ops.gemmgen.fused_attention_out(q, k, v, out, causal, causal_alignment, scale, return_lse,
                                           instance, dropout_p, seed, offset, bias, window, softcap)
@@ -37,8 +37,7 @@ backward raises.
 bias is the additive mask as [B, H, Nq, Nk] by its strides (gemmgen.ops.attention broadcasts and pads it).
 window is a sliding window [left, right] around the diagonal of causal_alignment (causal False; a
 side of -1 unbounded; gemmgen.ops.attention normalizes it), or None. softcap > 0 is a logit
-softcap (scaled scores s become softcap * tanh(s / softcap)), 0 none; no backward runs one, so a
-forward with it that records a graph raises NoInstanceError.
+softcap (scaled scores s become softcap * tanh(s / softcap)), 0 none.
 A seed of None draws one from torch's CUDA generator when the op runs (not when it is traced).
 
 The CUDA kernels expect inputs that gemmgen.ops.attention validated. The hot path is one dictionary lookup
@@ -57,7 +56,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from gemmgen.select import calls, jit, registry, selection
 from gemmgen.kernels import launch
-from gemmgen.errors import InputError, NoInstanceError
+from gemmgen.errors import InputError
 from gemmgen.ops import padding
 from gemmgen.ops.checks import check_softcap, check_window
 from gemmgen.ops.grad import check_no_grad
@@ -70,7 +69,8 @@ _LIB.define(f"fused_attention(Tensor q, Tensor k, Tensor v, {_ARGS}, {_FEATURES}
             f"bool deterministic=False, int[]? window=None, float softcap=0.0) -> (Tensor, Tensor)")
 _LIB.define("fused_attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
             "bool causal, str causal_alignment, float? scale, float dropout_p, int seed, int offset, "
-            "Tensor? bias, bool bias_grad, bool deterministic, int[]? window=None) -> (Tensor, Tensor, Tensor, Tensor)")
+            "Tensor? bias, bool bias_grad, bool deterministic, int[]? window=None, float softcap=0.0) "
+            "-> (Tensor, Tensor, Tensor, Tensor)")
 _LIB.define(f"fused_attention_out(Tensor q, Tensor k, Tensor v, Tensor(a!) out, {_ARGS}, {_FEATURES}, "
             f"Tensor? bias=None, int[]? window=None, float softcap=0.0) -> Tensor")
 _LIB.define("fused_attention_varlen(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
@@ -409,16 +409,19 @@ def _bwd_head_dim(q, k, causal, causal_alignment, scale, dropout_p, bias, bias_g
 
 
 def _fused_attention_backward(grad_out, q, k, v, out, lse, causal, causal_alignment, scale, dropout_p, seed,
-                              offset, bias, bias_grad, deterministic, window=None):
+                              offset, bias, bias_grad, deterministic, window=None, softcap=0.0):
     _refuse_double_backward("fused_attention", (grad_out, q, k, v, out))
     causal, window = _mask_args(causal, window)
+    if softcap:
+        softcap = check_softcap(softcap)
+    capped = softcap > 0
     b, h, nq, d = q.shape
     hkv, nk = k.shape[1], k.shape[2]
     if q.numel() and nk and (dp := _bwd_head_dim(q, k, causal, causal_alignment, scale, dropout_p, bias, bias_grad,
-                                                  deterministic, window)) != d:
+                                                  deterministic, window, capped)) != d:
         grads = _fused_attention_backward(*(padding.pad(t, dp) for t in (grad_out, q, k, v, out)), lse, causal,
                                           causal_alignment, padding.default_scale(scale, d), dropout_p, seed,
-                                          offset, bias, bias_grad, deterministic, window)
+                                          offset, bias, bias_grad, deterministic, window, softcap)
         return (*(padding.cut(g, t) for g, t in zip(grads[:3], (q, k, v))), grads[3])
     dq, dk, dv = launch.empty_like_layout(q), launch.empty_like_layout(k), launch.empty_like_layout(v)
     dbias = torch.empty((b, h, nq, nk) if bias_grad else (0,), dtype=q.dtype, device=q.device)
@@ -445,7 +448,7 @@ def _fused_attention_backward(grad_out, q, k, v, out, lse, causal, causal_alignm
         # back per query head either way, summed over each group below.
         dkk, dvv = launch.expanded_layout(k, group), launch.expanded_layout(v, group)
         kernel = _bwd_kernel(q, launch.expanded_layout(k, group, "meta"), causal, causal_alignment, scale, dropout_p,
-                             bias, bias_grad, deterministic, (out, d_o, dq, dkk, dvv), window)
+                             bias, bias_grad, deterministic, (out, d_o, dq, dkk, dvv), window, capped)
         if kernel.reads_gqa:
             kk, vv = ready(k), ready(v)
         else:
@@ -455,14 +458,14 @@ def _fused_attention_backward(grad_out, q, k, v, out, lse, causal, causal_alignm
     key = ("bwd plan", index, q.dtype, q.shape, kk.shape,
            *(t.stride() for t in (q, kk, vv, out, d_o, dq, dkk, dvv)), causal,
            causal_alignment if causal or window else None, scale, dropout_p,
-           None if bias is None else bias.stride(), bias_grad, deterministic, window)
+           None if bias is None else bias.stride(), bias_grad, deterministic, window, softcap)
     plan = _bwd_plan(key, lambda: _bwd_kernel(q, launch.expanded_layout(kk, h // kk.shape[1], "meta"), causal,
                                               causal_alignment, scale, dropout_p, bias, bias_grad, deterministic,
-                                              (vv, out, d_o, dq, dkk, dvv), window))
+                                              (vv, out, d_o, dq, dkk, dvv), window, capped))
     p = plan.params(lambda: launch.params_bwd(q, kk, vv, out, d_o, lse, dq, dkk, dvv, causal=causal,
                                               causal_alignment=causal_alignment, scale=scale, dropout_p=dropout_p,
                                               seed=seed, offset=offset, bias=bias, dbias=dbias_arg,
-                                              deterministic=deterministic, window=window))
+                                              deterministic=deterministic, window=window, softcap=softcap))
     launch.set_bwd_pointers(p, q, kk, vv, out, d_o, lse, dq, dkk, dvv, bias, dbias_arg)
     if dropout_p > 0.0:
         p.dropout_seed, p.dropout_offset = seed, offset
@@ -474,7 +477,7 @@ def _fused_attention_backward(grad_out, q, k, v, out, lse, causal, causal_alignm
 
 
 def _fake_backward(grad_out, q, k, v, out, lse, causal, causal_alignment, scale, dropout_p, seed, offset, bias,
-                   bias_grad, deterministic, window=None):
+                   bias_grad, deterministic, window=None, softcap=0.0):
     b, h, nq, _ = q.shape
     dbias = q.new_empty((b, h, nq, k.shape[2]) if bias_grad else (0,))
     return launch.empty_like_layout(q), launch.empty_like_layout(k), launch.empty_like_layout(v), dbias
@@ -495,15 +498,13 @@ def _setup_context(ctx, inputs, output) -> None:
     o, lse = output
     _check_saves("fused_attention", inputs[_RETURN_LSE], dropout_p, seed)
     bias_grad = bias is not None and bias.requires_grad
-    softcap = bool(inputs[_SOFTCAP]) if len(inputs) > _SOFTCAP else False
+    softcap = float(inputs[_SOFTCAP]) if len(inputs) > _SOFTCAP else 0.0
     if not isinstance(q, FakeTensor) and not torch.compiler.is_compiling() and q.numel() and k.shape[2]:
         _check_backward_exists(q, k, causal, alignment, scale, dropout_p, bias, bias_grad, deterministic, window,
-                               softcap)
-    elif softcap:  # traced: no backward runs a softcap (eager and traced calls refuse alike)
-        raise NoInstanceError("no backward instance runs a logit softcap: call it without grad")
+                               softcap > 0)
     ctx.save_for_backward(q, k, v, o, lse, bias)
     ctx.args = (causal, alignment, scale, dropout_p, 0 if seed is None else seed, offset, bias_grad, deterministic,
-                window)
+                window, softcap)
     ctx.mark_non_differentiable(lse)
 
 
@@ -527,9 +528,9 @@ def _gradients(ctx, grad_o, backward: Callable) -> tuple:
     """The gradients of fused_attention's 15 inputs from what _setup_context saved, computed by
     `backward` (the backward op, or its implementation in eager calls)."""
     q, k, v, o, lse, bias = ctx.saved_tensors
-    causal, alignment, scale, dropout_p, seed, offset, bias_grad, deterministic, window = ctx.args
+    causal, alignment, scale, dropout_p, seed, offset, bias_grad, deterministic, window, softcap = ctx.args
     dq, dk, dv, dbias = backward(grad_o, q, k, v, o, lse, causal, alignment, scale, dropout_p, seed, offset, bias,
-                                 bias_grad, deterministic, None if window is None else list(window))
+                                 bias_grad, deterministic, None if window is None else list(window), softcap)
     return dq, dk, dv, None, None, None, None, None, None, None, None, dbias if bias_grad else None, None, None, None
 
 

@@ -26,7 +26,7 @@ import dataclasses
 import itertools
 
 from gemmgen.arch import Arch
-from gemmgen.generator.families.base import (AttentionInstance, CostInputs, DType, Mask, axis_reason,
+from gemmgen.generator.families.base import (ADDED, AttentionInstance, CostInputs, DType, Mask, axis_reason,
                                              feature_reason, smem_reason)
 
 FAMILY = "fmha_bwd_sm90"
@@ -48,6 +48,8 @@ TILES = ((64, 128), (128, 128))  # (block_m, block_n): the tiles example 88 runs
 # Which mainloop: example 88's (dQ on the second math warp group), or split_dq.h's (dQ split
 # between both groups; head dims 64 and 128): suffix `_sq`.
 SPLIT_DQ = (False, True)
+SOFTCAPS = (False, True)  # the forward's logit softcap (split-dQ mainloop only; suffix `_sc`)
+SOFTCAP_DEFAULT_HEAD_DIMS = (128,)  # Gemma 2's largest model and Grok-1 (d256 has no tile here)
 THREADS = 384  # a producer warp group and two math warp groups of block_n / 2 keys each
 MAX_SMEM = Arch.SM90.max_smem_bytes
 INT32_MAX = 2**31 - 1
@@ -66,10 +68,13 @@ class FmhaBwdSm90Instance(AttentionInstance):
     block_m: int
     block_n: int
     split_dq: bool = False
+    # The forward's logit softcap (a launch parameter): such an instance runs softcap calls only.
+    softcap: bool = dataclasses.field(default=False, metadata={ADDED: True})
 
     @property
     def name(self) -> str:
-        return f"{self.name_stem}_m{self.block_m}n{self.block_n}" + ("_sq" if self.split_dq else "")
+        return (f"{self.name_stem}_m{self.block_m}n{self.block_n}" + ("_sq" if self.split_dq else "")
+                + ("_sc" if self.softcap else ""))
 
     @property
     def stages(self) -> int:
@@ -98,7 +103,8 @@ class FmhaBwdSm90Instance(AttentionInstance):
         return CostInputs(self.block_n, self.block_m, self.stages, self.threads, self.smem_bytes)
 
     def template_values(self) -> dict:
-        return {**super().template_values(), "band_kind": BAND_KIND[self.mask], "split_dq": self.split_dq}
+        return {**super().template_values(), "band_kind": BAND_KIND[self.mask], "split_dq": self.split_dq,
+                "softcap": self.softcap}
 
 
 INSTANCE = FmhaBwdSm90Instance
@@ -114,6 +120,8 @@ def invalid_reason(inst: FmhaBwdSm90Instance, arch: Arch = Arch.SM90) -> str | N
         return "the split-dQ mainloop runs head dims 64 and 128 (split_dq.h says why)"
     if inst.mask is Mask.LOCAL and not inst.split_dq:
         return "the local mask runs on the split-dQ mainloop only (example 88's has no window)"
+    if inst.softcap and not inst.split_dq:
+        return "a softcap runs on the split-dQ mainloop only"
     return smem_reason(inst, arch)
 
 
@@ -149,8 +157,8 @@ SPACE: tuple[FmhaBwdSm90Instance, ...] = tuple(
     inst
     for inst in itertools.starmap(
         FmhaBwdSm90Instance,
-        ((dt, d, mask, bm, bn, sq)
-         for dt, d, mask, (bm, bn), sq in itertools.product(DTYPES, HEAD_DIMS, MASKS, TILES, SPLIT_DQ)))
+        ((dt, d, mask, bm, bn, sq, sc)
+         for dt, d, mask, (bm, bn), sq, sc in itertools.product(DTYPES, HEAD_DIMS, MASKS, TILES, SPLIT_DQ, SOFTCAPS)))
     if invalid_reason(inst) is None
 )
 
@@ -165,6 +173,7 @@ DEFAULT_TILE = {32: (64, 128), 64: (128, 128), 128: (64, 128)}
 DEFAULT: tuple[FmhaBwdSm90Instance, ...] = tuple(
     inst for inst in SPACE
     if (inst.block_m, inst.block_n) == DEFAULT_TILE[inst.head_dim] and inst.split_dq == (inst.head_dim in (64, 128))
+    and (not inst.softcap or inst.head_dim in SOFTCAP_DEFAULT_HEAD_DIMS)
 )
 
 # Throughput per unit of the cost model's tile work against fa2_sm80's forward: the forward Hopper

@@ -304,7 +304,8 @@ def test_deterministic_is_bitwise_repeatable(d, h, hkv, nq, nk, kw):
 
         kk = launch.expanded_layout(k, h // hkv, "meta")
         problem = calls.problem_for_bwd(q, kk, kw.get("causal", False), deterministic=True,
-                                        causal_alignment=kw.get("causal_alignment", "top_left"), window=kw.get("window"))
+                                        causal_alignment=kw.get("causal_alignment", "top_left"),
+                                        window=kw.get("window"))
         assert selection.select(problem).entry.family == "fmha_bwd_sm90"
     for _ in range(3):
         again = train_grads(q, k, v, do, deterministic=True, **kw)

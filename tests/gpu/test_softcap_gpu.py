@@ -1,7 +1,8 @@
 """The logit softcap on the GPU (fused_attention(softcap=c): scaled scores s become c * tanh(s / c)
 before the mask) against the float64 reference: every built softcap instance forced by name, the
-registry's picks, the refusal with grad, torch.compile and CUDA graphs, and a Gemma-2-style model
-through the Hugging Face integration against transformers' eager attention. Inputs are fresh random
+registry's picks, the gradients (or the refusal with grad where no softcap backward is built),
+torch.compile and CUDA graphs, and a Gemma-2-style model through the Hugging Face integration against
+transformers' eager attention (logits, a training step's gradients, greedy generation). Inputs are fresh random
 tensors (scaled up so that the cap bites), outputs poisoned with NaN first. Needs the softcap
 instances built (`gemmgen generate --arch sm80` builds fa2_sm80's at head dims 128 and 256)."""
 from __future__ import annotations
@@ -38,8 +39,8 @@ def spiky(q, k, scale=3.0):
 
 @pytest.mark.parametrize("name", softcap_instances() or ["(none built)"])
 def test_every_softcap_instance(name):
-    """Each softcap instance forced by name: caps 5, 30 and 50, lengths 1 to 4097 with Nq != Nk,
-    both alignments (its mask: none, causal or a window), GQA 4:1, the default scale and 0.3."""
+    """Each softcap instance forced by name: caps 5, 20, 30 and 50, lengths 1 to 4097 with Nq != Nk,
+    both alignments (its mask: none, causal or a window), GQA 4:1 and MQA, scales default, 0.3 and 0."""
     if name == "(none built)":
         pytest.fail("no softcap instance is built for this GPU")
     dtype = torch.float16 if "_fp16_" in name else torch.bfloat16
@@ -47,7 +48,7 @@ def test_every_softcap_instance(name):
     mask = name.split(f"_d{d}_")[1].split("_")[0]
     for nq, nk in LENGTHS:
         for alignment in ALIGNMENTS:
-            for cap, scale in ((5.0, None), (30.0, 0.3), (50.0, None)):
+            for cap, scale in ((5.0, None), (30.0, 0.3), (50.0, None), (20.0, 0.0)):
                 q, k, v = make_qkv(2, 4, 1 if nq > 1000 else 4, nq, nk, d, dtype, (name, nq, nk, alignment, cap))
                 q, k = spiky(q, k)
                 kw = dict(causal=mask == "causal", alignment=alignment, scale=scale, softcap=cap, instance=name)
@@ -74,17 +75,68 @@ def test_registry_picks_softcap_instances_for_softcap_calls_only():
         gemmgen.fused_attention(q64, k64, v64, softcap=30.0)
 
 
-def test_softcap_refuses_grad_and_compiles_for_inference():
-    q, k, v = make_qkv(2, 4, 4, 257, 257, 128, torch.float16, "grad")
-    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-    with pytest.raises(gemmgen.NoInstanceError, match="softcap"):
-        gemmgen.fused_attention(*leaves, causal=True, softcap=30.0)
+def softcap_backward_runs() -> bool:
+    """Whether a backward instance built for a softcap runs on this GPU (fmha_bwd_sm90's, Hopper)."""
+    cc = torch.cuda.get_device_capability()
+    return any(c.entry.params.get("softcap") and registry.family_named(c.entry.family).KIND == "attention_bwd"
+               and registry.build_reason(c, cc) is None for c in registry.load()[0])
+
+
+def capped_reference(q, k, v, cap, *, causal=False, alignment="top_left", window=None):
+    """float64 O of the capped attention, differentiable (attention_reference: a row that sees no key
+    gives 0, and its masked scores pass no NaN back)."""
+    return attention_reference(q, k, v, causal, alignment, window=window, softcap=cap)[0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_softcap_gradients(dtype):
+    """dQ, dK, dV of capped attention through autograd against float64, where a softcap backward is
+    built (Hopper, d128): masks none, causal both alignments and a window; GQA 4:1 as [B, N, H, d]
+    views and MQA; Nq != Nk. Elsewhere inputs that require grad raise at the forward."""
+    from test_attention_bwd_gpu import assert_close as assert_grad_close
+    from test_attention_bwd_gpu import make as make_grad_inputs
+
+    if not softcap_backward_runs():
+        q, k, v = make_qkv(1, 2, 2, 64, 64, 128, dtype, "no backward")
+        with pytest.raises(gemmgen.NoInstanceError, match="softcap"):
+            gemmgen.fused_attention(q.requires_grad_(), k, v, causal=True, softcap=30.0)
+        return
+    cases = [((300, 700), dict(), "top_left"), ((700, 300), dict(causal=True), "bottom_right"),
+             ((257, 257), dict(causal=True), "top_left"), ((129, 1000), dict(window=(64, 16)), "bottom_right")]
+    for (nq, nk), kw, alignment in cases:
+        for h, hkv, layout in ((8, 2, "bnhd"), (4, 1, "bhnd")):
+            key = ("capgrad", nq, nk, repr(kw), h, layout)
+            q, k, v, do = make_grad_inputs(2, h, hkv, nq, nk, 128, dtype, key, layout)
+            q, k = spiky(q, k)
+            leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+            o = gemmgen.fused_attention(*leaves, causal_alignment=alignment, softcap=30.0, **kw)
+            o.backward(do)
+            ref = [t.detach().double().requires_grad_() for t in (q, k, v)]
+            capped_reference(*ref, 30.0, alignment=alignment, **kw).backward(do.double())
+            for label, t, r, x in zip(("dQ", "dK", "dV"), leaves, ref, (q, k, v)):
+                assert_grad_close(f"{nq}x{nk} {kw} {alignment} {h}:{hkv} {label}", t.grad, r.grad, dtype)
+                assert t.grad.stride() == x.stride()
+
+
+def test_softcap_compiled_and_graphed():
+    """torch.compile(fullgraph=True) of a capped call (a training step where a softcap backward is
+    built) and CUDA graph replay of one, against float64."""
+    q, k, v = make_qkv(2, 4, 4, 257, 257, 128, torch.float16, "compiled")
+    q, k = spiky(q, k)
     fn = torch.compile(lambda q, k, v: gemmgen.fused_attention(q, k, v, causal=True, softcap=30.0), fullgraph=True)
-    with pytest.raises(Exception, match="softcap"):  # traced with grad: refused too (never a gradient without it)
-        fn(*leaves)
     ref, _ = attention_reference(q, k, v, True, softcap=30.0)
     o = fn(q, k, v)
     assert (o.double() - ref).norm() / ref.norm() <= TOLERANCE[torch.float16]
+    if softcap_backward_runs():
+        from test_attention_bwd_gpu import assert_close as assert_grad_close
+
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        do = torch.randn_like(q)
+        fn(*leaves).backward(do)
+        ref_leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+        capped_reference(*ref_leaves, 30.0, causal=True).backward(do.double())
+        for label, t, r in zip(("dQ", "dK", "dV"), leaves, ref_leaves):
+            assert_grad_close(f"compiled {label}", t.grad, r.grad, torch.float16)
     gemmgen.fused_attention(q, k, v, causal=True, softcap=30.0)  # selected outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -130,4 +182,12 @@ def test_gemma2_style_model_matches_eager_attention():
         res_b = ref.generate(ids[:, :40], max_new_tokens=12, do_sample=False, output_scores=True,
                              return_dict_in_generate=True)
     same_greedy_tokens(gen_a, res_b, 40)
-    assert gt.fallback_reasons() == {}, gt.fallback_reasons()
+    # A training step: through gemmgen's softcap backward where one is built, else the eager fallback.
+    for model in (ours, ref):
+        model.train()
+        model.zero_grad()
+        model(ids, labels=ids).loss.backward()
+    worst = max(((p.grad.float() - r.grad.float()).norm() / r.grad.float().norm()).item()
+                for p, r in zip(ours.parameters(), ref.parameters()) if r.grad is not None and r.grad.norm() > 0)
+    assert worst < 5e-2, worst
+    assert gt.fallback_reasons() == {} or not softcap_backward_runs(), gt.fallback_reasons()

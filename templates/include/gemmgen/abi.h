@@ -154,6 +154,9 @@ typedef struct GemmgenAttnBwdParams {
   int32_t local;
   int32_t window_left;
   int32_t window_right;
+
+  // The forward's logit softcap, as in GemmgenAttnParams (read by instances built for it).
+  float softcap;
 } GemmgenAttnBwdParams;
 
 // A backward instance exports

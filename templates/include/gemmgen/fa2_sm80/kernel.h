@@ -185,9 +185,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const Gemmgen
     __syncthreads();
   }
   OnlineSoftmax<2 * size<1>(acc_o)> softmax(fabsf(p.scale) * kLog2e);
-  // Softcap in the units of the raw scores the softmax scales by |scale|: s -> out * tanh(in * s).
+  // Softcap in the units of the raw scores the softmax scales by |scale|: s -> out * tanh(in * s). A
+  // scale of 0 (run as the smallest normal float) would overflow `out`: the capped scores are then
+  // all 0, which out = 0 gives.
   const float softcap_in = Softcap ? fabsf(p.scale) / p.softcap : 0.f;
-  const float softcap_out = Softcap ? p.softcap / fabsf(p.scale) : 0.f;
+  const float softcap_out = Softcap && isfinite(p.softcap / fabsf(p.scale)) ? p.softcap / fabsf(p.scale) : 0.f;
 
   // S = Q K^T for key tile n (K in `stage`), with keys past the end and, for causal
   // instances, right of the diagonal (local: outside the window) masked when kMask.

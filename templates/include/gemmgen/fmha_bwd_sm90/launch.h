@@ -28,7 +28,9 @@
 // alignments) and, in local instances, a sliding window. Example 88's mainloop (head dim 32) takes
 // BwdMask below, ours rather than example 88's FusionBwdAdapter: no mask, or causal top-left (key j
 // visible to query i iff j <= i, causal_offset 0). A query row that sees no key (its forward LSE
-// -inf) has P = 0 everywhere: prep stores its LSE as +inf.
+// -inf) has P = 0 everywhere: prep stores its LSE as +inf. Softcap instances (split-dQ only) take
+// the forward's logit softcap c: P = exp(c tanh(scale S / c) - LSE) and dS gains the factor
+// 1 - tanh^2 (split_dq.h).
 //
 // GQA: split-dQ instances (GEMMGEN_INFO_READS_GQA) take K and V at their own heads, heads_kv dividing
 // heads: the load warp reads query head h's K and V at head h / group, and dK and dV are written per
@@ -135,16 +137,18 @@ struct BwdMask {
 
 // SplitDq: split_dq.h's mainloop (dQ computed half by each math warp group, the mask a band given
 // at launch), else example 88's (no mask or causal top-left, kLocal not available).
-template <class Element_, int BlockM, int BlockN, int HeadDim, BandKind Kind, bool SplitDq = false>
+template <class Element_, int BlockM, int BlockN, int HeadDim, BandKind Kind, bool SplitDq = false,
+          bool Softcap = false>
 struct Config {
   static_assert(SplitDq || Kind != BandKind::kLocal, "the local mask runs on the split-dQ mainloop");
+  static_assert(SplitDq || !Softcap, "a softcap runs on the split-dQ mainloop");
   static constexpr bool Causal = Kind == BandKind::kCausal;
   using Element = Element_;
   // (queries per step, keys per CTA, head dim): example 88's TileShape order. Two math warp groups
   // take block_n / 2 keys each.
   using TileShape = Shape<Int<BlockM>, Int<BlockN>, Int<HeadDim>>;
   using Mainloop = std::conditional_t<
-      SplitDq, SplitDqMainloop<Element, TileShape, Kind>,
+      SplitDq, SplitDqMainloop<Element, TileShape, Kind, Softcap>,
       cutlass::fmha::collective::FmhaBwdMainloopTmaWarpSpecialized<Element, float, TileShape, BwdMask<Causal>>>;
   using Epilogue = cutlass::fmha::collective::FmhaBwdEpilogueKV<Element, float, typename Mainloop::TileShapePV>;
   using Kernel = cutlass::fmha::kernel::FmhaKernelTmaWarpSpecialized<
@@ -158,6 +162,7 @@ struct Config {
   static constexpr bool kLocal = Kind == BandKind::kLocal;
   static constexpr bool kBand = SplitDq;  // the mask's band is a launch parameter
   static constexpr BandKind kKind = Kind;
+  static constexpr bool kSoftcap = Softcap;
 };
 
 constexpr int64_t kInt32Max = 2147483647;
@@ -360,6 +365,12 @@ int run(const GemmgenAttnBwdParams* p, cudaStream_t stream, char* err, int err_l
                   "causal_offset %d: this instance's causal mask is top-left (offset 0; bottom-right only "
                   "where seqlen_q == seqlen_k)", p->causal_offset);
   }
+  if (Cfg::kSoftcap ? !(p->softcap > 0.f && p->softcap < INFINITY) : p->softcap != 0.f) {
+    return report(err, err_len, GEMMGEN_INVALID_ARGUMENT,
+                  Cfg::kSoftcap ? "softcap %g: this instance runs the backward of a finite logit softcap > 0"
+                                : "softcap %g: this instance runs no logit softcap (one built for it does)",
+                  p->softcap);
+  }
   if ((p->local != 0) != Cfg::kLocal) {
     return report(err, err_len, GEMMGEN_INVALID_ARGUMENT,
                   Cfg::kLocal ? "this instance runs a sliding window only (local is 0)"
@@ -501,6 +512,7 @@ int run(const GemmgenAttnBwdParams* p, cudaStream_t stream, char* err, int err_l
         if constexpr (Cfg::kBand) {
           params.mainloop.band = band;
           params.mainloop.group = static_cast<int>(group);
+          params.mainloop.softcap = p->softcap;
           if (p->deterministic) {
             params.mainloop.turns = turns + vec0 * query_tiles;
             params.mainloop.turns_batch_stride = h * query_tiles;

@@ -70,7 +70,7 @@ CUTLASS_DEVICE void pass_turn(int* counter) {
 // and math loop) is replaced below, so it is never called.
 struct NoFusion {};
 
-template <class Element_, class TileShape_, BandKind Kind>
+template <class Element_, class TileShape_, BandKind Kind, bool Softcap = false>
 struct SplitDqMainloop
     : cutlass::fmha::collective::FmhaBwdMainloopTmaWarpSpecialized<Element_, float, TileShape_, NoFusion> {
   using Base = cutlass::fmha::collective::FmhaBwdMainloopTmaWarpSpecialized<Element_, float, TileShape_, NoFusion>;
@@ -136,12 +136,13 @@ struct SplitDqMainloop
     int* turns = nullptr;
     int64_t turns_batch_stride = 0;  // counters per batch entry (heads * query tiles)
     int turns_head_stride = 0;       // counters per head (query tiles)
+    float softcap = 0.f;             // the forward's logit softcap (Softcap instances)
   };
 
   template <class ProblemShape>
   static Params to_underlying_arguments(ProblemShape const& problem_size, typename Base::Arguments const& args,
                                         void* workspace) {
-    return Params{Base::to_underlying_arguments(problem_size, args, workspace), Band{}, 1, nullptr, 0, 0};
+    return Params{Base::to_underlying_arguments(problem_size, args, workspace), Band{}, 1, nullptr, 0, 0, 0.f};
   }
 
   // The CTA's query tiles; blk_coord's key tile is the CTA's (block_n keys), not a math group's.
@@ -423,6 +424,22 @@ struct SplitDqMainloop
         warpgroup_fence_operand(acc_DK);
         release_inner_tile();
       }
+      // Softcap: the forward's scores were c * tanh(scale * S / c); acc_S takes them in S's units (the
+      // exponential below scales by `scale`), and acc_cap keeps d(capped)/d(scale * S) = 1 - tanh^2
+      // for dS, taken before the mask turns masked scores to -inf.
+      auto acc_cap = make_fragment_like<ElementAccumulator>(acc_S);
+      if constexpr (Softcap) {
+        // A scale of 0 (run as the smallest normal float) would overflow `out`: the capped scores
+        // are then all 0, which out = 0 gives.
+        const float in = params.scale_softmax / params.softcap;
+        const float out = isfinite(params.softcap / params.scale_softmax) ? params.softcap / params.scale_softmax : 0.f;
+        CUTLASS_PRAGMA_UNROLL
+        for (int i = 0; i < size(acc_S); ++i) {
+          const float t = 1.f - __fdividef(2.f, __expf(2.f * in * acc_S(i)) + 1.f);  // tanh
+          acc_cap(i) = 1.f - t * t;
+          acc_S(i) = out * t;
+        }
+      }
       mask_scores<Kind>(params.band, acc_S, tScS, int(get<3>(problem_size)));
       constexpr ElementAccumulator kLog2e = 1.4426950408889634f;
       CUTLASS_PRAGMA_UNROLL
@@ -437,7 +454,9 @@ struct SplitDqMainloop
       auto acc_DS = make_fragment_like<Element>(acc_DP);
       CUTLASS_PRAGMA_UNROLL
       for (int i = 0; i < size(acc_DS); ++i) {
-        acc_DS(i) = acc_P(i) * params.scale_softmax * (acc_DP(i) - tDPsODO(_, _, _, smem_pipe_read_do.index())(i));
+        float ds = acc_P(i) * params.scale_softmax * (acc_DP(i) - tDPsODO(_, _, _, smem_pipe_read_do.index())(i));
+        if constexpr (Softcap) ds *= acc_cap(i);
+        acc_DS(i) = ds;
       }
 
       // dV += P^T dO, issued before dS goes to shared memory.

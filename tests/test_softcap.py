@@ -1,0 +1,77 @@
+"""The logit softcap without a GPU: the argument's checks, the Problem's key, the registry's rule
+(softcap calls to instances built for one, nothing else to them), the reference's formula, and the
+C ABI fields."""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+import gemmgen
+from gemmgen.generator.families import fa2_sm80, fmha_bwd_sm90, fmha_sm90
+from gemmgen.generator.families.base import DType, Mask
+from gemmgen.kernels import abi, launch
+from gemmgen.ops.checks import check_softcap
+from gemmgen.ops.reference import attention_reference
+from gemmgen.select import device, registry
+from gemmgen.select.problem import BwdProblem, Problem
+
+H100 = device.synthetic((9, 0), 132)
+
+
+@pytest.mark.parametrize("bad", [-1.0, float("nan"), float("inf"), "30", True, None, 1e39])
+def test_bad_softcaps_raise(bad):
+    with pytest.raises(gemmgen.InputError, match="softcap"):
+        check_softcap(bad)
+
+
+def test_good_softcaps():
+    assert check_softcap(0) == 0.0 and check_softcap(50) == 50.0 and check_softcap(0.5) == 0.5
+
+
+def test_problem_key_and_description():
+    p = Problem("bf16", 128, True, H100, softcap=True)
+    assert p.functional_key.endswith("_softcap") and "softcap" in p.describe()
+    assert not Problem("bf16", 128, True, H100).functional_key.endswith("_softcap")
+
+
+def test_registry_rule():
+    capped = Problem("bf16", 128, True, H100, seqlen_q=300, seqlen_k=300, softcap=True)
+    plain = dataclasses.replace(capped, softcap=False)
+    sc = fa2_sm80.Fa2Sm80Instance(DType.BF16, 128, Mask.CAUSAL, 128, 64, 4, softcap=True)
+    no = dataclasses.replace(sc, softcap=False)
+    assert registry.functional_reason(fa2_sm80, sc, capped) is None
+    assert registry.functional_reason(fa2_sm80, no, plain) is None
+    assert "no logit softcap" in registry.functional_reason(fa2_sm80, no, capped)
+    assert "built for a logit softcap" in registry.functional_reason(fa2_sm80, sc, plain)
+    sm90 = next(i for i in fmha_sm90.DEFAULT if i.dtype is DType.BF16 and i.head_dim == 128 and i.causal)
+    assert "no logit softcap" in registry.functional_reason(fmha_sm90, sm90, capped)
+    bwd = BwdProblem(**{f.name: getattr(capped, f.name) for f in dataclasses.fields(Problem)})
+    bsc = next(i for i in fmha_bwd_sm90.DEFAULT if i.softcap and i.causal and i.dtype is DType.BF16)
+    assert registry.functional_reason(fmha_bwd_sm90, bsc, bwd) is None
+    assert "built for a logit softcap" in registry.functional_reason(
+        fmha_bwd_sm90, bsc, dataclasses.replace(bwd, softcap=False))
+
+
+def test_reference_formula():
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 2, 5, 8, generator=gen, dtype=torch.float64) * 4 for _ in range(3))
+    o, lse = attention_reference(q, k, v, True, softcap=3.0)
+    s = 3.0 * torch.tanh((q @ k.transpose(-1, -2)) / math.sqrt(8) / 3.0)
+    s = s.masked_fill(torch.ones(5, 5, dtype=torch.bool).triu(1), float("-inf"))
+    assert torch.allclose(o, torch.softmax(s, -1) @ v) and torch.allclose(lse, torch.logsumexp(s, -1))
+
+
+def test_params_carry_the_softcap():
+    """Appended after the window (libraries built before it never read it); 0 without a cap."""
+    assert [n for n, _ in abi.AttnParams._fields_][-1] == "softcap"
+    assert [n for n, _ in abi.AttnBwdParams._fields_][-1] == "softcap"
+    q = torch.zeros(1, 2, 16, 128, dtype=torch.float16)
+    p = launch.params(q, q, q, q, None, causal=True, causal_alignment="top_left", scale=None, softcap=30.0)
+    assert p.softcap == 30.0
+    assert launch.params(q, q, q, q, None, causal=True, causal_alignment="top_left", scale=None).softcap == 0.0
+    pb = launch.params_bwd(q, q, q, q, q, torch.zeros(1, 2, 16), q, q, q, causal=True, causal_alignment="top_left",
+                           scale=None, softcap=30.0)
+    assert pb.softcap == 30.0
