@@ -75,3 +75,24 @@ def test_params_carry_the_softcap():
     pb = launch.params_bwd(q, q, q, q, q, torch.zeros(1, 2, 16), q, q, q, causal=True, causal_alignment="top_left",
                            scale=None, softcap=30.0)
     assert pb.softcap == 30.0
+
+
+def test_cli_explain_takes_a_softcap(tmp_path, capsys):
+    """`gemmgen explain --softcap C` explains a capped call's decision (the `_sc` instance wins, the
+    others say why not); a negative cap is an InputError."""
+    from conftest import make_entry, write_build_dir
+    from gemmgen.cli import app
+
+    fa2 = [i for i in fa2_sm80.DEFAULT if i.dtype is DType.BF16 and i.head_dim == 128 and i.causal]
+    build = write_build_dir(tmp_path, [make_entry(i) for i in fa2])
+    try:
+        args = ["explain", "--shape", "2,16,2048,128,causal", "--cc", "8.0", "--sms", "108", "--build-dir", str(build)]
+        assert app.main(args + ["--softcap", "50"]) == 0
+        out = capsys.readouterr().out
+        assert "softcap" in out and "fa2_sm80_bf16_d128_causal_m128n64w4s1_sc" in out and "no logit softcap" in out
+        assert app.main(args) == 0
+        assert "built for a logit softcap" in capsys.readouterr().out
+        assert app.main(args + ["--softcap", "-1"]) != 0
+        assert "softcap" in capsys.readouterr().err
+    finally:
+        registry.set_build_dirs(None)

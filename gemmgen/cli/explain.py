@@ -18,7 +18,7 @@ from gemmgen.select import device, registry, selection, tuning_db
 from gemmgen.errors import DeviceError, InputError
 from gemmgen.generator.space import supported_head_dims
 from gemmgen.ops import padding
-from gemmgen.ops.checks import check_window
+from gemmgen.ops.checks import check_softcap, check_window
 from gemmgen.select.problem import ALIGN_BYTES, BwdProblem, Problem
 from gemmgen.select.shapes import parse_shape
 
@@ -127,12 +127,13 @@ def run(args: argparse.Namespace) -> int:
         if len(window) != 2:
             raise InputError(f"--window {args.window!r}: expected LEFT,RIGHT (two ints, -1 unbounded)")
         causal, window = check_window(window, causal)
+    softcap = check_softcap(args.softcap) > 0
     facts, db = device_facts(args)
     head_dim = padding.padded_head_dim(shape.head_dim)  # the backward of a padded call is padded too
     fields = dict(dtype=shape.dtype, head_dim=head_dim, causal=causal, device=facts,
                   batch_heads=shape.batch * shape.heads, seqlen_q=shape.seqlen_q, seqlen_k=shape.seqlen_k,
                   gqa=shape.heads // shape.kv_heads, layout=shape.layout, align=ALIGN_BYTES,
-                  causal_alignment=args.causal_alignment, window=window)
+                  causal_alignment=args.causal_alignment, window=window, softcap=softcap)
     notes = [] if head_dim == shape.head_dim else [
         f"head_dim {shape.head_dim} has no tile: the call runs on copies of q, k, v padded to {head_dim}"]
     if args.backward:  # the backward reads K and V expanded to Q's heads (GQA summed afterwards)
@@ -164,6 +165,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="where a causal mask's (or window's) diagonal sits when Nq != Nk (default top_left, as torch)")
     p.add_argument("--window", metavar="LEFT,RIGHT",
                    help="a sliding window around the diagonal, as fused_attention's window= (-1: unbounded)")
+    p.add_argument("--softcap", type=float, default=0.0, metavar="C",
+                   help="a logit softcap, as fused_attention's softcap= (default 0: none)")
     p.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16", help="element type (default: bf16)")
     p.add_argument("--heads-kv", type=int, help="key/value heads (GQA/MQA; default: H)")
     p.add_argument("--layout", choices=("bhnd", "bnhd", "mixed"), default="bhnd",

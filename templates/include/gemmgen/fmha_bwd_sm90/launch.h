@@ -93,9 +93,9 @@ namespace gemmgen::fmha_bwd_sm90 {
 using namespace cute;
 
 // Example 88's mainloop's Fusion (the instances without `_sq`): which query tiles a CTA visits and
-// which scores it masks. The mainloop calls it with blk_coord = (query tile, key tile of the CTA, ...), the tile shape
-// (block_m queries, block_n keys, head_dim) and problem (B, H, Nq, Nk, D); in before_softmax each
-// index is (key, query), the scores being K Q^T.
+// which scores it masks. The mainloop calls it with blk_coord = (query tile, key tile of the CTA,
+// ...), the tile shape (block_m queries, block_n keys, head_dim) and problem (B, H, Nq, Nk, D); in
+// before_softmax each index is (key, query), the scores being K Q^T.
 template <bool Causal>
 struct BwdMask {
   template <class BlkCoord, class TileShape, class ProblemSize>
