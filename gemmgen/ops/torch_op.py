@@ -375,6 +375,25 @@ def _check_backward_exists(q, k, causal, causal_alignment, scale, dropout_p, bia
                     softcap=softcap)
 
 
+def _bwd_reads_gqa(q, k, v, out, d_o, dq, dkk, dvv, causal, causal_alignment, scale, dropout_p, bias, bias_grad,
+                   deterministic, window, capped) -> bool:
+    """Whether the backward kernel of a GQA call (selected for K and V expanded to Q's heads) reads
+    them at their own heads (abi.INFO_READS_GQA), decided once per call key: the selection's key
+    from the tensors as the caller passes them."""
+    key = ("bwd reads gqa", q.get_device(), q.dtype, q.shape, k.shape, q.stride(), k.stride(), v.stride(),
+           out.stride(), d_o.stride(), causal, causal_alignment if causal or window else None, _sign(scale),
+           dropout_p > 0.0, None if bias is None else bias.stride(), bias_grad, deterministic, window, capped)
+    found = _kernels.get(key)
+    if found is None:
+        kernel = _bwd_kernel(q, launch.expanded_layout(k, q.shape[1] // k.shape[1], "meta"), causal,
+                             causal_alignment, scale, dropout_p, bias, bias_grad, deterministic,
+                             (out, d_o, dq, dkk, dvv), window, capped)
+        if len(_kernels) >= _MAX_CACHED:
+            _kernels.clear()
+        found = _kernels[key] = bool(kernel.reads_gqa)
+    return found
+
+
 def _refuse_double_backward(op: str, tensors: tuple[torch.Tensor, ...]) -> None:
     """The backward ops have no backward of their own: building a graph through them raises."""
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
@@ -447,9 +466,8 @@ def _fused_attention_backward(grad_out, q, k, v, out, lse, causal, causal_alignm
         # own heads (abi.INFO_READS_GQA) gets them as they are, the others expanded. dK and dV come
         # back per query head either way, summed over each group below.
         dkk, dvv = launch.expanded_layout(k, group), launch.expanded_layout(v, group)
-        kernel = _bwd_kernel(q, launch.expanded_layout(k, group, "meta"), causal, causal_alignment, scale, dropout_p,
-                             bias, bias_grad, deterministic, (out, d_o, dq, dkk, dvv), window, capped)
-        if kernel.reads_gqa:
+        if _bwd_reads_gqa(q, k, v, out, d_o, dq, dkk, dvv, causal, causal_alignment, scale, dropout_p, bias,
+                          bias_grad, deterministic, window, capped):
             kk, vv = ready(k), ready(v)
         else:
             kk, vv = launch.expand_heads(k, group), launch.expand_heads(v, group)
