@@ -15,13 +15,13 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from gemmgen.arch import Arch
-from gemmgen.generator.families import (decode_sm80, fa2_sm80, fmha_bwd_sm90, fmha_sm90, gemm_sm80, gemm_sm90,
-                                         mea_bwd_sm80, mea_sm80, softmax_sm80)
+from gemmgen.generator.families import (decode_sm80, fa2_bwd_sm80, fa2_sm80, fmha_bwd_sm90, fmha_sm90, gemm_sm80,
+                                         gemm_sm90, mea_bwd_sm80, mea_sm80, softmax_sm80)
 from gemmgen.generator.families.base import Family, check_family
 
 # Attention families first, in the order build_target tries them for a missing instance.
 BUILTIN: tuple[Family, ...] = (fa2_sm80, fmha_sm90, mea_sm80, decode_sm80, gemm_sm80, gemm_sm90, softmax_sm80,
-                               fmha_bwd_sm90, mea_bwd_sm80)
+                               fmha_bwd_sm90, fa2_bwd_sm80, mea_bwd_sm80)
 
 
 class FamilyList(Sequence):

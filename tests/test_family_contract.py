@@ -52,12 +52,16 @@ PINNED = {
                       ("fmha_bwd_sm90_bf16_d64_causal_m128n128", "382dc339c482ffc4"),
                       ("fmha_bwd_sm90_bf16_d128_causal_m64n128", "c414a2ba7eca8bcd"),
                       ("fmha_bwd_sm90_bf16_d128_causal_m64n128_sq", "3fa76375d7130d79")],
+    "fa2_bwd_sm80": [("fa2_bwd_sm80_fp16_d32_m128n128w8s1", "8222a69db9b71b77"),
+                     ("fa2_bwd_sm80_bf16_d128_m64n128w8s1", "6d26ef25665f6c03"),
+                     ("fa2_bwd_sm80_bf16_d256_m64n64w8s1_sc", "a5090e10f77947d4")],
     "mea_bwd_sm80": [("mea_bwd_sm80_fp16_k64_q64k64_preload", "e13e1cafb7ac930c"),
                      ("mea_bwd_sm80_bf16_k128_q128k128_preload_dropout", "457025b1e68956e7"),
                      ("mea_bwd_sm80_bf16_k256_q128k64", "c4de8ed16290850b")],
 }
 SPACE_SIZES = {"fa2_sm80": 1104, "fmha_sm90": 734, "mea_sm80": 36, "decode_sm80": 566, "gemm_sm80": 1312, "gemm_sm90": 2576,
-               "softmax_sm80": 4, "fmha_bwd_sm90": 56, "mea_bwd_sm80": 72}
+               "softmax_sm80": 4, "fmha_bwd_sm90": 56, "fa2_bwd_sm80": 188,
+               "mea_bwd_sm80": 72}
 
 
 def test_every_family_keeps_the_contract():
