@@ -32,11 +32,11 @@ def test_no_compile_without_nvcc(tmp_path):
     proc = run_cli("generate", "--arch", "sm80", "--no-compile", "--out", str(tmp_path),
                    env={"GEMMGEN_NVCC": "/nonexistent"})
     assert proc.returncode == 0, proc.stderr
-    assert "68 rendered, not compiled" in proc.stdout
+    assert "86 rendered, not compiled" in proc.stdout
     data = manifest.load(tmp_path / "sm80" / "manifest.json")
-    assert len(data.instances) == 68 and {e.state for e in data.instances} == {"rendered"}
+    assert len(data.instances) == 86 and {e.state for e in data.instances} == {"rendered"}
     assert data.nvcc_version == "unknown"
-    assert len(list((tmp_path / "sm80" / "src").glob("*.cu"))) == 68
+    assert len(list((tmp_path / "sm80" / "src").glob("*.cu"))) == 86
     assert (tmp_path / "sm80" / "build.ninja").is_file()
 
 

@@ -19,8 +19,8 @@ fused_attention(window=...), skipping the key tiles outside the window, in train
 backward runs the window (fmha_bwd_sm90 on Hopper); any other mask, and a window nothing here runs
 (with dropout, or its backward on other GPUs), runs with the mask as before.
 
-A logit softcap (Gemma 2's) runs on the instances built for one (its backward on Hopper at head
-dim 128). A call gemmgen cannot run (a dtype, head dim or mask no family serves, CPU tensors, a
+A logit softcap (Gemma 2's) runs on the instances built for one (its backward at head dims 128
+and 256). A call gemmgen cannot run (a dtype, head dim or mask no family serves, CPU tensors, a
 softcap it has no backward for) runs on transformers' own SDPA path instead (a softcap on the model's
 eager attention, which SDPA's path refuses), with one warning per distinct reason on the logger
 "gemmgen.transformers"; fallback_reasons() lists them. Needs transformers >= 4.56 (the optional

@@ -219,7 +219,7 @@ def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
     with every instance's reason if none does. deterministic=True asks for a backward whose result does
     not depend on the order blocks finish in (bitwise repeatable; slower: on Hopper fmha_bwd_sm90 adds
     each query tile's dQ in key-tile order, at 0.74-1.0x its default speed on an H100; elsewhere
-    mea_bwd_sm80 runs one CTA per head, several times slower). The returned LSE has
+    mea_bwd_sm80 runs one CTA per head, several times slower than fa2_bwd_sm80's atomics). The returned LSE has
     no gradient of its own; `out=` has no backward. Double backward raises.
 
     dropout_p zeroes each attention weight with that probability and scales the rest by
@@ -240,8 +240,9 @@ def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
     softcap > 0 caps the logits (Gemma 2's attn_logit_softcapping): the scaled scores s become
     softcap * tanh(s / softcap) before the mask; 0 (the default) leaves them. Instances built for it
     run it (fa2_sm80's `_sc` instances at head dims 128 and 256 by default, on every GPU); its backward
-    runs on fmha_bwd_sm90's `_sc` instances (Hopper, head dim 128 by default): elsewhere inputs that
-    require grad raise NoInstanceError at the forward.
+    runs on fa2_bwd_sm80's `_sc` instances (head dims 128 and 256 by default, every GPU) and on Hopper
+    fmha_bwd_sm90's (128): at other head dims inputs that require grad raise NoInstanceError at the
+    forward.
     """
     check_bool("causal", causal)
     check_bool("return_lse", return_lse)

@@ -9,10 +9,10 @@ and torch.compile see through them: the gradients come back with head dim d. The
 of q, k and v (and of O), against a family tuned for dp where d would otherwise run on mea_sm80's
 generic tiles (built on demand) or, not being a multiple of 8, on nothing.
 
-The backward pads the same way on its own account: a head dim whose only backward is a slow
-family's (mea_bwd_sm80 for 96 on Hopper, where fmha_bwd_sm90 has tiles for 32, 64 and 128) runs
-padded to another family's next head dim where selection weighs that faster, family speed against
-the extra columns (gemmgen.select.selection.padded_backward_head_dim).
+The backward pads the same way on its own account: a head dim whose backward is a slower family's
+(fa2_bwd_sm80 for 96 on Hopper, where fmha_bwd_sm90 has tiles for 32, 64 and 128) runs padded to
+another family's next head dim where selection weighs that faster, family speed against the extra
+columns (gemmgen.select.selection.padded_backward_head_dim).
 """
 from __future__ import annotations
 

@@ -77,10 +77,13 @@ def test_registry_picks_softcap_instances_for_softcap_calls_only():
         gemmgen.fused_attention(q64, k64, v64, softcap=30.0)
 
 
-def softcap_backward_runs() -> bool:
-    """Whether a backward instance built for a softcap runs on this GPU (fmha_bwd_sm90's, Hopper)."""
+def softcap_backward_runs(head_dim: int = 128, local: bool = False) -> bool:
+    """Whether a backward instance built for a softcap runs `head_dim` on this GPU (fa2_bwd_sm80's at
+    128 and 256 by default, fmha_bwd_sm90's at 128 on Hopper), with a sliding window if `local`
+    (fmha_bwd_sm90's local `_sc` instances only)."""
     cc = torch.cuda.get_device_capability()
     return any(c.entry.params.get("softcap") and registry.family_named(c.entry.family).KIND == "attention_bwd"
+               and c.entry.params.get("head_dim") == head_dim and (not local or c.entry.params.get("mask") == "local")
                and registry.build_reason(c, cc) is None for c in registry.load()[0])
 
 
@@ -90,25 +93,35 @@ def capped_reference(q, k, v, cap, *, causal=False, alignment="top_left", window
     return attention_reference(q, k, v, causal, alignment, window=window, softcap=cap)[0]
 
 
+@pytest.mark.parametrize("d", [128, 256])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-def test_softcap_gradients(dtype):
+def test_softcap_gradients(dtype, d):
     """dQ, dK, dV of capped attention through autograd against float64, where a softcap backward is
-    built (Hopper, d128): masks none, causal both alignments and a window; GQA 4:1 as [B, N, H, d]
-    views and MQA; Nq != Nk. Elsewhere inputs that require grad raise at the forward."""
+    built at head dim d: masks none and causal in both alignments, and a window where a windowed one
+    is built (Hopper, d128); GQA 4:1 as [B, N, H, d] views and MQA; Nq != Nk. Elsewhere inputs that
+    require grad raise at the forward."""
     from test_attention_bwd_gpu import assert_close as assert_grad_close
     from test_attention_bwd_gpu import make as make_grad_inputs
 
-    if not softcap_backward_runs():
-        q, k, v = make_qkv(1, 2, 2, 64, 64, 128, dtype, "no backward")
+    if not softcap_backward_runs(d):
+        q, k, v = make_qkv(1, 2, 2, 64, 64, d, dtype, "no backward")
         with pytest.raises(gemmgen.NoInstanceError, match="softcap"):
             gemmgen.fused_attention(q.requires_grad_(), k, v, causal=True, softcap=30.0)
         return
     cases = [((300, 700), dict(), "top_left"), ((700, 300), dict(causal=True), "bottom_right"),
-             ((257, 257), dict(causal=True), "top_left"), ((129, 1000), dict(window=(64, 16)), "bottom_right")]
+             ((257, 257), dict(causal=True), "top_left")]
+    window = ((129, 1000), dict(window=(64, 16)), "bottom_right")
+    if softcap_backward_runs(d, local=True):
+        cases.append(window)
+    else:
+        q, k, v = make_qkv(1, 2, 2, 129, 1000, d, dtype, "no window backward")
+        with pytest.raises(gemmgen.NoInstanceError):
+            gemmgen.fused_attention(q.requires_grad_(), k, v, window=(64, 16), causal_alignment="bottom_right",
+                                    softcap=30.0)
     for (nq, nk), kw, alignment in cases:
         for h, hkv, layout in ((8, 2, "bnhd"), (4, 1, "bhnd")):
-            key = ("capgrad", nq, nk, repr(kw), h, layout)
-            q, k, v, do = make_grad_inputs(2, h, hkv, nq, nk, 128, dtype, key, layout)
+            key = ("capgrad", nq, nk, repr(kw), h, layout, d)
+            q, k, v, do = make_grad_inputs(2, h, hkv, nq, nk, d, dtype, key, layout)
             q, k = spiky(q, k)
             leaves = [t.detach().requires_grad_() for t in (q, k, v)]
             o = gemmgen.fused_attention(*leaves, causal_alignment=alignment, softcap=30.0, **kw)
@@ -116,7 +129,7 @@ def test_softcap_gradients(dtype):
             ref = [t.detach().double().requires_grad_() for t in (q, k, v)]
             capped_reference(*ref, 30.0, alignment=alignment, **kw).backward(do.double())
             for label, t, r, x in zip(("dQ", "dK", "dV"), leaves, ref, (q, k, v)):
-                assert_grad_close(f"{nq}x{nk} {kw} {alignment} {h}:{hkv} {label}", t.grad, r.grad, dtype)
+                assert_grad_close(f"d{d} {nq}x{nk} {kw} {alignment} {h}:{hkv} {label}", t.grad, r.grad, dtype)
                 assert t.grad.stride() == x.stride()
 
 
