@@ -35,6 +35,7 @@ CURRENT = {
     "model_h200.md": "A GPT-style model's training step and generation, torch SDPA with and without gemmgen, on an H200",
     "bwd_sweep_h200.md": "The backward against torch SDPA's backward",
     "bwd_sweep_h100.md": "The backward against torch SDPA's backward on an H100",
+    "bwd_fa2bwd_h100.md": "fa2_bwd_sm80 at head dims 160, 192 and 256 against torch SDPA's backward on an H100",
     "bwd_deterministic_h200.md": "The backward with deterministic=True",
     "context_parallel_h200x2.md": "Context-parallel ring attention over two GPUs",
     "context_parallel_h200x4.md": "Context-parallel ring attention over four GPUs",

@@ -622,4 +622,9 @@ def test_backward_autotune_profile_and_explain(tmp_path):
     proc = run_cli("profile", "--arch", "sm80", "--shapes", "2,4,512,64,causal", "--backward", "--no-store",
                    "--reps", "5")
     assert proc.returncode == 0, proc.stderr
-    assert "backward of" in proc.stdout and "mea_bwd_sm80" in proc.stdout
+    # Every sm80 candidate of the shape is listed (fa2_bwd_sm80's by default, mea_bwd_sm80's where built).
+    q, k, _, _ = make(2, 4, 4, 512, 512, 64, torch.bfloat16, "profile")
+    shape = calls.problem_for_bwd(q, k, True)
+    sm80_bwd = {c.name for c in backward_candidates() if c.entry.family in ("fa2_bwd_sm80", "mea_bwd_sm80")
+                and registry.reject_reason(c, shape) is None}
+    assert "backward of" in proc.stdout and sm80_bwd and all(name in proc.stdout for name in sm80_bwd)

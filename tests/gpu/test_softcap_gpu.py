@@ -205,4 +205,5 @@ def test_gemma2_style_model_matches_eager_attention():
     worst = max(((p.grad.float() - r.grad.float()).norm() / r.grad.float().norm()).item()
                 for p, r in zip(ours.parameters(), ref.parameters()) if r.grad is not None and r.grad.norm() > 0)
     assert worst < 5e-2, worst
-    assert gt.fallback_reasons() == {} or not softcap_backward_runs(), gt.fallback_reasons()
+    # Its sliding-window layers train on gemmgen where a windowed softcap backward is built (Hopper).
+    assert gt.fallback_reasons() == {} or not softcap_backward_runs(128, local=True), gt.fallback_reasons()
