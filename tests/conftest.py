@@ -111,3 +111,25 @@ def write_build_dir(root: Path, entries: list) -> Path:
         gemmgen_version="0.1.0", arch="sm80", nvcc_version="13.0.88", cutlass_version="4.2.0",
         flags=[], instances=entries))
     return root
+
+
+def fake_bwd_params(**kw):
+    """GemmgenAttnBwdParams of a dense [2, 3, 100, 32] fp16 call (100 keys) at fake 256-byte aligned
+    addresses, for the refusals a backward library makes before any CUDA call; `kw` overrides
+    seqlen_q, seqlen_k, head_dim and any field."""
+    from gemmgen.kernels import abi
+
+    b, h, nq, nk, d = 2, 3, kw.pop("seqlen_q", 100), kw.pop("seqlen_k", 100), kw.pop("head_dim", 32)
+    p = abi.AttnBwdParams()
+    for i, name in enumerate(("q", "k", "v", "o", "d_o", "lse", "dq", "dk", "dv", "workspace")):
+        setattr(p, name, 0x10000000 * (i + 1))
+    p.workspace_bytes = 1 << 30
+    p.batch, p.heads, p.heads_kv, p.seqlen_q, p.seqlen_k, p.head_dim = b, h, h, nq, nk, d
+    for name in ("q", "k", "v", "o", "do", "dq", "dk", "dv"):
+        n = nk if name in ("k", "v", "dk", "dv") else nq
+        for dim, stride in zip(("batch", "head", "row"), (h * n * d, n * d, d)):
+            setattr(p, f"{name}_{dim}_stride", stride)
+    p.scale, p.causal_offset = 0.125, 2**31 - 1
+    for key, value in kw.items():
+        setattr(p, key, value)
+    return p

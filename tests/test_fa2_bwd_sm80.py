@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from conftest import run_cli
+from conftest import fake_bwd_params, run_cli
 from gemmgen.arch import Arch
 from gemmgen.errors import GemmgenLaunchError
 from gemmgen.generator import manifest, render, space
@@ -212,22 +212,7 @@ def built(tmp_path_factory):
     return entry, abi.bind_bwd(out / "sm80" / entry.library, entry.symbol)
 
 
-def params(**kw) -> abi.AttnBwdParams:
-    """Params of a dense [2, 3, 100, 32] fp16 call (100 keys) at fake 256-byte aligned addresses."""
-    b, h, nq, nk, d = 2, 3, kw.pop("seqlen_q", 100), kw.pop("seqlen_k", 100), kw.pop("head_dim", 32)
-    p = abi.AttnBwdParams()
-    for i, name in enumerate(("q", "k", "v", "o", "d_o", "lse", "dq", "dk", "dv", "workspace")):
-        setattr(p, name, 0x10000000 * (i + 1))
-    p.workspace_bytes = 1 << 30
-    p.batch, p.heads, p.heads_kv, p.seqlen_q, p.seqlen_k, p.head_dim = b, h, h, nq, nk, d
-    for name in ("q", "k", "v", "o", "do", "dq", "dk", "dv"):
-        n = nk if name in ("k", "v", "dk", "dv") else nq
-        for dim, stride in zip(("batch", "head", "row"), (h * n * d, n * d, d)):
-            setattr(p, f"{name}_{dim}_stride", stride)
-    p.scale, p.causal_offset = 0.125, 2**31 - 1
-    for key, value in kw.items():
-        setattr(p, key, value)
-    return p
+params = fake_bwd_params
 
 
 def test_real_build_info(built):

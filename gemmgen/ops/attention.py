@@ -219,8 +219,8 @@ def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
     with every instance's reason if none does. deterministic=True asks for a backward whose result does
     not depend on the order blocks finish in (bitwise repeatable; slower: on Hopper fmha_bwd_sm90 adds
     each query tile's dQ in key-tile order, at 0.74-1.0x its default speed on an H100; elsewhere
-    mea_bwd_sm80 runs one CTA per head, several times slower than fa2_bwd_sm80's atomics). The returned LSE has
-    no gradient of its own; `out=` has no backward. Double backward raises.
+    mea_bwd_sm80 runs one CTA per head, several times slower than fa2_bwd_sm80's atomics). The
+    returned LSE has no gradient of its own; `out=` has no backward. Double backward raises.
 
     dropout_p zeroes each attention weight with that probability and scales the rest by
     1/(1 - dropout_p); the mask is a function of (seed, offset) and the weight's position

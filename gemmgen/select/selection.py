@@ -55,8 +55,8 @@ def padded_backward_head_dim(problem) -> int:
     belongs to a family enough faster: its RELATIVE_SPEED times d / D (the extra columns' cost)
     above that of the best instance at d. The larger head dims tried are each default-built backward
     family's next one above d (fmha_bwd_sm90's 128 for 96 on Hopper, where fa2_bwd_sm80 runs 96 at
-    half its speed, or for a sliding window at 32, which only split-dQ instances run). `problem.head_dim` when
-    nothing runs it at any of them (selection reports that)."""
+    half its speed, or for a sliding window at 32, which only split-dQ instances run).
+    `problem.head_dim` when nothing runs it at any of them (selection reports that)."""
     d = problem.head_dim
     try:
         best, found = family_named(select(problem).entry.family).RELATIVE_SPEED, d
