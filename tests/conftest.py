@@ -133,3 +133,25 @@ def fake_bwd_params(**kw):
     for key, value in kw.items():
         setattr(p, key, value)
     return p
+
+
+def build_one_bwd(tmp_path_factory, family: str, arch, name: str):
+    """Compile the one backward instance `name` of `family` for `arch` with nvcc (skipping the test
+    where nvcc is missing) and bind its library: (manifest entry, abi kernel). No GPU is needed."""
+    from gemmgen.errors import ToolchainError
+    from gemmgen.generator import manifest, toolchain
+    from gemmgen.kernels import abi
+
+    try:
+        toolchain.find_nvcc()
+    except ToolchainError as exc:
+        pytest.skip(f"nvcc is missing: {exc}")
+    out = tmp_path_factory.mktemp(family)
+    start = time.monotonic()
+    proc = run_cli("generate", "--arch", arch.value, "--family", family, "--all", "--filter", f"^{name}$",
+                   "--out", str(out), "--jobs", "1")
+    print(f"\ncompiled {name} in {time.monotonic() - start:.0f} s")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    entry = manifest.load(out / arch.value / "manifest.json").instances[0]
+    assert entry.name == name and entry.state == "built" and entry.gencode == list(arch.gencode)
+    return entry, abi.bind_bwd(out / arch.value / entry.library, entry.symbol)

@@ -6,14 +6,13 @@ CUDA call."""
 from __future__ import annotations
 
 import dataclasses
-import time
 
 import pytest
 
-from conftest import fake_bwd_params, run_cli
+from conftest import build_one_bwd, fake_bwd_params
 from gemmgen.arch import Arch
 from gemmgen.errors import GemmgenLaunchError
-from gemmgen.generator import manifest, render, space
+from gemmgen.generator import render, space
 from gemmgen.generator.families import base, fmha_bwd_sm90, mea_bwd_sm80
 from gemmgen.generator.families import fa2_bwd_sm80 as fam
 from gemmgen.generator.families.fa2_bwd_sm80 import DType, Fa2BwdSm80Instance
@@ -194,22 +193,7 @@ def test_rendered_text():
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
-    from gemmgen.errors import ToolchainError
-    from gemmgen.generator import toolchain
-
-    try:
-        toolchain.find_nvcc()
-    except ToolchainError as exc:
-        pytest.skip(f"nvcc is missing: {exc}")
-    out = tmp_path_factory.mktemp("fa2bwd")
-    start = time.monotonic()
-    proc = run_cli("generate", "--arch", "sm80", "--family", fam.FAMILY, "--all", "--filter", f"^{BUILD_ONE}$",
-                   "--out", str(out), "--jobs", "1")
-    print(f"\ncompiled {BUILD_ONE} in {time.monotonic() - start:.0f} s")
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    entry = manifest.load(out / "sm80" / "manifest.json").instances[0]
-    assert entry.name == BUILD_ONE and entry.state == "built" and entry.gencode == list(Arch.SM80.gencode)
-    return entry, abi.bind_bwd(out / "sm80" / entry.library, entry.symbol)
+    return build_one_bwd(tmp_path_factory, fam.FAMILY, Arch.SM80, BUILD_ONE)
 
 
 params = fake_bwd_params

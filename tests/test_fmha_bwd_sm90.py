@@ -5,14 +5,13 @@ call."""
 from __future__ import annotations
 
 import dataclasses
-import time
 
 import pytest
 
-from conftest import fake_bwd_params, run_cli
+from conftest import build_one_bwd, fake_bwd_params
 from gemmgen.arch import Arch
 from gemmgen.errors import GemmgenLaunchError
-from gemmgen.generator import manifest, render, space
+from gemmgen.generator import render, space
 from gemmgen.generator.families import base
 from gemmgen.generator.families import fmha_bwd_sm90 as fam
 from gemmgen.generator.families.fmha_bwd_sm90 import DType, FmhaBwdSm90Instance, Mask
@@ -198,22 +197,7 @@ def test_rendered_text():
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
-    from gemmgen.errors import ToolchainError
-    from gemmgen.generator import toolchain
-
-    try:
-        toolchain.find_nvcc()
-    except ToolchainError as exc:
-        pytest.skip(f"nvcc is missing: {exc}")
-    out = tmp_path_factory.mktemp("bwd90")
-    start = time.monotonic()
-    proc = run_cli("generate", "--arch", "sm90", "--family", fam.FAMILY, "--all", "--filter", f"^{BUILD_ONE}$",
-                   "--out", str(out), "--jobs", "1")
-    print(f"\ncompiled {BUILD_ONE} in {time.monotonic() - start:.0f} s")
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    entry = manifest.load(out / "sm90" / "manifest.json").instances[0]
-    assert entry.name == BUILD_ONE and entry.state == "built" and entry.gencode == list(Arch.SM90.gencode)
-    return entry, abi.bind_bwd(out / "sm90" / entry.library, entry.symbol)
+    return build_one_bwd(tmp_path_factory, fam.FAMILY, Arch.SM90, BUILD_ONE)
 
 
 params = fake_bwd_params
