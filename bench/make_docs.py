@@ -36,6 +36,8 @@ CURRENT = {
     "bwd_sweep_h200.md": "The backward against torch SDPA's backward",
     "bwd_sweep_h100.md": "The backward against torch SDPA's backward on an H100",
     "bwd_fa2bwd_h100.md": "fa2_bwd_sm80 at head dims 160, 192 and 256 against torch SDPA's backward on an H100",
+    "varlen_fwd_h100.md": "Packed sequences (fused_attention_varlen) against the same tokens dense and torch's varlen_attn on an H100",
+    "varlen_bwd_h100.md": "The backward of packed sequences against the same tokens dense and torch's varlen_attn on an H100",
     "bwd_deterministic_h200.md": "The backward with deterministic=True",
     "context_parallel_h200x2.md": "Context-parallel ring attention over two GPUs",
     "context_parallel_h200x4.md": "Context-parallel ring attention over four GPUs",

@@ -65,13 +65,13 @@ def template_text(inst: Any) -> str:
 
 @functools.lru_cache(maxsize=None)
 def headers_hash(family: str) -> str:
-    """Hash of the headers every family includes (abi.h, report.h, smem.h) and `family`'s own:
+    """Hash of the headers families share (abi.h, report.h, smem.h, sequence.h) and `family`'s own:
     include/gemmgen/<dir>/ for each dir of the family's HEADER_DIRS. A kernel change changes the key
     of every instance of its family, and of no other."""
     root = include_dir() / "gemmgen"
     dirs = family_named(family).HEADER_DIRS
     digest = hashlib.sha256()
-    shared = [root / "abi.h", root / "report.h", root / "smem.h"]
+    shared = [root / "abi.h", root / "report.h", root / "smem.h", root / "sequence.h"]
     for path in [*shared, *(p for d in dirs for p in sorted((root / d).rglob("*.h")))]:
         if path.is_file():
             digest.update(path.relative_to(include_dir()).as_posix().encode() + b"\0" + path.read_bytes())

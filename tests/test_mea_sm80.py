@@ -181,6 +181,31 @@ def test_varlen_argument_errors(cu_q, cu_k, max_q, max_k, match):
         gemmgen.fused_attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k)
 
 
+def test_varlen_offsets_are_read_once_per_version(monkeypatch):
+    """The offsets' values are read (a sync on a GPU) once per tensor and version: the same tensor
+    again is not read, an in-place change is, and so is a new tensor with the same values."""
+    import gemmgen
+
+    q, k, v = varlen_args()
+    cu_q, cu_k = torch.tensor([0, 4, 10], dtype=torch.int32), torch.tensor([0, 5, 12], dtype=torch.int32)
+    reads = []
+    real_tolist = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda self: reads.append(self) or real_tolist(self))
+    for _ in range(2):  # the checks pass; CPU tensors then stop the call at the device check
+        with pytest.raises(gemmgen.DeviceError):
+            gemmgen.fused_attention_varlen(q, k, v, cu_q, cu_k, 6, 7)
+    assert len(reads) == 2, "each offsets tensor read once"
+    with pytest.raises(InputError, match="max_seqlen 5 is below"):  # other sizes: checked again
+        gemmgen.fused_attention_varlen(q, k, v, cu_q, cu_k, 5, 7)
+    cu_q[1] = 7
+    cu_q[1] = 11  # two in-place writes: the version moved on
+    with pytest.raises(InputError, match="never decrease"):
+        gemmgen.fused_attention_varlen(q, k, v, cu_q, cu_k, 11, 7)
+    with pytest.raises(gemmgen.DeviceError):
+        gemmgen.fused_attention_varlen(q, k, v, cu_q.clone().fill_(0).add_(torch.tensor([0, 4, 10], dtype=torch.int32)),
+                                       cu_k, 6, 7)
+
+
 def test_varlen_needs_3d():
     import gemmgen
 

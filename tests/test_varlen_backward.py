@@ -46,13 +46,13 @@ def keep_mask(seed: int, first: list[int], heads: int, len_q: int, len_k: int, p
     return torch.stack([uniform(seed, f + rows * len_k + cols) >= p for f in first])
 
 
-def sequence_attention(q, k, v, causal: bool, scale: float, keep=None, p: float = 0.0):
-    """float64 O [H, Lq, d] and LSE [H, Lq] of one sequence (K, V with Q's heads), top-left causal;
-    a row that sees no key gives 0 and -inf."""
+def sequence_attention(q, k, v, causal: bool, scale: float, keep=None, p: float = 0.0, shift: int = 0):
+    """float64 O [H, Lq, d] and LSE [H, Lq] of one sequence (K, V with Q's heads), causal with the
+    diagonal at `shift` (0: top-left, Lk - Lq: bottom-right); a row that sees no key gives 0 and -inf."""
     s = scale * q @ k.transpose(-2, -1)
     if causal:
         lq, lk = q.shape[1], k.shape[1]
-        s = s.masked_fill(torch.arange(lk)[None, :] > torch.arange(lq)[:, None], float("-inf"))
+        s = s.masked_fill(torch.arange(lk)[None, :] > torch.arange(lq)[:, None] + shift, float("-inf"))
     seen = (s > float("-inf")).any(-1, keepdim=True)
     w = torch.softmax(torch.where(seen, s, 0.0), -1) * seen
     lse = torch.where(seen[..., 0], torch.logsumexp(torch.where(seen, s, 0.0), -1), float("-inf"))
@@ -67,8 +67,11 @@ def head_starts(offset: int, b: int, heads: int, max_q: int, max_k: int) -> list
 
 
 def forward_standin(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=False, scale=None,
-                    return_lse=False, instance=None, dropout_p=0.0, seed=None, offset=0):
-    """mea_sm80's varlen forward in float64: O [Tq, H, d] in q's dtype, LSE [B, H, max_seqlen_q]."""
+                    return_lse=False, instance=None, dropout_p=0.0, seed=None, offset=0, causal_alignment="top_left",
+                    window=None, softcap=0.0):
+    """The varlen forward in float64: O [Tq, H, d] in q's dtype, LSE [B, H, max_seqlen_q]; causal in
+    either alignment within each sequence (no window or softcap)."""
+    assert window is None and softcap == 0.0, "the stand-in runs no window or softcap"
     h, d = q.shape[1], q.shape[2]
     scale = 1 / math.sqrt(d) if scale is None else scale
     cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
@@ -79,7 +82,8 @@ def forward_standin(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
         ks, vs = (t[ck[b]:ck[b + 1]].transpose(0, 1).double().repeat_interleave(h // k.shape[1], 0) for t in (k, v))
         keep = keep_mask(seed or 0, head_starts(offset, b, h, max_seqlen_q, max_seqlen_k), h, qs.shape[1],
                          ks.shape[1], dropout_p)
-        ob, lb = sequence_attention(qs, ks, vs, causal, scale, keep, dropout_p)
+        shift = ks.shape[1] - qs.shape[1] if causal_alignment == "bottom_right" else 0
+        ob, lb = sequence_attention(qs, ks, vs, causal, scale, keep, dropout_p, shift)
         o[cq[b]:cq[b + 1]] = ob.transpose(0, 1).to(q.dtype)
         lse[b, :, :qs.shape[1]] = lb.float()
     return o, (lse if return_lse else torch.empty(0))
@@ -99,6 +103,7 @@ class VarlenKernel:
     C ABI params point at, and checks what a compiled instance requires of them."""
 
     calls: list = []
+    reads_gqa = False  # as mea_bwd_sm80: K and V come expanded to Q's heads
 
     def __init__(self, dtype: torch.dtype) -> None:
         self.dtype = dtype
@@ -118,7 +123,8 @@ class VarlenKernel:
     def run(self, p, stream) -> None:
         batch, h, max_q, max_k = p.batch, p.heads, p.seqlen_q, p.seqlen_k
         assert p.heads_kv == h, "K and V reach the kernel with Q's heads"
-        assert p.causal_offset in (0, launch.NO_MASK_OFFSET), "varlen runs top-left causal or no mask"
+        assert p.causal_offset in (0, launch.NO_MASK_OFFSET), "varlen's mask is aligned per sequence"
+        assert p.align_per_sequence in (0, 1) and not (p.align_per_sequence and p.causal_offset), "bottom-right"
         cq = list((ctypes.c_int32 * (batch + 1)).from_address(p.cu_seqlens_q))
         ck = list((ctypes.c_int32 * (batch + 1)).from_address(p.cu_seqlens_k))
         t = {name: self.packed(p, name, strides, cq[-1] if name in ("q", "o", "d_o", "dq") else ck[-1])
@@ -140,7 +146,8 @@ class VarlenKernel:
         starts = [p.dropout_offset + (b * p.heads + h) * p.seqlen_q * p.seqlen_k for h in range(p.heads)]
         keep = keep_mask(p.dropout_seed, starts, p.heads, lq, lk, p.dropout_p)
         with torch.enable_grad():  # the backward op runs with grad mode off
-            o, ref_lse = sequence_attention(q, k, v, p.causal_offset == 0, p.scale, keep, p.dropout_p)
+            shift = lk - lq if p.align_per_sequence else 0
+            o, ref_lse = sequence_attention(q, k, v, p.causal_offset == 0, p.scale, keep, p.dropout_p, shift)
             grads = torch.autograd.grad(o, (q, k, v), t["d_o"][rows].transpose(0, 1).double(), allow_unused=True)
         assert torch.equal(torch.isneginf(lse[:, :lq]), torch.isneginf(ref_lse)), "the forward's LSE rows"
         finite = torch.isfinite(ref_lse)
@@ -184,9 +191,11 @@ def packed(gen, rows: int, heads: int, d: int, layout: str = "packed", parts: in
     return x
 
 
-def reference_grads(q, k, v, do, lens_q, lens_k, *, causal=False, scale=None, keeps=None, p=0.0):
+def reference_grads(q, k, v, do, lens_q, lens_k, *, causal=False, scale=None, keeps=None, p=0.0,
+                    alignment="top_left"):
     """float64 (dQ, dK, dV) of sum(O * dO), O the attention of each sequence alone: torch SDPA (or,
-    with the dropout masks `keeps`, one per sequence, an explicit softmax), GQA by repeating K, V."""
+    with the dropout masks `keeps`, one per sequence, or bottom-right causal, an explicit softmax),
+    GQA by repeating K, V."""
     leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
     q64, k64, v64 = leaves
     group, d = q.shape[1] // k.shape[1], q.shape[2]
@@ -197,11 +206,13 @@ def reference_grads(q, k, v, do, lens_q, lens_k, *, causal=False, scale=None, ke
         ks, vs = (t[ck[b]:ck[b + 1]].transpose(0, 1).repeat_interleave(group, 0) for t in (k64, v64))
         if lq == 0 or lk == 0:
             outs.append(qs.transpose(0, 1) * 0)  # no key: O = 0, and no gradient reaches K, V
-        elif keeps is None:
+        elif keeps is None and alignment == "top_left":
             o = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=causal, scale=scale)
             outs.append(o.transpose(0, 1))
         else:
-            outs.append(sequence_attention(qs, ks, vs, causal, scale, keeps[b], p)[0].transpose(0, 1))
+            shift = lk - lq if alignment == "bottom_right" else 0
+            keep = None if keeps is None else keeps[b]
+            outs.append(sequence_attention(qs, ks, vs, causal, scale, keep, p, shift)[0].transpose(0, 1))
     out = torch.cat(outs) if outs else q64 * 0
     return torch.autograd.grad(out, leaves, do.double(), allow_unused=True, materialize_grads=True)
 
@@ -289,6 +300,33 @@ def test_gradients_per_sequence_with_group_sums(cpu_ops, h, hkv, causal, lens):
     assert (p.batch, p.heads, p.seqlen_q, p.seqlen_k) == (len(lens_q), h, max(lens_q), max(lens_k))
     assert p.causal_offset == (0 if causal else launch.NO_MASK_OFFSET)
     assert p.q_batch_stride == p.dk_batch_stride == 0, "sequences are placed by cu_seqlens, not a batch stride"
+
+
+@pytest.mark.parametrize("h, hkv", [(4, 4), (8, 2)], ids=["mha", "gqa4"])
+def test_bottom_right_causal_within_each_sequence(cpu_ops, h, hkv):
+    """causal_alignment="bottom_right" aligns each sequence's diagonal at its own len_k - len_q
+    (FlashAttention's varlen causal): the params carry it as align_per_sequence with offset 0, and
+    rows of a sequence with more queries than keys that see no key get no gradient."""
+    lens_q, lens_k = [3, 17, 0, 9, 5], [12, 4, 3, 9, 0]
+    gen = torch.Generator().manual_seed(41 + h)
+    q, do = packed(gen, sum(lens_q), h, 32), packed(gen, sum(lens_q), h, 32)
+    k, v = packed(gen, sum(lens_k), hkv, 32), packed(gen, sum(lens_k), hkv, 32)
+    got = varlen_grads(q, k, v, do, lens_q, lens_k, causal=True, causal_alignment="bottom_right")
+    want = reference_grads(q, k, v, do, lens_q, lens_k, causal=True, alignment="bottom_right")
+    assert_grads(got, want, (q, k, v), f"{h}:{hkv} bottom-right")
+    top_left = reference_grads(q, k, v, do, lens_q, lens_k, causal=True)
+    assert not torch.allclose(want[0], top_left[0], **TOL), "the case tells the alignments apart"
+    (p,) = VarlenKernel.calls
+    assert (p.causal_offset, p.align_per_sequence, p.local) == (0, 1, 0)
+
+
+def test_varlen_alignment_is_ignored_without_a_mask(cpu_ops):
+    """Without a mask the alignment means nothing: no offset, no per-sequence shift."""
+    gen = torch.Generator().manual_seed(3)
+    q, k, v, do = (packed(gen, 9, 2, 32) for _ in range(4))
+    varlen_grads(q, k, v, do, [4, 5], [4, 5], causal_alignment="bottom_right")
+    (p,) = VarlenKernel.calls
+    assert (p.causal_offset, p.align_per_sequence) == (launch.NO_MASK_OFFSET, 0)
 
 
 @pytest.mark.parametrize("layout", ["interleaved", "head_major"])
@@ -457,6 +495,38 @@ def test_varlen_backward_problem_and_selection(monkeypatch, tmp_path, restore_bu
     assert hopper and all("fmha_bwd_sm90 has no varlen" in r for r in hopper), reasons
     with pytest.raises(gemmgen.NoInstanceError, match="built without dropout"):
         selection.select(calls.problem_for_bwd_varlen(q, kk, 3, 17, 30, True, dropout=True))
+
+
+def test_varlen_runs_on_the_fa2_families_in_either_alignment(monkeypatch, tmp_path, restore_builds):
+    """With the default build of every family that runs varlen: fa2_sm80 and fa2_bwd_sm80 win it,
+    in both alignments, with a window (a local instance) and a softcap (an `_sc` one); mea_sm80
+    and mea_bwd_sm80 refuse the bottom-right alignment and keep dropout (and the cost model may give
+    them short sequences, where their 32-row tiles waste less)."""
+    from gemmgen.generator.families import fa2_bwd_sm80, fa2_sm80, fmha_bwd_sm90, mea_bwd_sm80, mea_sm80
+    from gemmgen.select import calls, selection
+
+    synthetic_build(tmp_path, monkeypatch, (*fa2_sm80.DEFAULT, *mea_sm80.DEFAULT, *fa2_bwd_sm80.DEFAULT,
+                                            *mea_bwd_sm80.DEFAULT, *fmha_bwd_sm90.DEFAULT))
+    monkeypatch.setattr(torch.Tensor, "get_device", lambda self: 0)
+    q = torch.empty(40, 8, 128, dtype=torch.bfloat16)
+    kk = torch.empty(50, 8, 128, dtype=torch.bfloat16)
+    for alignment in ("top_left", "bottom_right"):
+        fwd = calls.problem_for_varlen(q, kk, kk, 3, 1024, 2048, True, causal_alignment=alignment)
+        bwd = calls.problem_for_bwd_varlen(q, kk, 3, 1024, 2048, True, causal_alignment=alignment)
+        assert selection.select(fwd).name == "fa2_sm80_bf16_d128_causal_m128n64w4s1"
+        assert selection.select(bwd).name == "fa2_bwd_sm80_bf16_d128_m64n128w8s1"
+    reasons = dict(selection.decide(calls.problem_for_bwd_varlen(
+        q, kk, 3, 1024, 2048, True, causal_alignment="bottom_right")).rejected)
+    mea = [r for label, r in reasons.items() if label.startswith("mea_bwd_sm80_bf16_k128")]
+    assert mea and any("top-left only" in r for r in mea), reasons
+    window = calls.problem_for_varlen(q, kk, kk, 3, 1024, 2048, False, causal_alignment="bottom_right", window=(8, 0))
+    assert selection.select(window).name == "fa2_sm80_bf16_d128_local_m128n64w4s1"
+    capped = calls.problem_for_varlen(q, kk, kk, 3, 1024, 2048, True, softcap=True)
+    assert selection.select(capped).name == "fa2_sm80_bf16_d128_causal_m128n64w4s1_sc"
+    assert selection.select(calls.problem_for_bwd_varlen(q, kk, 3, 1024, 2048, True, softcap=True)).name == \
+        "fa2_bwd_sm80_bf16_d128_m64n128w8s1_sc"
+    dropout = calls.problem_for_varlen(q, kk, kk, 3, 1024, 2048, True, dropout=True)
+    assert selection.select(dropout).entry.family == "mea_sm80"
 
 
 def test_fake_backward_traces_on_fake_tensors():

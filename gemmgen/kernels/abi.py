@@ -60,6 +60,7 @@ class AttnParams(ctypes.Structure):
         ("window_left", ctypes.c_int32),
         ("window_right", ctypes.c_int32),
         ("softcap", ctypes.c_float),  # > 0: scaled scores s become softcap * tanh(s / softcap); 0: none
+        ("align_per_sequence", ctypes.c_int32),  # varlen: 1 shifts each sequence's diagonal by len_k - len_q
     ]
 
 
@@ -311,6 +312,7 @@ class AttnBwdParams(ctypes.Structure):
         ("window_left", ctypes.c_int32),
         ("window_right", ctypes.c_int32),
         ("softcap", ctypes.c_float),  # the forward's logit softcap (0: none)
+        ("align_per_sequence", ctypes.c_int32),  # the forward's per-sequence alignment (varlen)
     ]
 
 

@@ -98,19 +98,35 @@ def params(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, l
 def params_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor | None,
                   cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
                   *, causal: bool, scale: float | None, dropout_p: float = 0.0, seed: int = 0,
-                  offset: int = 0) -> abi.AttnParams:
+                  offset: int = 0, causal_alignment: str = "top_left", window: tuple[int, int] | None = None,
+                  softcap: float = 0.0) -> abi.AttnParams:
     """The C ABI params of a variable-length call: packed q, o [Tq, H, d], k, v [Tk, Hkv, d]; LSE
-    [B, H, max_seqlen_q]; causal is top-left within each sequence."""
+    [B, H, max_seqlen_q]; the mask (causal or a `window`) aligned within each sequence by
+    `causal_alignment` (bottom-right: abi.h's align_per_sequence)."""
     h, d = q.shape[1], q.shape[2]
     qs, ks, vs, os_ = q.stride(), k.stride(), v.stride(), o.stride()
     p = abi.AttnParams(
         q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lse.data_ptr() if lse is not None else None,
         cu_seqlens_q.shape[0] - 1, h, k.shape[1], max_seqlen_q, max_seqlen_k, d,
         0, qs[1], qs[0], 0, ks[1], ks[0], 0, vs[1], vs[0], 0, os_[1], os_[0],
-        1.0 / math.sqrt(d) if scale is None else float(scale), 0 if causal else NO_MASK_OFFSET)
+        1.0 / math.sqrt(d) if scale is None else float(scale), 0)
     _set_features(p, dropout_p, seed, offset)
-    p.cu_seqlens_q, p.cu_seqlens_k = cu_seqlens_q.data_ptr(), cu_seqlens_k.data_ptr()
+    _set_varlen(p, cu_seqlens_q, cu_seqlens_k, causal, causal_alignment, window, softcap)
     return p
+
+
+def _set_varlen(p: abi.AttnParams | abi.AttnBwdParams, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+                causal: bool, causal_alignment: str, window: tuple[int, int] | None, softcap: float) -> None:
+    """The offsets, mask and softcap of a variable-length call (forward or backward params)."""
+    p.cu_seqlens_q, p.cu_seqlens_k = cu_seqlens_q.data_ptr(), cu_seqlens_k.data_ptr()
+    if causal_alignment not in ALIGNMENTS:
+        raise ValueError(f"causal_alignment {causal_alignment!r}; supported: {', '.join(ALIGNMENTS)}")
+    masked = causal or window is not None
+    p.causal_offset = 0 if masked else NO_MASK_OFFSET
+    p.align_per_sequence = int(masked and causal_alignment == "bottom_right")
+    if window is not None:
+        p.local, (p.window_left, p.window_right) = 1, window
+    p.softcap = softcap
 
 
 def _set_features(p: abi.AttnParams, dropout_p: float, seed: int, offset: int) -> None:
@@ -161,12 +177,13 @@ def params_bwd_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torc
                       lse: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
                       cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
                       *, causal: bool, scale: float | None, dropout_p: float = 0.0, seed: int = 0,
-                      offset: int = 0) -> abi.AttnBwdParams:
-    """The C ABI params of a variable-length backward call: packed q, o, d_o, dq [Tq, H, d] and k, v,
-    dk, dv [Tk, H, d] (K and V with Q's heads), sequence b at rows cu_seqlens_q[b] (cu_seqlens_k[b])
-    on; LSE the forward's [B, H, max_seqlen_q] float32; causal is top-left within each sequence.
-    Batch strides stay 0: with cu_seqlens the kernel places a sequence by its first row, as the
-    forward (params_varlen) does. dropout_p, seed and offset are the forward's."""
+                      offset: int = 0, causal_alignment: str = "top_left", window: tuple[int, int] | None = None,
+                      softcap: float = 0.0) -> abi.AttnBwdParams:
+    """The C ABI params of a variable-length backward call: packed q, o, d_o, dq [Tq, H, d] and k, v
+    [Tk, H or Hkv, d] (Hkv for an instance that reads GQA), dk, dv [Tk, H, d], sequence b at rows
+    cu_seqlens_q[b] (cu_seqlens_k[b]) on; LSE the forward's [B, H, max_seqlen_q] float32. Batch
+    strides stay 0: with cu_seqlens the kernel places a sequence by its first row, as the forward
+    (params_varlen) does. The mask, alignment, softcap, dropout_p, seed and offset are the forward's."""
     p = _bwd_pointers(q, k, v, o, d_o, lse, dq, dk, dv)
     d = q.shape[2]
     p.batch, p.heads, p.heads_kv = cu_seqlens_q.shape[0] - 1, q.shape[1], k.shape[1]
@@ -175,9 +192,8 @@ def params_bwd_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torc
         setattr(p, f"{name}_head_stride", t.stride(1))
         setattr(p, f"{name}_row_stride", t.stride(0))
     p.scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-    p.causal_offset = 0 if causal else NO_MASK_OFFSET
     _set_features(p, dropout_p, seed, offset)
-    p.cu_seqlens_q, p.cu_seqlens_k = cu_seqlens_q.data_ptr(), cu_seqlens_k.data_ptr()
+    _set_varlen(p, cu_seqlens_q, cu_seqlens_k, causal, causal_alignment, window, softcap)
     return p
 
 

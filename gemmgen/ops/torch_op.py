@@ -75,10 +75,12 @@ _LIB.define(f"fused_attention_out(Tensor q, Tensor k, Tensor v, Tensor(a!) out, 
             f"Tensor? bias=None, int[]? window=None, float softcap=0.0) -> Tensor")
 _LIB.define("fused_attention_varlen(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
             "int max_seqlen_q, int max_seqlen_k, bool causal=False, float? scale=None, bool return_lse=False, "
-            f"str? instance=None, {_FEATURES}) -> (Tensor, Tensor)")
+            f"str? instance=None, {_FEATURES}, str causal_alignment='top_left', int[]? window=None, "
+            "float softcap=0.0) -> (Tensor, Tensor)")
 _LIB.define("fused_attention_varlen_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
             "Tensor cu_seqlens_q, Tensor cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, bool causal, "
-            "float? scale, float dropout_p, int seed, int offset) -> (Tensor, Tensor, Tensor)")
+            "float? scale, float dropout_p, int seed, int offset, str causal_alignment='top_left', "
+            "int[]? window=None, float softcap=0.0) -> (Tensor, Tensor, Tensor)")
 
 _LIB.define("fused_attention_with_kvcache(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor cache_seqlens, "
             "Tensor? block_table=None, Tensor? k=None, Tensor? v=None, bool causal=True, float? scale=None, "
@@ -220,19 +222,25 @@ def _sign(scale: float | None) -> int | None:
 
 
 def _run_varlen(q, k, v, o, lse, cu_q, cu_k, max_q, max_k, causal, scale, instance, dropout_p, seed,
-                offset) -> None:
+                offset, causal_alignment="top_left", window=None, softcap=0.0) -> None:
     batch = cu_q.shape[0] - 1
     if _nothing_to_launch(q, k, v, o, lse, o.numel() == 0 or max_k == 0 or max_q == 0):
         return
     index = q.get_device()
+    causal, window = _mask_args(causal, window)
+    if softcap:  # an op called directly gets fused_attention_varlen's check
+        softcap = check_softcap(softcap)
+    alignment = causal_alignment if causal or window else "top_left"
     big = launch.max_offset(q, k, v, o) >= 2**31
     key = (index, q.dtype, q.shape, k.shape, batch, max_q, max_k, causal, _sign(scale),
-           big, instance, dropout_p > 0.0, False, True)
+           big, instance, dropout_p > 0.0, False, True, alignment, window, softcap > 0)
     plan = _kernel_for(key, lambda: calls.problem_for_varlen(
-        q, k, v, batch, max_q, max_k, causal, scale=scale, dropout=dropout_p > 0.0), q, k, causal, instance)
+        q, k, v, batch, max_q, max_k, causal, causal_alignment=alignment, scale=scale, dropout=dropout_p > 0.0,
+        window=window, softcap=softcap > 0), q, k, causal, instance)
     seed, offset = _dropout_seed(index, dropout_p, seed, offset, batch * q.shape[1] * max_q * max_k)
     launch.launch(plan.kernel, launch.params_varlen(q, k, v, o, lse, cu_q, cu_k, max_q, max_k, causal=causal,
-                                               scale=scale, dropout_p=dropout_p, seed=seed, offset=offset),
+                                               causal_alignment=alignment, scale=scale, dropout_p=dropout_p,
+                                               seed=seed, offset=offset, window=window, softcap=softcap),
                   index)
 
 
@@ -282,12 +290,13 @@ def _varlen_outputs(q, cu_seqlens_q, max_seqlen_q, return_lse):
 
 
 def _fused_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=False,
-                            scale=None, return_lse=False, instance=None, dropout_p=0.0, seed=None, offset=0):
+                            scale=None, return_lse=False, instance=None, dropout_p=0.0, seed=None, offset=0,
+                            causal_alignment="top_left", window=None, softcap=0.0):
     o, lse = _varlen_outputs(q, cu_seqlens_q, max_seqlen_q, return_lse)
     # The kernel reads the offsets from data_ptr() as an int32 array: a strided view is copied.
     cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
     _run_varlen(q, k, v, o, lse if return_lse else None, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                causal, scale, instance, dropout_p, seed, offset)
+                causal, scale, instance, dropout_p, seed, offset, causal_alignment, window, softcap)
     return o, lse
 
 
@@ -302,7 +311,8 @@ def _fake_out(q, k, v, out, causal=False, causal_alignment="top_left", scale=Non
 
 
 def _fake_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=False, scale=None,
-                 return_lse=False, instance=None, dropout_p=0.0, seed=None, offset=0):
+                 return_lse=False, instance=None, dropout_p=0.0, seed=None, offset=0, causal_alignment="top_left",
+                 window=None, softcap=0.0):
     return _varlen_outputs(q, cu_seqlens_q, max_seqlen_q, return_lse)
 
 
@@ -594,16 +604,27 @@ def _readable(t: torch.Tensor) -> torch.Tensor:
     return t if _kernel_ready(_bhnd(t)) else _packed_like(t).copy_(t)
 
 
-def _varlen_bwd_kernel(q, k, batch, max_seqlen_q, max_seqlen_k, causal, scale, dropout_p, tensors=()) -> Any:
-    """The backward kernel of a variable-length call (packed q, K with Q's heads), selected once per
-    key and cached, compiled on demand if missing. The key leaves out the total rows, which change
-    from batch to batch: the selection sees the lengths only through the maxima, and the totals
-    only through whether element offsets pass int32."""
+def _varlen_bwd_kernel(q, k, batch, max_seqlen_q, max_seqlen_k, causal, scale, dropout_p, tensors=(),
+                       causal_alignment="top_left", window=None, softcap=0.0) -> Any:
+    """The backward kernel of a variable-length call (packed q, K with Q's heads; `causal` and
+    `window` normalized, `causal_alignment` "top_left" without a mask), selected once per key and
+    cached, compiled on demand if missing. The key leaves out the total rows, which change from batch
+    to batch: the selection sees the lengths only through the maxima, and the totals only through
+    whether element offsets pass int32."""
     big = launch.max_offset(q, k, *tensors) >= 2**31
     key = ("bwd_varlen", q.get_device(), q.dtype, tuple(q.shape[1:]), tuple(k.shape[1:]), batch, max_seqlen_q,
-           max_seqlen_k, causal, _sign(scale), big, dropout_p > 0.0)
+           max_seqlen_k, causal, _sign(scale), big, dropout_p > 0.0, causal_alignment, window, softcap > 0)
     return _cached_bwd_kernel(key, lambda: calls.problem_for_bwd_varlen(
-        q, k, batch, max_seqlen_q, max_seqlen_k, causal, scale=scale, dropout=dropout_p > 0.0, tensors=tensors))
+        q, k, batch, max_seqlen_q, max_seqlen_k, causal, causal_alignment=causal_alignment, scale=scale,
+        dropout=dropout_p > 0.0, tensors=tensors, window=window, softcap=softcap > 0))
+
+
+def _varlen_mask(causal: bool, causal_alignment: str, window, softcap: float):
+    """The varlen ops' mask arguments normalized (_mask_args), the alignment "top_left" where no mask
+    reads it (one cache key per mask), and the softcap checked."""
+    causal, window = _mask_args(causal, window)
+    alignment = causal_alignment if causal or window is not None else "top_left"
+    return causal, alignment, window, check_softcap(softcap) if softcap else 0.0
 
 
 def _nothing_to_differentiate(q, k, max_seqlen_q: int, max_seqlen_k: int) -> bool:
@@ -612,7 +633,8 @@ def _nothing_to_differentiate(q, k, max_seqlen_q: int, max_seqlen_k: int) -> boo
 
 
 def _fused_attention_varlen_backward(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                     max_seqlen_k, causal, scale, dropout_p, seed, offset):
+                                     max_seqlen_k, causal, scale, dropout_p, seed, offset, causal_alignment="top_left",
+                                     window=None, softcap=0.0):
     _refuse_double_backward("fused_attention_varlen", (grad_out, q, k, v, out))
     dq, dk, dv = _packed_like(q), _packed_like(k), _packed_like(v)
     if _nothing_to_differentiate(q, k, max_seqlen_q, max_seqlen_k):  # no score: every gradient is zero
@@ -623,17 +645,26 @@ def _fused_attention_varlen_backward(grad_out, q, k, v, out, lse, cu_seqlens_q, 
     if lse.shape != (batch, h, max_seqlen_q):
         raise InputError(f"the backward needs the forward's LSE [B, H, max_seqlen_q] = {[batch, h, max_seqlen_q]}; "
                          f"got {tuple(lse.shape)} (call the forward with return_lse=True)")
+    causal, causal_alignment, window, softcap = _varlen_mask(causal, causal_alignment, window, softcap)
     group = h // hkv
-    kk, vv = (_packed(launch.expand_heads(_bhnd(t), group)) for t in (k, v))
-    dkk, dvv = (dk, dv) if group == 1 else (_packed_like(kk), _packed_like(vv))
-    q, kk, vv, out = (_readable(t) for t in (q, kk, vv, out))
+    # dK and dV per query head (summed over each group below); the kernel is selected for K and V
+    # with Q's heads, and one that reads them at their own heads (abi.INFO_READS_GQA) gets them as
+    # they are, the others expanded.
+    dkk, dvv = (dk, dv) if group == 1 else (_packed_like(_packed(launch.expanded_layout(_bhnd(t), group)))
+                                            for t in (k, v))
+    q, out = _readable(q), _readable(out)
     d_o = grad_out if _kernel_ready(_bhnd(grad_out)) else _packed_like(out).copy_(grad_out)
     # The kernel reads the offsets and the LSE as plain arrays.
     cu_q, cu_k, lse = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), lse.contiguous()
-    kernel = _varlen_bwd_kernel(q, kk, batch, max_seqlen_q, max_seqlen_k, causal, scale, dropout_p,
-                                (vv, out, d_o, dq, dkk, dvv))
+    kernel = _varlen_bwd_kernel(q, dkk, batch, max_seqlen_q, max_seqlen_k, causal, scale, dropout_p,
+                                (k, v, out, d_o, dq, dkk, dvv), causal_alignment, window, softcap)
+    if group == 1 or kernel.reads_gqa:
+        kk, vv = _readable(k), _readable(v)
+    else:
+        kk, vv = (_readable(_packed(launch.expand_heads(_bhnd(t), group))) for t in (k, v))
     p = launch.params_bwd_varlen(q, kk, vv, out, d_o, lse, dq, dkk, dvv, cu_q, cu_k, max_seqlen_q, max_seqlen_k,
-                                 causal=causal, scale=scale, dropout_p=dropout_p, seed=seed, offset=offset)
+                                 causal=causal, scale=scale, dropout_p=dropout_p, seed=seed, offset=offset,
+                                 causal_alignment=causal_alignment, window=window, softcap=softcap)
     launch.run_bwd(kernel, p, q.get_device())
     if group > 1:
         _sum_groups(dk, dkk, hkv, group)
@@ -642,22 +673,27 @@ def _fused_attention_varlen_backward(grad_out, q, k, v, out, lse, cu_seqlens_q, 
 
 
 def _fake_varlen_backward(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                          causal, scale, dropout_p, seed, offset):
+                          causal, scale, dropout_p, seed, offset, causal_alignment="top_left", window=None,
+                          softcap=0.0):
     return _packed_like(q), _packed_like(k), _packed_like(v)
 
 
 def _setup_context_varlen(ctx, inputs, output) -> None:
     """Save what the varlen backward needs, and refuse at the forward what it could not differentiate
     (no LSE, dropout without a seed, no backward instance for the call)."""
-    q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, return_lse, _instance, dropout_p, seed, offset = inputs
+    (q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, return_lse, _instance, dropout_p, seed, offset,
+     causal_alignment, window, softcap) = inputs
     o, lse = output
     _check_saves("fused_attention_varlen", return_lse, dropout_p, seed)
     if not isinstance(q, FakeTensor) and not torch.compiler.is_compiling() and \
             not _nothing_to_differentiate(q, k, max_q, max_k):
         kk = launch.expanded_layout(_bhnd(k), q.shape[1] // k.shape[1], "meta")
-        _varlen_bwd_kernel(q, _packed(kk), cu_q.shape[0] - 1, max_q, max_k, causal, scale, dropout_p)
+        masked, alignment, window_, softcap_ = _varlen_mask(causal, causal_alignment, window, softcap)
+        _varlen_bwd_kernel(q, _packed(kk), cu_q.shape[0] - 1, max_q, max_k, masked, scale, dropout_p, (), alignment,
+                           window_, softcap_)
     ctx.save_for_backward(q, k, v, o, lse, cu_q, cu_k)
-    ctx.args = (max_q, max_k, causal, scale, dropout_p, 0 if seed is None else seed, offset)
+    ctx.args = (max_q, max_k, causal, scale, dropout_p, 0 if seed is None else seed, offset, causal_alignment,
+                window, softcap)
     ctx.mark_non_differentiable(lse)
 
 
@@ -666,11 +702,11 @@ def _autograd_backward_varlen(ctx, grad_o, grad_lse):
 
 
 def _gradients_varlen(ctx, grad_o, backward: Callable) -> tuple:
-    """The gradients of fused_attention_varlen's 14 inputs from what _setup_context_varlen saved,
+    """The gradients of fused_attention_varlen's 17 inputs from what _setup_context_varlen saved,
     computed by `backward` (the backward op, or its implementation in eager calls)."""
     q, k, v, o, lse, cu_q, cu_k = ctx.saved_tensors
     dq, dk, dv = backward(grad_o, q, k, v, o, lse, cu_q, cu_k, *ctx.args)
-    return (dq, dk, dv) + (None,) * 11  # the offsets, sizes and flags have no gradient
+    return (dq, dk, dv) + (None,) * 14  # the offsets, sizes and flags have no gradient
 
 
 def _kvcache_outputs(q, return_lse):

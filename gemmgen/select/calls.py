@@ -32,15 +32,17 @@ def problem_for(q: torch.Tensor, k: torch.Tensor, causal: bool, *, v: torch.Tens
 
 def problem_for_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: int, max_seqlen_q: int,
                        max_seqlen_k: int, causal: bool, *, causal_alignment: str = "top_left",
-                       scale: float | None = None, dropout: bool = False) -> Problem:
-    """The Problem of a validated variable-length call: packed q [Tq, H, d], k, v [Tk, Hkv, d]."""
+                       scale: float | None = None, dropout: bool = False, window: tuple[int, int] | None = None,
+                       softcap: bool = False) -> Problem:
+    """The Problem of a validated variable-length call: packed q [Tq, H, d], k, v [Tk, Hkv, d]; the
+    mask (causal or a normalized `window`) aligned within each sequence by `causal_alignment`."""
     h, d = q.shape[1], q.shape[2]
     return Problem(dtype=DTYPE_NAMES[q.dtype], head_dim=d, causal=bool(causal),
                    device=device.facts(q.get_device()), batch_heads=batch * h, seqlen_q=max_seqlen_q,
                    seqlen_k=max_seqlen_k, gqa=h // k.shape[1], layout="bnhd", align=ALIGN_BYTES,
                    causal_alignment=causal_alignment, negative_scale=scale is not None and scale < 0,
-                   zero_scale=scale == 0,
-                   dropout=dropout, varlen=True, max_offset=max_offset(q, k, v))
+                   zero_scale=scale == 0, dropout=dropout, varlen=True, max_offset=max_offset(q, k, v),
+                   window=window, softcap=bool(softcap))
 
 
 def problem_for_bwd(q: torch.Tensor, k: torch.Tensor, causal: bool, *, causal_alignment: str = "top_left",
@@ -56,13 +58,15 @@ def problem_for_bwd(q: torch.Tensor, k: torch.Tensor, causal: bool, *, causal_al
 
 
 def problem_for_bwd_varlen(q: torch.Tensor, k: torch.Tensor, batch: int, max_seqlen_q: int, max_seqlen_k: int,
-                           causal: bool, *, scale: float | None = None, dropout: bool = False,
-                           tensors: tuple[torch.Tensor | None, ...] = ()) -> BwdProblem:
+                           causal: bool, *, causal_alignment: str = "top_left", scale: float | None = None,
+                           dropout: bool = False, tensors: tuple[torch.Tensor | None, ...] = (),
+                           window: tuple[int, int] | None = None, softcap: bool = False) -> BwdProblem:
     """The BwdProblem of a variable-length backward call: packed q [Tq, H, d] and k [Tk, H, d] as the
-    kernel reads them (K with Q's heads), causal top-left within each sequence, `tensors` the
-    others whose extent counts in max_offset. Its `varlen` flag keeps out the families that cannot
-    run it (their reasons say so)."""
-    fwd = problem_for_varlen(q, k, k, batch, max_seqlen_q, max_seqlen_k, causal, scale=scale, dropout=dropout)
+    selection sees them (K with Q's heads), the forward's mask and alignment, `tensors` the others
+    whose extent counts in max_offset. Its `varlen` flag keeps out the families that cannot run it
+    (their reasons say so)."""
+    fwd = problem_for_varlen(q, k, k, batch, max_seqlen_q, max_seqlen_k, causal, causal_alignment=causal_alignment,
+                             scale=scale, dropout=dropout, window=window, softcap=softcap)
     return _backward_of(fwd, tensors)
 
 

@@ -121,8 +121,9 @@ def invalid_reason(inst: Fa2BwdSm80Instance, arch: Arch = Arch.SM80) -> str | No
 
 def problem_reason(inst: Fa2BwdSm80Instance, problem) -> str | None:
     """What a built instance cannot run (the registry's reason), None when it can: any strides, scale,
-    causal alignment, lengths and GQA ratio; no dropout, bias, variable lengths or determinism."""
-    if reason := feature_reason(FAMILY, problem):
+    causal alignment, lengths (variable ones too, either alignment) and GQA ratio; no dropout, bias
+    or determinism."""
+    if reason := feature_reason(FAMILY, problem, ("dropout", "bias", "kv_cache")):
         return reason
     if getattr(problem, "bias_grad", False):
         return f"{FAMILY} has no dbias"

@@ -96,9 +96,9 @@ def invalid_reason(inst: Fa2Sm80Instance, arch: Arch = Arch.SM80) -> str | None:
 
 def problem_reason(inst: Fa2Sm80Instance, problem) -> str | None:
     """What a built instance cannot run (the registry's reason), None when it can: this family runs
-    any strides, GQA ratio, scale, causal alignment and length, but no dropout, bias or variable
-    lengths."""
-    return feature_reason(FAMILY, problem)
+    any strides, GQA ratio, scale, causal alignment and length, variable lengths (gemmgen/sequence.h)
+    in either alignment, but no dropout, bias or key-value cache."""
+    return feature_reason(FAMILY, problem, ("dropout", "bias", "kv_cache"))
 
 
 SPACE: tuple[Fa2Sm80Instance, ...] = tuple(

@@ -73,6 +73,12 @@ typedef struct GemmgenAttnParams {
   // Logit softcap (read by instances built for it, which require it > 0; the registry sends it to
   // no other instance): the scaled scores s become softcap * tanh(s / softcap) before the mask.
   float softcap;
+
+  // Variable lengths with a causal mask or a window (read by families whose instances run variable
+  // lengths in both alignments; the registry sends it to no other instance): 1 shifts the diagonal
+  // of each sequence b by its own len_k - len_q (causal_offset then 0: the bottom-right alignment
+  // within each sequence, FlashAttention's varlen causal); 0: causal_offset alone (top-left: 0).
+  int32_t align_per_sequence;
 } GemmgenAttnParams;
 
 // Static facts of one compiled instance, for the manifest and the registry.
@@ -157,6 +163,9 @@ typedef struct GemmgenAttnBwdParams {
 
   // The forward's logit softcap, as in GemmgenAttnParams (read by instances built for it).
   float softcap;
+
+  // The forward's per-sequence alignment, as in GemmgenAttnParams.
+  int32_t align_per_sequence;
 } GemmgenAttnBwdParams;
 
 // A backward instance exports

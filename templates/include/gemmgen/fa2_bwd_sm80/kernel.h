@@ -12,7 +12,9 @@
 //
 // Masks come at launch: causal_offset (key j visible to query i iff j <= i + causal_offset;
 // INT32_MAX for none). Query head h reads key/value head h / (heads / heads_kv) and writes dK and dV
-// of head h (GEMMGEN_INFO_READS_GQA: the caller sums each group's).
+// of head h (GEMMGEN_INFO_READS_GQA: the caller sums each group's). Variable lengths: every grid
+// covers the longest sequence, each block finds its sequence's rows (gemmgen/sequence.h) and the
+// workspace keeps seqlen_q (the longest) rows per (batch, head).
 #pragma once
 #include <cmath>
 #include <cute/tensor.hpp>
@@ -20,6 +22,7 @@
 #include "gemmgen/abi.h"
 #include "gemmgen/fa2_bwd_sm80/traits.h"
 #include "gemmgen/fa2_sm80/utils.h"
+#include "gemmgen/sequence.h"
 
 namespace gemmgen::fa2_bwd_sm80 {
 using namespace cute;
@@ -70,10 +73,12 @@ __global__ void __launch_bounds__(256) prep_kernel(const Args a) {
   for (int c = lane; c < Traits::kHeadDim / 4; c += 32) reinterpret_cast<float4*>(acc)[c] = make_float4(0, 0, 0, 0);
   float dot = 0.f;
   float lse2 = INFINITY;
-  if (row < p.seqlen_q) {
-    const Element* o = static_cast<const Element*>(p.o) + b * p.o_batch_stride + h * p.o_head_stride + row * p.o_row_stride;
-    const Element* d_o =
-        static_cast<const Element*>(p.d_o) + b * p.do_batch_stride + h * p.do_head_stride + row * p.do_row_stride;
+  const Sequence seq = sequence_of(p, b);
+  if (row < seq.seqlen_q) {
+    const Element* o = static_cast<const Element*>(p.o) + seq.q_start(p.o_batch_stride, p.o_row_stride) +
+                       h * p.o_head_stride + row * p.o_row_stride;
+    const Element* d_o = static_cast<const Element*>(p.d_o) + seq.q_start(p.do_batch_stride, p.do_row_stride) +
+                         h * p.do_head_stride + row * p.do_row_stride;
     for (int c = lane; c < kChunks; c += 32) {
       const uint4 ov = reinterpret_cast<const uint4*>(o)[c];
       const uint4 gv = reinterpret_cast<const uint4*>(d_o)[c];
@@ -107,8 +112,11 @@ __global__ void __launch_bounds__(256) convert_kernel(const Args a) {
   if (row >= p.seqlen_q) return;
   int b, h;
   bh_of(bh, p.heads, b, h);
+  const Sequence seq = sequence_of(p, b);
+  if (row >= seq.seqlen_q) return;
   const float* acc = a.ws.dq_accum + (bh * a.ws.rows_padded + row) * Traits::kHeadDim;
-  Element* dq = static_cast<Element*>(p.dq) + b * p.dq_batch_stride + h * p.dq_head_stride + row * p.dq_row_stride;
+  Element* dq = static_cast<Element*>(p.dq) + seq.q_start(p.dq_batch_stride, p.dq_row_stride) + h * p.dq_head_stride +
+                row * p.dq_row_stride;
   for (int c = lane; c < kChunks; c += 32) {
     const float4 lo = reinterpret_cast<const float4*>(acc)[2 * c];
     const float4 hi = reinterpret_cast<const float4*>(acc)[2 * c + 1];
@@ -167,30 +175,39 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const Args a)
   bh_of(bh, p.heads, b, h);
   const int h_kv = h / (p.heads / p.heads_kv);
   const int tidx = threadIdx.x;
+  const Sequence seq = sequence_of(p, b);
+  const int seqlen_q = seq.seqlen_q;
+  const int seqlen_k = seq.seqlen_k;
+  const int64_t causal_offset = seq.causal_offset;
   const int64_t col0 = int64_t(n_block) * kBlockN;
-  const int keys_left = p.seqlen_k - int(col0);
+  if (col0 >= seqlen_k) return;  // past a shorter sequence's keys (variable lengths)
+  const int keys_left = seqlen_k - int(col0);
 
   // Query tiles that see a key of this tile: from the first row whose causal limit reaches col0.
-  const int m_end = (p.seqlen_q + kBlockM - 1) / kBlockM;
+  const int m_end = (seqlen_q + kBlockM - 1) / kBlockM;
   int m_begin = 0;
-  if (int64_t(p.causal_offset) < col0) m_begin = int(min<int64_t>(m_end, (col0 - p.causal_offset) / kBlockM));
+  if (causal_offset < col0) m_begin = int(min<int64_t>(m_end, (col0 - causal_offset) / kBlockM));
 
-  const Element* k_ptr = static_cast<const Element*>(p.k) + b * p.k_batch_stride + h_kv * p.k_head_stride;
-  const Element* v_ptr = static_cast<const Element*>(p.v) + b * p.v_batch_stride + h_kv * p.v_head_stride;
-  const Element* q_ptr = static_cast<const Element*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride;
-  const Element* do_ptr = static_cast<const Element*>(p.d_o) + b * p.do_batch_stride + h * p.do_head_stride;
-  Element* dk_ptr = static_cast<Element*>(p.dk) + b * p.dk_batch_stride + h * p.dk_head_stride;
-  Element* dv_ptr = static_cast<Element*>(p.dv) + b * p.dv_batch_stride + h * p.dv_head_stride;
+  const Element* k_ptr = static_cast<const Element*>(p.k) + seq.k_start(p.k_batch_stride, p.k_row_stride) +
+                         h_kv * p.k_head_stride;
+  const Element* v_ptr = static_cast<const Element*>(p.v) + seq.k_start(p.v_batch_stride, p.v_row_stride) +
+                         h_kv * p.v_head_stride;
+  const Element* q_ptr = static_cast<const Element*>(p.q) + seq.q_start(p.q_batch_stride, p.q_row_stride) +
+                         h * p.q_head_stride;
+  const Element* do_ptr = static_cast<const Element*>(p.d_o) + seq.q_start(p.do_batch_stride, p.do_row_stride) +
+                          h * p.do_head_stride;
+  Element* dk_ptr = static_cast<Element*>(p.dk) + seq.k_start(p.dk_batch_stride, p.dk_row_stride) + h * p.dk_head_stride;
+  Element* dv_ptr = static_cast<Element*>(p.dv) + seq.k_start(p.dv_batch_stride, p.dv_row_stride) + h * p.dv_head_stride;
   float* dq_accum = a.ws.dq_accum + bh * a.ws.rows_padded * kHeadDim;
   const float* lse_log2 = a.ws.lse_log2 + bh * a.ws.rows_padded;
   const float* d_rows = a.ws.d + bh * a.ws.rows_padded;
 
-  Tensor mQ = make_tensor(make_gmem_ptr(q_ptr), make_shape(p.seqlen_q, Int<kHeadDim>{}), make_stride(p.q_row_stride, _1{}));
-  Tensor mdO = make_tensor(make_gmem_ptr(do_ptr), make_shape(p.seqlen_q, Int<kHeadDim>{}), make_stride(p.do_row_stride, _1{}));
-  Tensor mK = make_tensor(make_gmem_ptr(k_ptr), make_shape(p.seqlen_k, Int<kHeadDim>{}), make_stride(p.k_row_stride, _1{}));
-  Tensor mV = make_tensor(make_gmem_ptr(v_ptr), make_shape(p.seqlen_k, Int<kHeadDim>{}), make_stride(p.v_row_stride, _1{}));
-  Tensor mdK = make_tensor(make_gmem_ptr(dk_ptr), make_shape(p.seqlen_k, Int<kHeadDim>{}), make_stride(p.dk_row_stride, _1{}));
-  Tensor mdV = make_tensor(make_gmem_ptr(dv_ptr), make_shape(p.seqlen_k, Int<kHeadDim>{}), make_stride(p.dv_row_stride, _1{}));
+  Tensor mQ = make_tensor(make_gmem_ptr(q_ptr), make_shape(seqlen_q, Int<kHeadDim>{}), make_stride(p.q_row_stride, _1{}));
+  Tensor mdO = make_tensor(make_gmem_ptr(do_ptr), make_shape(seqlen_q, Int<kHeadDim>{}), make_stride(p.do_row_stride, _1{}));
+  Tensor mK = make_tensor(make_gmem_ptr(k_ptr), make_shape(seqlen_k, Int<kHeadDim>{}), make_stride(p.k_row_stride, _1{}));
+  Tensor mV = make_tensor(make_gmem_ptr(v_ptr), make_shape(seqlen_k, Int<kHeadDim>{}), make_stride(p.v_row_stride, _1{}));
+  Tensor mdK = make_tensor(make_gmem_ptr(dk_ptr), make_shape(seqlen_k, Int<kHeadDim>{}), make_stride(p.dk_row_stride, _1{}));
+  Tensor mdV = make_tensor(make_gmem_ptr(dv_ptr), make_shape(seqlen_k, Int<kHeadDim>{}), make_stride(p.dv_row_stride, _1{}));
   Tensor gQ = local_tile(mQ, Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(_, 0));    // (M, D, m)
   Tensor gdO = local_tile(mdO, Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(_, 0));  // (M, D, m)
   Tensor gK = local_tile(mK, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(n_block, 0));
@@ -228,7 +245,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const Args a)
   // Q and dO buffer `stage` lies stage * kQElems after buffer 0.
   auto staged = [](auto const& t, int stage) { return make_tensor(t.data() + stage * kQElems, t.layout()); };
   auto load_q_do = [&](int m, int stage) {
-    const int rows_left = p.seqlen_q - m * kBlockM;
+    const int rows_left = seqlen_q - m * kBlockM;
     copy_rows(gmem_copy, tQgQ(_, _, _, m), staged(tQsQ, stage), tQcQ, rows_left);
     copy_rows(gmem_copy, tdOgdO(_, _, _, m), staged(tdOsdO, stage), tQcQ, rows_left);
   };
@@ -334,7 +351,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const Args a)
               thr_copy_sdp_b);
 
       // P = exp(scale S - LSE) (0 where masked), dS = P (dP - D), in place.
-      const bool masked = keys_left < kBlockN || col0 + kBlockN - 1 > int64_t(row0) + p.causal_offset;
+      const bool masked = keys_left < kBlockN || col0 + kBlockN - 1 > int64_t(row0) + causal_offset;
       Tensor s = make_tensor(acc_s.data(), rowcol(acc_s.layout()));
       Tensor dp = make_tensor(acc_dp.data(), rowcol(acc_dp.layout()));
       CUTE_UNROLL
@@ -345,7 +362,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const Args a)
         // Keys at or past `limit` (tile columns) are hidden from this row.
         int limit = kBlockN;
         if (masked) {
-          const int64_t last = int64_t(row0) + row + p.causal_offset - col0;
+          const int64_t last = int64_t(row0) + row + causal_offset - col0;
           limit = int(max<int64_t>(0, min<int64_t>(min(keys_left, kBlockN), last + 1)));
         }
         CUTE_UNROLL

@@ -9,6 +9,7 @@
 
 #include "gemmgen/abi.h"
 #include "gemmgen/fa2_bwd_sm80/kernel.h"
+#include "gemmgen/fa2_sm80/checks.h"
 #include "gemmgen/report.h"
 #include "gemmgen/smem.h"
 
@@ -36,11 +37,10 @@ int check(const GemmgenAttnBwdParams* p, char* err, int err_len) {
                   "bad sizes: batch %d heads %d heads_kv %d seqlen_q %d seqlen_k %d", p->batch, p->heads, p->heads_kv,
                   p->seqlen_q, p->seqlen_k);
   }
-  if (p->bias != nullptr || p->dbias != nullptr || p->dropout_p != 0.f || p->cu_seqlens_q != nullptr ||
-      p->cu_seqlens_k != nullptr || p->local != 0) {
-    return report(err, err_len, GEMMGEN_INVALID_ARGUMENT,
-                  "this family runs no bias, dropout, variable lengths or sliding window");
+  if (p->bias != nullptr || p->dbias != nullptr || p->dropout_p != 0.f || p->local != 0) {
+    return report(err, err_len, GEMMGEN_INVALID_ARGUMENT, "this family runs no bias, dropout or sliding window");
   }
+  if (int status = fa2_sm80::check_varlen(p, err, err_len)) return status;
   if (p->deterministic) {
     return report(err, err_len, GEMMGEN_INVALID_ARGUMENT,
                   "deterministic: this family adds dQ up with atomics across key tiles");

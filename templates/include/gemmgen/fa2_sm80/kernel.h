@@ -1,6 +1,8 @@
-// fa2_sm80 forward kernel: one CTA per (query tile, batch*head). Q stays in shared memory;
-// K and V tiles stream through shared memory with cp.async in one or two pipeline stages; S = Q K^T and O += P V run on m16n8k16 mma.sync with fp32
-// accumulation; nothing of size seqlen_q x seqlen_k touches global memory.
+// fa2_sm80 forward kernel: one CTA per (query tile, batch*head); with variable lengths the grid
+// covers the longest sequence and each CTA finds its sequence's rows (gemmgen/sequence.h). Q stays
+// in shared memory; K and V tiles stream through shared memory with cp.async in one or two pipeline
+// stages; S = Q K^T and O += P V run on m16n8k16 mma.sync with fp32 accumulation; nothing of size
+// seqlen_q x seqlen_k touches global memory.
 #pragma once
 #include <cmath>
 #include <cute/tensor.hpp>
@@ -9,6 +11,7 @@
 #include "gemmgen/fa2_sm80/softmax.h"
 #include "gemmgen/fa2_sm80/traits.h"
 #include "gemmgen/fa2_sm80/utils.h"
+#include "gemmgen/sequence.h"
 
 namespace gemmgen::fa2_sm80 {
 using namespace cute;
@@ -16,12 +19,13 @@ using namespace cute;
 constexpr float kLog2e = 1.4426950408889634f;
 
 // A query tile that sees no key at all (causal, bottom-right alignment with more queries
-// than keys): O = 0 and LSE = -inf, as the softmax of an empty row is defined here.
+// than keys, or a sequence without keys): O = 0 and LSE = -inf, as the softmax of an empty row
+// is defined here. `seqlen_q`: the sequence's query rows.
 template <class Traits>
 CUTE_DEVICE void write_empty_tile(GemmgenAttnParams const& p, typename Traits::Element* o_ptr, float* lse_ptr,
-                                  int m_block) {
+                                  int m_block, int seqlen_q) {
   constexpr int kChunks = Traits::kHeadDim / Traits::kGmemElemsPerAccess;
-  const int rows = min(Traits::kBlockM, p.seqlen_q - m_block * Traits::kBlockM);
+  const int rows = min(Traits::kBlockM, seqlen_q - m_block * Traits::kBlockM);
   for (int i = threadIdx.x; i < rows * kChunks; i += Traits::kNThreads) {
     const int r = i / kChunks, c = i % kChunks;
     *reinterpret_cast<uint4*>(o_ptr + int64_t(r) * p.o_row_stride + c * Traits::kGmemElemsPerAccess) =
@@ -58,26 +62,42 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const Gemmgen
   const int h_kv = h / (p.heads / p.heads_kv);
   const int tidx = threadIdx.x;
 
-  const Element* q_ptr = static_cast<const Element*>(p.q) + b * p.q_batch_stride + h * p.q_head_stride;
-  const Element* k_ptr = static_cast<const Element*>(p.k) + b * p.k_batch_stride + h_kv * p.k_head_stride;
-  const Element* v_ptr = static_cast<const Element*>(p.v) + b * p.v_batch_stride + h_kv * p.v_head_stride;
-  Element* o_ptr = static_cast<Element*>(p.o) + b * p.o_batch_stride + h * p.o_head_stride;
+  // This sequence's rows and diagonal (gemmgen/sequence.h); p.seqlen_q stays the LSE's row count.
+  const Sequence seq = sequence_of(p, b);
+  const int seqlen_q = seq.seqlen_q;
+  const int seqlen_k = seq.seqlen_k;
+  const int64_t causal_offset = seq.causal_offset;
   float* lse_ptr = p.lse == nullptr ? nullptr : p.lse + bh * p.seqlen_q + int64_t(m_block) * kBlockM;
+  if (seq.varlen) {  // LSE rows past a shorter sequence's end are -inf; a tile wholly past it is done
+    if (lse_ptr != nullptr) {
+      const int end = min((m_block + 1) * kBlockM, p.seqlen_q) - m_block * kBlockM;
+      for (int r = max(seqlen_q - m_block * kBlockM, 0) + tidx; r < end; r += Traits::kNThreads) lse_ptr[r] = -INFINITY;
+    }
+    if (m_block * kBlockM >= seqlen_q) return;
+  }
+
+  const Element* q_ptr = static_cast<const Element*>(p.q) + seq.q_start(p.q_batch_stride, p.q_row_stride) +
+                         h * p.q_head_stride;
+  const Element* k_ptr = static_cast<const Element*>(p.k) + seq.k_start(p.k_batch_stride, p.k_row_stride) +
+                         h_kv * p.k_head_stride;
+  const Element* v_ptr = static_cast<const Element*>(p.v) + seq.k_start(p.v_batch_stride, p.v_row_stride) +
+                         h_kv * p.v_head_stride;
+  Element* o_ptr = static_cast<Element*>(p.o) + seq.q_start(p.o_batch_stride, p.o_row_stride) + h * p.o_head_stride;
 
   // Key tiles this query tile sees, [n_block_min, n_block_max): all, or (causal) up to the last
   // row's diagonal, or (local) from the first row's left window edge to the last row's right one.
-  int n_block_max = (p.seqlen_k + kBlockN - 1) / kBlockN;
+  int n_block_max = (seqlen_k + kBlockN - 1) / kBlockN;
   if constexpr (Causal) {
-    const int64_t last_row = min((m_block + 1) * kBlockM, p.seqlen_q) - 1;
-    const int64_t last_col = last_row + p.causal_offset;
+    const int64_t last_row = min((m_block + 1) * kBlockM, seqlen_q) - 1;
+    const int64_t last_col = last_row + causal_offset;
     n_block_max = last_col < 0 ? 0 : int(min<int64_t>(n_block_max, last_col / kBlockN + 1));
   }
   // Local: key j hidden from row i when j < i + lo_off or j > i + hi_off (a side without a bound
   // gets an offset past every key). Without a window these are constants no code reads, and the
   // first key tile is 0, so the kernels of the other masks compile as they would without them.
-  const int64_t lo_off = Local && p.window_left >= 0 ? int64_t(p.causal_offset) - p.window_left : -(int64_t(1) << 40);
-  const int64_t hi_off = Local && p.window_right >= 0 ? int64_t(p.causal_offset) + p.window_right : int64_t(1) << 40;
-  const int64_t local_last_row = Local ? min((m_block + 1) * kBlockM, p.seqlen_q) - 1 : 0;
+  const int64_t lo_off = Local && p.window_left >= 0 ? causal_offset - p.window_left : -(int64_t(1) << 40);
+  const int64_t hi_off = Local && p.window_right >= 0 ? causal_offset + p.window_right : int64_t(1) << 40;
+  const int64_t local_last_row = Local ? min((m_block + 1) * kBlockM, seqlen_q) - 1 : 0;
   if constexpr (Local) {
     const int64_t last_col = local_last_row + hi_off;
     n_block_max = last_col < 0 ? 0 : int(min<int64_t>(n_block_max, last_col / kBlockN + 1));
@@ -91,17 +111,17 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const Gemmgen
     }
   }();
   if (n_block_max <= n_block_min) {
-    write_empty_tile<Traits>(p, o_ptr + int64_t(m_block) * kBlockM * p.o_row_stride, lse_ptr, m_block);
+    write_empty_tile<Traits>(p, o_ptr + int64_t(m_block) * kBlockM * p.o_row_stride, lse_ptr, m_block, seqlen_q);
     return;
   }
 
-  Tensor mQ = make_tensor(make_gmem_ptr(q_ptr), make_shape(p.seqlen_q, Int<kHeadDim>{}),
+  Tensor mQ = make_tensor(make_gmem_ptr(q_ptr), make_shape(seqlen_q, Int<kHeadDim>{}),
                           make_stride(p.q_row_stride, _1{}));
-  Tensor mK = make_tensor(make_gmem_ptr(k_ptr), make_shape(p.seqlen_k, Int<kHeadDim>{}),
+  Tensor mK = make_tensor(make_gmem_ptr(k_ptr), make_shape(seqlen_k, Int<kHeadDim>{}),
                           make_stride(p.k_row_stride, _1{}));
-  Tensor mV = make_tensor(make_gmem_ptr(v_ptr), make_shape(p.seqlen_k, Int<kHeadDim>{}),
+  Tensor mV = make_tensor(make_gmem_ptr(v_ptr), make_shape(seqlen_k, Int<kHeadDim>{}),
                           make_stride(p.v_row_stride, _1{}));
-  Tensor mO = make_tensor(make_gmem_ptr(o_ptr), make_shape(p.seqlen_q, Int<kHeadDim>{}),
+  Tensor mO = make_tensor(make_gmem_ptr(o_ptr), make_shape(seqlen_q, Int<kHeadDim>{}),
                           make_stride(p.o_row_stride, _1{}));
   Tensor gQ = local_tile(mQ, Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(m_block, 0));  // (BLK_M, D)
   Tensor gK = local_tile(mK, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, 0));        // (BLK_N, D, n)
@@ -162,10 +182,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const Gemmgen
   // Prologue: Q and the last K tile (the one that may be partial) in one cp.async group;
   // with two stages also that tile's V and, as a second group, the next K and V.
   int n_block = n_block_max - 1;
-  copy_rows(gmem_tiled_copy, tQgQ, tQsQ, tQcQ, p.seqlen_q - row0);
-  load_k(n_block, 0, p.seqlen_k - n_block * kBlockN);
+  copy_rows(gmem_tiled_copy, tQgQ, tQsQ, tQcQ, seqlen_q - row0);
+  load_k(n_block, 0, seqlen_k - n_block * kBlockN);
   if constexpr (Traits::kStages == 2) {
-    load_v(n_block, 0, p.seqlen_k - n_block * kBlockN);
+    load_v(n_block, 0, seqlen_k - n_block * kBlockN);
     cp_async_fence();
     if (n_block > n_block_min) {
       load_k(n_block - 1, 1, kBlockN);
@@ -208,12 +228,12 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const Gemmgen
       // 64-bit index math per score cost as much as a share of the tile's MMAs.
       Tensor s = make_tensor(acc_s.data(), rowcol(acc_s.layout()));    // (rows, cols)
       Tensor c = make_tensor(tScS.data(), rowcol(tScS.layout()));      // (row, col) of each score
-      const int cols_left = p.seqlen_k - n * kBlockN;
+      const int cols_left = seqlen_k - n * kBlockN;
       CUTE_UNROLL
       for (int mi = 0; mi < size<0>(s); ++mi) {
         int limit = cols_left;
         if constexpr (Causal) {  // key j visible to query i iff j <= i + causal_offset
-          const int64_t last = int64_t(row0) + get<0>(c(mi, 0)) + p.causal_offset - int64_t(n) * kBlockN;
+          const int64_t last = int64_t(row0) + get<0>(c(mi, 0)) + causal_offset - int64_t(n) * kBlockN;
           limit = int(max<int64_t>(-1, min<int64_t>(cols_left - 1, last))) + 1;
         }
         if constexpr (Local) {  // keys [first, limit) of the tile are in row i's window
@@ -251,7 +271,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const Gemmgen
     if constexpr (Traits::kStages == 1) {
       cp_async_wait<0>();
       __syncthreads();  // K[n] landed; every warp is done reading V[n+1]
-      load_v(n, 0, p.seqlen_k - n * kBlockN);
+      load_v(n, 0, seqlen_k - n * kBlockN);
       cp_async_fence();
       Tensor acc_s = qk(n, mask_tag, 0);
       cp_async_wait<0>();
@@ -281,7 +301,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const Gemmgen
   // window's left edge masks the last few tiles again.
   auto needs_mask = [&](int n) {
     const int64_t col0 = int64_t(n) * kBlockN;
-    return col0 + kBlockN > p.seqlen_k || (Causal && col0 + kBlockN - 1 > int64_t(row0) + p.causal_offset) ||
+    return col0 + kBlockN > seqlen_k || (Causal && col0 + kBlockN - 1 > int64_t(row0) + causal_offset) ||
            (Local && (col0 + kBlockN - 1 > int64_t(row0) + hi_off || col0 < local_last_row + lo_off));
   };
   // The first tile, peeled where it measured faster (causal, and head dims from 128; non-causal
@@ -320,7 +340,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const Gemmgen
       CUTE_UNROLL
       for (int mi = 0; mi < size<0>(tOcO_rc); ++mi) {
         const int row = get<0>(tOcO_rc(mi, 0));
-        if (row0 + row < p.seqlen_q) lse_ptr[row] = lse(mi);
+        if (row0 + row < seqlen_q) lse_ptr[row] = lse(mi);
       }
     }
   }
@@ -335,7 +355,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) fwd_kernel(const Gemmgen
   cute::copy(gmem_tiled_copy_O, tOsO, tOrO);
   CUTE_UNROLL
   for (int m = 0; m < size<1>(tOrO); ++m) {
-    if (row0 + get<0>(tOcO(0, m, 0)) < p.seqlen_q) cute::copy(gmem_tiled_copy_O, tOrO(_, m, _), tOgO(_, m, _));
+    if (row0 + get<0>(tOcO(0, m, 0)) < seqlen_q) cute::copy(gmem_tiled_copy_O, tOrO(_, m, _), tOgO(_, m, _));
   }
 }
 

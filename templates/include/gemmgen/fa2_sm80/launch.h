@@ -20,11 +20,10 @@ constexpr int64_t kMaxGridYZ = 65535;
 template <class Traits, bool Causal, bool Local = false, bool Softcap = false>
 int run(const GemmgenAttnParams* p, cudaStream_t stream, char* err, int err_len) {
   if (int status = check_sizes<Traits::kHeadDim>(p, 1, err, err_len)) return status;
-  if (p->bias != nullptr || p->dropout_p != 0.f || p->cu_seqlens_q != nullptr || p->cu_seqlens_k != nullptr ||
-      p->seqlens_k != nullptr || p->block_table != nullptr) {
-    return report(err, err_len, GEMMGEN_INVALID_ARGUMENT,
-                  "this family runs no bias, dropout, variable lengths or key-value cache");
+  if (p->bias != nullptr || p->dropout_p != 0.f || p->seqlens_k != nullptr || p->block_table != nullptr) {
+    return report(err, err_len, GEMMGEN_INVALID_ARGUMENT, "this family runs no bias, dropout or key-value cache");
   }
+  if (int status = check_varlen(p, err, err_len)) return status;
   if (Local != (p->local != 0)) {
     return report(err, err_len, GEMMGEN_INVALID_ARGUMENT,
                   Local ? "this instance runs sliding windows only (params.local is 0)"

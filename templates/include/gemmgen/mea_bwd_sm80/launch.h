@@ -70,6 +70,10 @@ int check(const GemmgenAttnBwdParams* p, char* err, int err_len) {
   if (varlen != (p->cu_seqlens_k != nullptr)) {
     return report(err, err_len, GEMMGEN_INVALID_ARGUMENT, "cu_seqlens_q and cu_seqlens_k go together");
   }
+  if (p->align_per_sequence != 0) {
+    return report(err, err_len, GEMMGEN_INVALID_ARGUMENT,
+                  "align_per_sequence: this family aligns every sequence's mask at causal_offset (top-left)");
+  }
   const void* required[] = {p->q, p->k, p->v, p->o, p->d_o, p->lse, p->dq, p->dk, p->dv};
   for (const void* ptr : required) {
     if (ptr == nullptr) {

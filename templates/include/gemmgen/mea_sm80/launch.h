@@ -37,6 +37,10 @@ int check(const GemmgenAttnParams* p, char* err, int err_len) {
   if ((p->cu_seqlens_q == nullptr) != (p->cu_seqlens_k == nullptr)) {
     return report(err, err_len, GEMMGEN_INVALID_ARGUMENT, "cu_seqlens_q and cu_seqlens_k go together");
   }
+  if (p->align_per_sequence != 0) {
+    return report(err, err_len, GEMMGEN_INVALID_ARGUMENT,
+                  "align_per_sequence: this family aligns every sequence's mask at causal_offset (top-left)");
+  }
   if (p->seqlens_k != nullptr || p->block_table != nullptr) {
     return report(err, err_len, GEMMGEN_INVALID_ARGUMENT, "this family runs no key-value cache (seqlens_k, block_table)");
   }
