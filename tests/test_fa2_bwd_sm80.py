@@ -123,10 +123,10 @@ def test_problem_reason(kw, reason):
     assert got is None if reason is None else reason in got
 
 
-def test_registry_keeps_windows_and_other_head_dims_away():
+def test_registry_takes_windows_and_keeps_other_head_dims_away():
     from gemmgen.select import registry
 
-    assert "mask" in registry.functional_reason(fam, D128, problem(window=(64, 0)))
+    assert registry.functional_reason(fam, D128, problem(window=(64, 0))) is None  # SLIDING_WINDOW
     assert "head_dim" in registry.functional_reason(fam, D128, problem(head_dim=64))
     assert "softcap" in registry.functional_reason(fam, D128, problem(softcap=True))
     capped = dataclasses.replace(D128, softcap=True)
@@ -145,6 +145,9 @@ def test_relative_speeds_order_the_backward_families():
     ("sm90", 128, True, "fmha_bwd_sm90"),
     ("sm90", 192, True, "fa2_bwd_sm80"),
     ("sm90", 256, False, "fa2_bwd_sm80"),
+    ("sm80", 128, (64, 0), "fa2_bwd_sm80"),  # a sliding window
+    ("sm90", 128, (64, 0), "fmha_bwd_sm90"),  # its local instance
+    ("sm90", 256, (64, 8), "fa2_bwd_sm80"),
 ])
 def test_registry_picks_by_arch_and_head_dim(tmp_path, monkeypatch, arch, d, causal, want):
     from conftest import make_entry, write_build_dir
@@ -156,8 +159,30 @@ def test_registry_picks_by_arch_and_head_dim(tmp_path, monkeypatch, arch, d, cau
     registry.refresh()
     try:
         gpu = A100 if arch == "sm80" else H100
-        picked = selection.select(problem(device=gpu, head_dim=d, causal=causal))
+        mask = dict(window=causal) if isinstance(causal, tuple) else dict(causal=causal)
+        picked = selection.select(problem(device=gpu, head_dim=d, **mask))
         assert picked.entry.family == want
+    finally:
+        monkeypatch.delenv("GEMMGEN_BUILD_DIR")
+        registry.refresh()
+
+
+def test_builds_from_before_the_marks_are_kept_from_varlen_and_windows(tmp_path, monkeypatch):
+    """An entry built before its kernels read variable lengths and windows (no marks in its params)
+    is refused them with a reason that says to rebuild, and still runs the rest."""
+    from conftest import make_entry, write_build_dir
+    from gemmgen.select import registry
+
+    new = make_entry(D128)
+    assert new.params["varlen"] is True and new.params["window"] is True
+    old = dataclasses.replace(new, params={k: v for k, v in new.params.items() if k not in fam.MARKED})
+    monkeypatch.setenv("GEMMGEN_BUILD_DIR", str(write_build_dir(tmp_path, [old])))
+    registry.refresh()
+    try:
+        (cand,) = registry.load()[0]
+        assert "built before its family ran variable lengths" in registry.reject_reason(cand, problem(varlen=True))
+        assert "built before its family ran sliding windows" in registry.reject_reason(cand, problem(window=(8, 8)))
+        assert registry.reject_reason(cand, problem(causal=True)) is None
     finally:
         monkeypatch.delenv("GEMMGEN_BUILD_DIR")
         registry.refresh()
@@ -231,7 +256,7 @@ def test_real_build_workspace(built):
     (dict(dbias=0x1000), "no bias, dropout"),
     (dict(cu_seqlens_q=0x1000), "need both cu_seqlens_q and cu_seqlens_k"),
     (dict(align_per_sequence=1), "align_per_sequence aligns the sequences of variable lengths"),
-    (dict(local=1, window_left=8, window_right=8), "sliding window"),
+    (dict(local=1, window_left=-2, window_right=8), "each side is -1 (unbounded) or >= 0"),
     (dict(softcap=30.0), "this instance runs no logit softcap"),
     (dict(q=0x10000008), "16-byte aligned"),
     (dict(dv_row_stride=36), "dv: stride 36"),

@@ -133,7 +133,8 @@ def test_local_instances_and_their_source():
 def test_params_carry_the_window():
     """The C ABI fields: local set with both sides, the offset of the alignment; zero otherwise
     (a library built before the fields existed never reads them)."""
-    assert [n for n, _ in abi.AttnParams._fields_][-4:-1] == ["local", "window_left", "window_right"]
+    names = [n for n, _ in abi.AttnParams._fields_]
+    assert names[names.index("local"):names.index("local") + 3] == ["local", "window_left", "window_right"]
     q = torch.empty(1, 2, 5, 64, dtype=torch.float16)
     k = torch.empty(1, 2, 9, 64, dtype=torch.float16)
     p = launch.params(q, k, k, q, None, causal=False, causal_alignment="bottom_right", scale=None, window=(3, -1))

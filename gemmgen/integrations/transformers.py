@@ -16,8 +16,9 @@ registry gives the decode family).
 A sliding-window layer's mask that is exactly the causal window of its size, aligned bottom-right
 (no padding: the mask is compared with that pattern on the GPU when it is made), runs as
 fused_attention(window=...), skipping the key tiles outside the window, in training too where a
-backward runs the window (fmha_bwd_sm90 on Hopper); any other mask, and a window nothing here runs
-(with dropout, or its backward on other GPUs), runs with the mask as before.
+backward runs the window (fa2_bwd_sm80 on every GPU, fmha_bwd_sm90's local instances on Hopper);
+any other mask, and a window nothing here runs (with dropout, or where no backward for it is built),
+runs with the mask as before.
 
 A logit softcap (Gemma 2's) runs on the instances built for one (its backward at head dims 128
 and 256). A call gemmgen cannot run (a dtype, head dim or mask no family serves, CPU tensors, a
@@ -136,7 +137,7 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                                   dropout_p=float(dropout), window=window, softcap=softcap)
             return out.transpose(1, 2).contiguous(), None
         except NoInstanceError:
-            pass  # nothing runs the window here (with dropout, or its backward on this GPU): the mask does
+            pass  # nothing runs the window here (with dropout, or no backward for it built): the mask does
     try:
         out = fused_attention(query, key, value, causal=causal, scale=scaling, dropout_p=float(dropout),
                               attn_mask=mask, softcap=softcap)

@@ -236,8 +236,9 @@ def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
     causal_alignment (0 top-left, Nk - Nq bottom-right), a side of -1 unbounded; key tiles wholly
     outside the window are skipped. With causal=True the right side is 0 (pass 0 or -1). Instances
     built for the "local" mask run it (fa2_sm80 and, on Hopper, fmha_sm90 build them by default); its
-    backward runs on fmha_bwd_sm90's local instances (Hopper): elsewhere inputs that require grad
-    raise NoInstanceError at the forward.
+    backward runs on fa2_bwd_sm80 (every instance reads the window, every GPU) and on Hopper on
+    fmha_bwd_sm90's local instances (d32-128); where neither is built, inputs that require grad raise
+    NoInstanceError at the forward.
 
     softcap > 0 caps the logits (Gemma 2's attn_logit_softcapping): the scaled scores s become
     softcap * tanh(s / softcap) before the mask; 0 (the default) leaves them. Instances built for it

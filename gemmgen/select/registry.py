@@ -244,6 +244,15 @@ def _build_reason(cand: Candidate, cc: tuple[int, int]) -> str | None:
     return None
 
 
+# Features a family adds after its first builds, named in its MARKED: its instances' params carry
+# the mark (True), and an entry built before, without it, is kept from problems that ask for the
+# feature. mark -> (what it is, whether a problem asks for it).
+MARKS: dict[str, tuple[str, Callable[[Problem], bool]]] = {
+    "window": ("sliding windows", lambda problem: getattr(problem, "window", None) is not None),
+    "varlen": ("variable lengths", lambda problem: bool(getattr(problem, "varlen", False))),
+}
+
+
 def reject_reason(cand: Candidate, problem: Problem) -> str | None:
     """Why `cand` cannot run `problem`, or None if it can."""
     entry, params = cand.entry, cand.entry.params
@@ -260,8 +269,10 @@ def reject_reason(cand: Candidate, problem: Problem) -> str | None:
     reason = functional_reason(family, inst, problem)
     if reason is not None:
         return reason
-    if getattr(problem, "window", None) is not None and inst.mask is None and not params.get("window"):
-        return "built before its family ran sliding windows: rebuild it with `gemmgen generate`"
+    for mark in getattr(family, "MARKED", ()):
+        what, asks = MARKS[mark]
+        if asks(problem) and not params.get(mark):
+            return f"built before its family ran {what}: rebuild it with `gemmgen generate`"
     # Fields the current family does not constrain (it runs any strided layout, any GQA ratio,
     # 16-byte aligned data): an instance that declares them in its params is held to them.
     if "layouts" in params and problem.layout not in params["layouts"]:

@@ -33,6 +33,7 @@ PACKS_GQA = True  # a row tile packs a KV group's query heads; keys split over C
 # Every instance runs a sliding window too (the ABI's window fields; its key splits start at the
 # first row's first visible key). Its params say so ("window"), as a build from before did not.
 SLIDING_WINDOW = True
+MARKED = ("window",)  # the mark its params carry (registry.MARKS)
 
 # Axes.
 DTYPES = (DType.FP16, DType.BF16)
@@ -78,7 +79,7 @@ class DecodeSm80Instance(BothMasks, QKVStages, Warps, AttentionInstance):
     def params(self) -> dict:
         """The fields, and `window`: the instance reads the ABI's window fields (SLIDING_WINDOW), which
         an instance built before them did not; the registry keeps windows from an entry without it."""
-        return {**super().params(), "window": True}
+        return {**super().params(), **{mark: True for mark in MARKED}}
 
     @property
     def cost_inputs(self) -> CostInputs:

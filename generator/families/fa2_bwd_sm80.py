@@ -7,7 +7,8 @@ tiles that see them, `block_m` rows at a time with `stages` buffers of Q and dO;
 fp32 workspace with atomics, so a call is not deterministic. Before it a small kernel computes
 D = rowsum(dO * O) per row, after it another writes dQ in its dtype and strides
 (templates/include/gemmgen/fa2_bwd_sm80/). The causal offset is a launch parameter: one instance
-serves no mask and causal in both alignments with any Nq, Nk (BothMasks). K and V are read at their
+serves no mask, causal in both alignments and sliding windows with any Nq, Nk (BothMasks), on
+packed sequences too. K and V are read at their
 own heads (GQA without expanding them); dK and dV come back per query head. A `softcap` instance
 runs the backward of a logit softcap (and only calls with one).
 """
@@ -26,6 +27,11 @@ BUILT_BY_DEFAULT = True
 TEMPLATE = "fa2_bwd_sm80.cu.jinja"
 HEADER_DIRS = ("fa2_bwd_sm80", "fa2_sm80")  # fa2_sm80: the MMA atoms, layout helpers and GEMM loops
 ARCHS = (Arch.SM80,)
+# Every instance runs sliding windows too (the ABI's window fields around the launch's diagonal).
+SLIDING_WINDOW = True
+# Features its kernels read that a build from before did not: instances say so in their params, and
+# the registry keeps the feature from an entry without the mark (registry.MARKS).
+MARKED = ("varlen", "window")
 
 # Axes.
 DTYPES = (DType.FP16, DType.BF16)
@@ -90,6 +96,11 @@ class Fa2BwdSm80Instance(BothMasks, Warps, AttentionInstance):
         """The cost model's view of a CTA: rows are keys here (block_n per CTA), columns queries
         (block_m per step of its loop), the transpose of a forward tile."""
         return CostInputs(self.block_n, self.block_m, self.stages, self.threads, self.smem_bytes)
+
+    def params(self) -> dict:
+        """The fields, and the marks of what its kernel reads that a build from before did not
+        (MARKED): variable lengths and sliding windows."""
+        return {**super().params(), **{mark: True for mark in MARKED}}
 
     def template_values(self) -> dict:
         return {**super().template_values(), "softcap": self.softcap}

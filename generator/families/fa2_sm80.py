@@ -20,6 +20,9 @@ TEMPLATE = "fa2_sm80.cu.jinja"
 HEADER_DIRS = ("fa2_sm80",)
 ARCHS = (Arch.SM80,)
 RELATIVE_SPEED = 1.0  # the unit of the heuristic's weights between families
+# Features its kernel reads that a build from before did not: instances say so in their params, and
+# the registry keeps the feature from an entry without the mark (registry.MARKS).
+MARKED = ("varlen",)
 
 # Axes.
 DTYPES = (DType.FP16, DType.BF16)
@@ -62,6 +65,11 @@ class Fa2Sm80Instance(QKVStages, Warps, AttentionInstance):
     def name(self) -> str:
         return (f"{self.name_stem}_m{self.block_m}n{self.block_n}w{self.warps}s{self.stages}"
                 + ("_sc" if self.softcap else ""))
+
+    def params(self) -> dict:
+        """The fields, and the mark of what its kernel reads that a build from before did not
+        (MARKED): variable lengths."""
+        return {**super().params(), **{mark: True for mark in MARKED}}
 
     def template_values(self) -> dict:
         return {**super().template_values(), "causal": self.causal, "local": self.mask is Mask.LOCAL,

@@ -2,8 +2,8 @@
 GPU: every built instance forced by name on packed sequences into NaN-poisoned outputs, against the
 float64 reference of each sequence alone. Lengths 0, 1, 17, 127, 129, 1000 and 4097 with Nq != Nk
 per sequence; no mask, causal top-left and bottom-right within each sequence (FlashAttention's varlen
-causal), sliding windows in both alignments on the local instances, the logit softcap on the `_sc`
-ones, GQA 4:1 and MQA read at their own heads, head-major storage; then autograd through
+causal), sliding windows in both alignments (the forward's local instances, every backward one),
+the logit softcap on the `_sc` ones, GQA 4:1 and MQA read at their own heads, head-major storage; then autograd through
 fused_attention_varlen. Needs the families built (`gemmgen generate --arch sm80` builds both)."""
 from __future__ import annotations
 
@@ -112,21 +112,23 @@ def test_forward_instance_on_packed_sequences(name):
         check_lse(label, lse, want_lse)
 
 
-def backward_into_poison(cand, q, k, v, do, *, causal, alignment, softcap=0.0):
+def backward_into_poison(cand, q, k, v, do, *, causal, alignment, window=None, softcap=0.0):
+    causal, window = check_window(window, causal)
     with torch.no_grad():
         o, lse = gemmgen.fused_attention_varlen(q, k, v, offsets(LENS_Q), offsets(LENS_K), max(LENS_Q), max(LENS_K),
-                                                causal=causal, causal_alignment=alignment, softcap=softcap,
-                                                return_lse=True)
+                                                causal=causal, causal_alignment=alignment, window=window,
+                                                softcap=softcap, return_lse=True)
     group = q.shape[1] // k.shape[1]
     dq = torch.full_like(q, float("nan"))
     dk, dv = (torch.full((t.shape[0], q.shape[1], t.shape[2]), float("nan"), dtype=t.dtype, device=t.device)
               for t in (k, v))
     problem = calls.problem_for_bwd_varlen(q, dk, len(LENS_Q), max(LENS_Q), max(LENS_K), causal,
-                                           causal_alignment=alignment, softcap=softcap > 0)
+                                           causal_alignment=alignment, window=window, softcap=softcap > 0)
     reason = registry.reject_reason(cand, problem)
     assert reason is None, f"{cand.name} refused {problem.describe()}: {reason}"
     p = launch.params_bwd_varlen(q, k, v, o, do, lse, dq, dk, dv, offsets(LENS_Q), offsets(LENS_K), max(LENS_Q),
-                                 max(LENS_K), causal=causal, scale=None, causal_alignment=alignment, softcap=softcap)
+                                 max(LENS_K), causal=causal, scale=None, causal_alignment=alignment, window=window,
+                                 softcap=softcap)
     launch.run_bwd(cand.kernel, p, q.get_device())
     torch.cuda.synchronize()
     if group > 1:  # dK and dV come back per query head
@@ -140,13 +142,14 @@ def test_backward_instance_on_packed_sequences(name):
     inst = cand.instance
     dtype = launch.TORCH_DTYPES[inst.dtype.value]
     softcap = 20.0 if inst.softcap else 0.0
-    for (causal, alignment, _), (h, hkv) in zip(MASKS, [(4, 4), (4, 1), (8, 2)]):
-        label = f"{name} causal={causal}/{alignment} {h}:{hkv}"
-        q, k, v, do = make(h, hkv, inst.head_dim, dtype, (name, causal, alignment), "head_major" if h == 8
+    for (causal, alignment, window), (h, hkv) in zip(MASKS + WINDOWS, [(4, 4), (4, 1), (8, 2)] * 2):
+        label = f"{name} causal={causal}/{alignment} window={window} {h}:{hkv}"
+        q, k, v, do = make(h, hkv, inst.head_dim, dtype, (name, causal, alignment, window), "head_major" if h == 8
                            else "packed")
-        got = backward_into_poison(cand, q, k, v, do, causal=causal, alignment=alignment, softcap=softcap)
+        got = backward_into_poison(cand, q, k, v, do, causal=causal, alignment=alignment, window=window,
+                                   softcap=softcap)
         leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
-        out, _ = per_sequence(*leaves, causal=causal, alignment=alignment, softcap=softcap)
+        out, _ = per_sequence(*leaves, causal=causal, alignment=alignment, window=window, softcap=softcap)
         want = torch.autograd.grad(out, leaves, do.double(), materialize_grads=True)
         for g_name, g, w in zip(("dQ", "dK", "dV"), got, want):
             assert_close(f"{label} {g_name}", g, w, dtype)

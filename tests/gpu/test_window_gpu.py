@@ -119,12 +119,14 @@ def window_bias(nq, nk, window, alignment):
 
 
 def local_backward_instances() -> list[str]:
-    """The built backward instances of the local mask without a softcap that run on this GPU (their
-    names; the softcap ones: test_softcap_gpu.py)."""
+    """The built backward instances that run sliding windows without a softcap on this GPU (their
+    names; the softcap ones: test_softcap_gpu.py): fmha_bwd_sm90's local ones, and fa2_bwd_sm80's,
+    whose every instance reads the window (its params' "window" mark)."""
     if not torch.cuda.is_available():
         return []
     cc = torch.cuda.get_device_capability()
-    return sorted({c.name for c in registry.load()[0] if c.entry.params.get("mask") == "local"
+    return sorted({c.name for c in registry.load()[0]
+                   if (c.entry.params.get("mask") == "local" or c.entry.params.get("window"))
                    and not c.entry.params.get("softcap")
                    and registry.family_named(c.entry.family).KIND == "attention_bwd"
                    and registry.build_reason(c, cc) is None})
@@ -139,9 +141,7 @@ def test_every_local_backward_instance(name):
     then the instance's dQ, dK, dV into NaN-poisoned buffers against float64 autograd, for seven
     windows, lengths 1 to 4097 with Nq != Nk, both alignments."""
     if name == "(none built)":
-        if torch.cuda.get_device_capability()[0] == 9:
-            pytest.fail("no local backward instance is built for this Hopper GPU")
-        pytest.skip("the local backward instances are Hopper's (fmha_bwd_sm90)")
+        pytest.fail("no backward instance that runs windows is built (fa2_bwd_sm80 is built by default)")
     cand = next(c for c in registry.load()[0] if c.name == name)
     dtype = launch.TORCH_DTYPES[cand.instance.dtype.value]
     d = cand.instance.head_dim

@@ -11,7 +11,7 @@
 // Nothing of size seqlen_q x seqlen_k touches global memory.
 //
 // Masks come at launch: causal_offset (key j visible to query i iff j <= i + causal_offset;
-// INT32_MAX for none). Query head h reads key/value head h / (heads / heads_kv) and writes dK and dV
+// INT32_MAX for none), or a sliding window around it (abi.h's local, window_left, window_right). Query head h reads key/value head h / (heads / heads_kv) and writes dK and dV
 // of head h (GEMMGEN_INFO_READS_GQA: the caller sums each group's). Variable lengths: every grid
 // covers the longest sequence, each block finds its sequence's rows (gemmgen/sequence.h) and the
 // workspace keeps seqlen_q (the longest) rows per (batch, head).
@@ -182,11 +182,20 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const Args a)
   const int64_t col0 = int64_t(n_block) * kBlockN;
   if (col0 >= seqlen_k) return;  // past a shorter sequence's keys (variable lengths)
   const int keys_left = seqlen_k - int(col0);
+  // Key j is visible to query i iff i + lo <= j <= i + hi: hi the causal diagonal (or a window's
+  // right edge), lo a window's left edge; a side without a bound lies past every key.
+  constexpr int64_t kFar = int64_t(1) << 40;
+  const bool local = p.local != 0;
+  const int64_t hi = !local ? causal_offset : p.window_right >= 0 ? causal_offset + p.window_right : kFar;
+  const int64_t lo = local && p.window_left >= 0 ? causal_offset - p.window_left : -kFar;
 
-  // Query tiles that see a key of this tile: from the first row whose causal limit reaches col0.
-  const int m_end = (seqlen_q + kBlockM - 1) / kBlockM;
+  // Query tiles that see a key of this tile: from the first row whose right limit reaches col0 to
+  // the last whose left limit reaches the tile's last key.
+  int m_end = (seqlen_q + kBlockM - 1) / kBlockM;
+  const int64_t last_row = col0 + min(keys_left, kBlockN) - 1 - lo;
+  m_end = last_row < 0 ? 0 : int(min<int64_t>(m_end, last_row / kBlockM + 1));
   int m_begin = 0;
-  if (causal_offset < col0) m_begin = int(min<int64_t>(m_end, (col0 - causal_offset) / kBlockM));
+  if (hi < col0) m_begin = int(min<int64_t>(m_end, (col0 - hi) / kBlockM));
 
   const Element* k_ptr = static_cast<const Element*>(p.k) + seq.k_start(p.k_batch_stride, p.k_row_stride) +
                          h_kv * p.k_head_stride;
@@ -351,7 +360,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const Args a)
               thr_copy_sdp_b);
 
       // P = exp(scale S - LSE) (0 where masked), dS = P (dP - D), in place.
-      const bool masked = keys_left < kBlockN || col0 + kBlockN - 1 > int64_t(row0) + causal_offset;
+      const bool masked = keys_left < kBlockN || col0 + kBlockN - 1 > int64_t(row0) + hi ||
+                          col0 < int64_t(row0) + kBlockM - 1 + lo;
       Tensor s = make_tensor(acc_s.data(), rowcol(acc_s.layout()));
       Tensor dp = make_tensor(acc_dp.data(), rowcol(acc_dp.layout()));
       CUTE_UNROLL
@@ -359,11 +369,13 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const Args a)
         const int row = get<0>(cS(mi, 0));
         const float lse = lse_r[mi];
         const float dd = d_r[mi];
-        // Keys at or past `limit` (tile columns) are hidden from this row.
-        int limit = kBlockN;
+        // This row sees tile columns [first, first + width): one unsigned compare per score.
+        int first = 0, width = kBlockN;
         if (masked) {
-          const int64_t last = int64_t(row0) + row + causal_offset - col0;
-          limit = int(max<int64_t>(0, min<int64_t>(min(keys_left, kBlockN), last + 1)));
+          const int64_t r = int64_t(row0) + row - col0;
+          first = int(max<int64_t>(0, min<int64_t>(kBlockN, r + lo)));
+          const int limit = int(max<int64_t>(0, min<int64_t>(min(keys_left, kBlockN), r + hi + 1)));
+          width = max(limit - first, 0);
         }
         CUTE_UNROLL
         for (int ni = 0; ni < size<1>(s); ++ni) {
@@ -376,7 +388,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const Args a)
             pv = exp2f(fmaf(s(mi, ni), scale_log2, -lse));
             grad = pv * (dp(mi, ni) - dd);
           }
-          const bool hidden = get<1>(cS(0, ni)) >= limit;
+          const bool hidden = unsigned(get<1>(cS(0, ni)) - first) >= unsigned(width);
           s(mi, ni) = hidden ? 0.f : pv;
           dp(mi, ni) = hidden ? 0.f : grad;
         }

@@ -37,8 +37,12 @@ int check(const GemmgenAttnBwdParams* p, char* err, int err_len) {
                   "bad sizes: batch %d heads %d heads_kv %d seqlen_q %d seqlen_k %d", p->batch, p->heads, p->heads_kv,
                   p->seqlen_q, p->seqlen_k);
   }
-  if (p->bias != nullptr || p->dbias != nullptr || p->dropout_p != 0.f || p->local != 0) {
-    return report(err, err_len, GEMMGEN_INVALID_ARGUMENT, "this family runs no bias, dropout or sliding window");
+  if (p->bias != nullptr || p->dbias != nullptr || p->dropout_p != 0.f) {
+    return report(err, err_len, GEMMGEN_INVALID_ARGUMENT, "this family runs no bias or dropout");
+  }
+  if (p->local != 0 && (p->window_left < -1 || p->window_right < -1)) {
+    return report(err, err_len, GEMMGEN_INVALID_ARGUMENT, "window (%d, %d): each side is -1 (unbounded) or >= 0",
+                  p->window_left, p->window_right);
   }
   if (int status = fa2_sm80::check_varlen(p, err, err_len)) return status;
   if (p->deterministic) {
