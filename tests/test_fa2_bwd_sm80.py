@@ -115,7 +115,7 @@ D128 = Fa2BwdSm80Instance(DType.BF16, 128, 64, 128, 8, 1)
     (dict(varlen=True, causal=True, causal_alignment="bottom_right", seqlen_q=17, seqlen_k=4097), None),
     (dict(kv_cache=True), "no kv cache"),
     (dict(bias_grad=True), "no dbias"),
-    (dict(deterministic=True), "not deterministic"),
+    (dict(deterministic=True), None),  # dQ added in key-tile order
     (dict(align=8), "16-byte aligned"),
 ])
 def test_problem_reason(kw, reason):
@@ -197,7 +197,8 @@ def test_on_demand_build_target():
     assert arch is Arch.SM80 and inst.name == "fa2_bwd_sm80_bf16_d96_m64n128w8s1"
     arch, inst = registry.build_target(problem(device=device.synthetic((8, 6), 84)))
     assert inst.family == fam.FAMILY and inst.head_dim == 128 and inst.smem_bytes <= 99 * 1024
-    assert registry.build_target(problem(deterministic=True))[1].family == "mea_bwd_sm80"
+    assert registry.build_target(problem(deterministic=True))[1].family == fam.FAMILY
+    assert registry.build_target(problem(dropout=True))[1].family == "mea_bwd_sm80"
 
 
 def test_rendered_text():
@@ -242,6 +243,8 @@ def test_real_build_workspace(built):
     vec = -(-2 * 3 * 128 * 4 // 256) * 256
     assert kernel.workspace_bytes(params()) == 2 * 3 * 128 * 32 * 4 + 2 * vec
     assert kernel.workspace_bytes(params(seqlen_q=1)) == 2 * 3 * 64 * 32 * 4 + 2 * (2 * 3 * 64 * 4)
+    # Deterministic calls: an int32 turn counter per query tile besides (2 * 3 * 2 of them, 256 bytes).
+    assert kernel.workspace_bytes(params(deterministic=1)) == 2 * 3 * 128 * 32 * 4 + 2 * vec + 256
     assert kernel.workspace_bytes(params(head_dim=64)) == 0  # not this instance's: run() refuses it
     assert kernel.workspace_bytes(params(batch=0)) == 0
 
@@ -250,10 +253,9 @@ def test_real_build_workspace(built):
     (dict(head_dim=64), "head_dim 64, this instance runs 32"),
     (dict(seqlen_k=0), "bad sizes"),
     (dict(heads_kv=2), "bad sizes"),  # 3 query heads are no whole groups of 2
-    (dict(deterministic=1), "deterministic"),
-    (dict(dropout_p=0.1), "no bias, dropout"),
-    (dict(bias=0x1000), "no bias, dropout"),
-    (dict(dbias=0x1000), "no bias, dropout"),
+    (dict(dropout_p=0.1), "no bias or dropout"),
+    (dict(bias=0x1000), "no bias or dropout"),
+    (dict(dbias=0x1000), "no bias or dropout"),
     (dict(cu_seqlens_q=0x1000), "need both cu_seqlens_q and cu_seqlens_k"),
     (dict(align_per_sequence=1), "align_per_sequence aligns the sequences of variable lengths"),
     (dict(local=1, window_left=-2, window_right=8), "each side is -1 (unbounded) or >= 0"),

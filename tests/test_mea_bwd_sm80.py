@@ -148,14 +148,14 @@ def test_the_family_serves_what_its_instances_serve():
 
 
 def test_registry_builds_the_preferred_tile_on_demand():
-    """A backward problem on sm_80 that only this family runs (deterministic, dropout; fa2_bwd_sm80
+    """A backward problem on sm_80 that only this family runs (an additive mask, dropout; fa2_bwd_sm80
     takes the others) goes to it: the DEFAULT tile of the smallest bound that fits, the first dropout
     instance of SPACE for dropout, a smaller tile where shared memory is less."""
-    arch, inst = registry.build_target(problem(head_dim=96, deterministic=True))
+    arch, inst = registry.build_target(problem(head_dim=96, bias=True))
     assert arch is Arch.SM80 and inst.name == "mea_bwd_sm80_fp16_k128_q128k128_preload"
     arch, inst = registry.build_target(problem(dtype="bf16", head_dim=32, dropout=True))
     assert inst.name == "mea_bwd_sm80_bf16_k64_q64k64_preload_dropout"
-    arch, inst = registry.build_target(problem(head_dim=128, deterministic=True, device=device.synthetic((8, 6), 84)))
+    arch, inst = registry.build_target(problem(head_dim=128, bias=True, device=device.synthetic((8, 6), 84)))
     assert inst.family == fam.FAMILY and inst.max_head_dim >= 128 and inst.smem_bytes <= 99 * 1024
     # Forward problems never reach a backward family.
     from gemmgen.select.problem import Problem

@@ -129,7 +129,8 @@ def stand_ins(monkeypatch):
         o = torch.zeros_like(q)
         lse = torch.full((cu_q.numel() - 1, q.shape[1], max_q), float("-inf"), dtype=torch.float32)
         for b, (sq, sk) in enumerate(sequences(cu_q, cu_k)):
-            ob, lb = dense_forward(*bhnd(q[sq], k[sk], v[sk]), a["causal"], "top_left", a["scale"], 0.0, None, 0)
+            ob, lb = dense_forward(*bhnd(q[sq], k[sk], v[sk]), a["causal"], a["causal_alignment"], a["scale"], 0.0,
+                                   None, 0)
             o[sq] = ob[0].transpose(0, 1).to(o.dtype)
             lse[b, :, :sq.stop - sq.start] = lb[0].float()
         return (o, lse) if a["return_lse"] else o
@@ -143,11 +144,13 @@ def stand_ins(monkeypatch):
         return (*(g.to(t.dtype) for g, t in zip(grads, (q, k, v))), q.new_empty(0))
 
     def varlen_backward(grad_out, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale, dropout_p, seed,
-                        offset):
-        rec.varlen_backward.append(dict(lse=lse.clone(), causal=causal, max_q=max_q, max_k=max_k))
+                        offset, causal_alignment="top_left", window=None, softcap=0.0):
+        rec.varlen_backward.append(dict(lse=lse.clone(), causal=causal, max_q=max_q, max_k=max_k,
+                                        alignment=causal_alignment))
         grads = [torch.zeros_like(t) for t in (q, k, v)]
         for sq, sk in sequences(cu_q, cu_k):
-            g = dense_backward(*bhnd(grad_out[sq], q[sq], k[sk], v[sk]), causal, "top_left", scale, 0.0, None, 0)
+            g = dense_backward(*bhnd(grad_out[sq], q[sq], k[sk], v[sk]), causal, causal_alignment, scale, 0.0, None,
+                               0)
             for dst, rows, t in zip(grads, (sq, sk, sk), g):
                 dst[rows] = t[0].transpose(0, 1).to(dst.dtype)
         return tuple(grads)
@@ -730,19 +733,27 @@ def test_varlen_attn_forward_and_backward(stand_ins, cpu_impl, lengths):
     assert torch_sdpa.counts()["_flash_attention_backward"]["gemmgen"] == 1
 
 
-def test_causal_varlen_needs_equal_lengths(stand_ins, impl_over_torch):
+def test_causal_varlen_aligns_each_sequence_bottom_right(stand_ins, cpu_impl):
+    """FlashAttention's causal mask within each packed sequence is bottom-right: gemmgen runs it so
+    (causal_alignment="bottom_right") where the query and key offsets are separate tensors, and
+    top-left, the same mask, where one tensor serves both; the backward gets the same alignment."""
     module = varlen_attn()
     causal = varlen_options(module.varlen_attn, gqa=True, causal=True)
     q, k, v, do, cu, _ = packed([3, 5], [3, 5])
     o = module.varlen_attn(q, k, v, cu, cu, 5, 5, **causal)  # one cum_seq tensor
     close(o, packed_reference(q, k, v, do, cu, cu, causal=True)[0])
-    assert stand_ins.varlen[-1]["causal"] is True
-    module.varlen_attn(q, k, v, cu, cu.clone(), 5, 5, **causal)  # equal values: served
-    assert len(stand_ins.varlen) == 2
-    q2, k2, v2, _, cu_q, cu_k = packed([3, 5], [4, 5])
-    module.varlen_attn(q2, k2, v2, cu_q, cu_k, 5, 5, **causal)
-    assert len(stand_ins.varlen) == 2 and impl_over_torch.calls == ["flash_forward"]
-    assert "query and key lengths differ" in torch_sdpa.fallback_reasons()[0]
+    assert stand_ins.varlen[-1]["causal"] is True and stand_ins.varlen[-1]["causal_alignment"] == "top_left"
+    q2, k2, v2, do2, cu_q, cu_k = packed([3, 0, 5], [4, 2, 9])
+    leaves = [t.clone().requires_grad_() for t in (q2, k2, v2)]
+    o = module.varlen_attn(*leaves, cu_q, cu_k, 5, 9, **causal)
+    o.backward(do2)
+    want_o, _, want_grads = packed_reference(q2, k2, v2, do2, cu_q, cu_k, causal=True)
+    close(o, want_o)
+    for leaf, want in zip(leaves, want_grads):
+        close(leaf.grad, want)
+    assert stand_ins.varlen[-1]["causal_alignment"] == "bottom_right"
+    assert stand_ins.varlen_backward[-1]["alignment"] == "bottom_right"
+    assert torch_sdpa.fallback_reasons() == []
 
 
 def test_varlen_attn_out_writes_into_out(stand_ins, cpu_impl):

@@ -635,13 +635,13 @@ def _backward_serves(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: floa
 
 
 def _varlen_backward_serves(q: torch.Tensor, k: torch.Tensor, batch: int, max_q: int, max_k: int,
-                            causal: bool, scale: float | None, dropout_p: float) -> None:
+                            causal: bool, scale: float | None, dropout_p: float, alignment: str) -> None:
     """_backward_serves for packed sequences: raise when gemmgen has no backward for them."""
     select = importlib.import_module("gemmgen.ops.torch_op")._varlen_bwd_kernel
     group = q.shape[1] // k.shape[1]
     kk = _launch().expanded_layout(k.unsqueeze(0).transpose(1, 2), group, "meta").transpose(1, 2).squeeze(0)
     with _backward_check():
-        select(q, kk, batch, max_q, max_k, causal, scale, dropout_p)
+        select(q, kk, batch, max_q, max_k, causal, scale, dropout_p, (), alignment if causal else "top_left")
 
 
 # ---- repeated forward calls ----------------------------------------------------------------------
@@ -834,19 +834,13 @@ def _flash_backward(call: _Call) -> tuple:
 
 # ---- packed sequences ----------------------------------------------------------------------------
 
-def _require_equal_lengths(cu_q: torch.Tensor, cu_k: torch.Tensor) -> None:
-    """FlashAttention's causal mask within a packed sequence is bottom-right, gemmgen's varlen
-    kernels' top-left: they agree where every sequence has as many queries as keys."""
-    if cu_q is cu_k:
-        return
-    if cu_q.shape != cu_k.shape:
-        raise _Fallback("causal packed sequences with different cum_seq_q and cum_seq_k")
-    if cu_q.is_cuda and torch.cuda.is_current_stream_capturing():
-        raise _Fallback("causal packed sequences with separate cum_seq_q and cum_seq_k tensors in CUDA graph "
-                        "capture (their lengths cannot be compared then)")
-    if not torch.equal(cu_q, cu_k):
-        raise _Fallback("causal packed sequences whose query and key lengths differ (torch's flash op aligns "
-                        "the causal mask bottom-right, gemmgen's varlen kernels top-left)")
+def _varlen_alignment(cu_q: torch.Tensor, cu_k: torch.Tensor) -> str:
+    """gemmgen's causal alignment for FlashAttention's causal mask within each packed sequence, which
+    is bottom-right: "bottom_right" (fa2_sm80 and fa2_bwd_sm80 run it), or "top_left" where one
+    offsets tensor serves both sides, every sequence as long on each, so that the two agree and the
+    families that run top-left only (mea_sm80's dropout) serve it too. Separate tensors are not
+    compared (a device-to-host read per call)."""
+    return "top_left" if cu_q is cu_k else "bottom_right"
 
 
 def _rows(cu_q: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -876,8 +870,6 @@ def _varlen_sizes(call: _Call) -> tuple[torch.Tensor, torch.Tensor, int, int, in
     cu_q, cu_k = call["cum_seq_q"], call["cum_seq_k"]
     if cu_k is None:
         raise _Fallback("packed queries without cum_seq_k (keys from seqused_k or a block table)")
-    if call["is_causal"]:
-        _require_equal_lengths(cu_q, cu_k)
     return cu_q, cu_k, cu_q.shape[0] - 1, int(call["max_q"]), int(call["max_k"])
 
 
@@ -886,13 +878,14 @@ def _varlen_forward(call: _Call) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
     q, k, v = call["query"], call["key"], call["value"]
     cu_q, cu_k, batch, max_q, max_k = _varlen_sizes(call)
     causal, scale, dropout_p = bool(call["is_causal"]), call["scale"], call["dropout_p"]
+    alignment = _varlen_alignment(cu_q, cu_k)
     with _dropout_seed(q, dropout_p, batch * q.shape[1] * max_q * max_k) as (seed, offset):
         if dropout_p > 0.0 and _grad_expected(q, k, v):
-            _varlen_backward_serves(q, k, batch, max_q, max_k, causal, scale, dropout_p)
+            _varlen_backward_serves(q, k, batch, max_q, max_k, causal, scale, dropout_p, alignment)
         with torch.no_grad():
             o, lse = _attention().fused_attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal=causal,
                                                          scale=scale, return_lse=True, dropout_p=dropout_p,
-                                                         seed=seed, offset=offset)
+                                                         seed=seed, offset=offset, causal_alignment=alignment)
     return (o, _packed_lse(lse, cu_q, q.shape[0]), *_philox_outputs(q.device, dropout_p, seed, offset))
 
 
@@ -905,7 +898,7 @@ def _varlen_backward(call: _Call) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
         lse = _batched_lse(call["logsumexp"], cu_q, batch, max_q)
         dq, dk, dv = _gemmgen_ops().fused_attention_varlen_backward.default(
             call["grad_out"], call["query"], call["key"], call["value"], call["out"], lse, cu_q, cu_k, max_q, max_k,
-            bool(call["is_causal"]), call["scale"], dropout_p, seed, offset)
+            bool(call["is_causal"]), call["scale"], dropout_p, seed, offset, _varlen_alignment(cu_q, cu_k))
     return dq, dk, dv
 
 

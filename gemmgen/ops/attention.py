@@ -219,9 +219,9 @@ def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
     (gemmgen.ops.torch_op.fused_attention_backward), in the inputs' layouts; the forward saves LSE for it.
     The forward checks at once that a backward instance serves the call, and raises NoInstanceError
     with every instance's reason if none does. deterministic=True asks for a backward whose result does
-    not depend on the order blocks finish in (bitwise repeatable; slower: on Hopper fmha_bwd_sm90 adds
-    each query tile's dQ in key-tile order, at 0.74-1.0x its default speed on an H100; elsewhere
-    mea_bwd_sm80 runs one CTA per head, several times slower than fa2_bwd_sm80's atomics). The
+    not depend on the order blocks finish in (bitwise repeatable; slower: fmha_bwd_sm90 on Hopper and
+    fa2_bwd_sm80 elsewhere add each query tile's dQ in key-tile order, at 0.74-1.0x and 0.29-0.43x
+    their default speeds on an H100; with dropout or a mask mea_bwd_sm80 runs one CTA per head). The
     returned LSE has no gradient of its own; `out=` has no backward. Double backward raises.
 
     dropout_p zeroes each attention weight with that probability and scales the rest by

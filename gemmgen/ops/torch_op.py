@@ -227,10 +227,7 @@ def _run_varlen(q, k, v, o, lse, cu_q, cu_k, max_q, max_k, causal, scale, instan
     if _nothing_to_launch(q, k, v, o, lse, o.numel() == 0 or max_k == 0 or max_q == 0):
         return
     index = q.get_device()
-    causal, window = _mask_args(causal, window)
-    if softcap:  # an op called directly gets fused_attention_varlen's check
-        softcap = check_softcap(softcap)
-    alignment = causal_alignment if causal or window else "top_left"
+    causal, alignment, window, softcap = _varlen_mask(causal, causal_alignment, window, softcap)
     big = launch.max_offset(q, k, v, o) >= 2**31
     key = (index, q.dtype, q.shape, k.shape, batch, max_q, max_k, causal, _sign(scale),
            big, instance, dropout_p > 0.0, False, True, alignment, window, softcap > 0)
@@ -621,7 +618,8 @@ def _varlen_bwd_kernel(q, k, batch, max_seqlen_q, max_seqlen_k, causal, scale, d
 
 def _varlen_mask(causal: bool, causal_alignment: str, window, softcap: float):
     """The varlen ops' mask arguments normalized (_mask_args), the alignment "top_left" where no mask
-    reads it (one cache key per mask), and the softcap checked."""
+    reads it (one cache key per mask), and the softcap checked (an op called directly gets
+    fused_attention_varlen's checks)."""
     causal, window = _mask_args(causal, window)
     alignment = causal_alignment if causal or window is not None else "top_left"
     return causal, alignment, window, check_softcap(softcap) if softcap else 0.0

@@ -4,13 +4,13 @@ dims fmha_bwd_sm90 has no tile for (96, 160, 192, 256).
 
 A CTA owns `block_n` keys of one (batch, head), keeps K, V, dK and dV on chip and walks the query
 tiles that see them, `block_m` rows at a time with `stages` buffers of Q and dO; dQ is added up in an
-fp32 workspace with atomics, so a call is not deterministic. Before it a small kernel computes
-D = rowsum(dO * O) per row, after it another writes dQ in its dtype and strides
-(templates/include/gemmgen/fa2_bwd_sm80/). The causal offset is a launch parameter: one instance
-serves no mask, causal in both alignments and sliding windows with any Nq, Nk (BothMasks), on
-packed sequences too. K and V are read at their
-own heads (GQA without expanding them); dK and dV come back per query head. A `softcap` instance
-runs the backward of a logit softcap (and only calls with one).
+fp32 workspace with atomics, or with deterministic=True by the key tiles of each query tile in turn.
+Before it a small kernel computes D = rowsum(dO * O) per row, after it another writes dQ in its dtype
+and strides (templates/include/gemmgen/fa2_bwd_sm80/). The causal offset is a launch parameter: one
+instance serves no mask, causal in both alignments and sliding windows with any Nq, Nk (BothMasks),
+on packed sequences too. K and V are read at their own heads (GQA without expanding them); dK and dV
+come back per query head. A `softcap` instance runs the backward of a logit softcap (and only calls
+with one).
 """
 from __future__ import annotations
 
@@ -132,14 +132,12 @@ def invalid_reason(inst: Fa2BwdSm80Instance, arch: Arch = Arch.SM80) -> str | No
 
 def problem_reason(inst: Fa2BwdSm80Instance, problem) -> str | None:
     """What a built instance cannot run (the registry's reason), None when it can: any strides, scale,
-    causal alignment, lengths (variable ones too, either alignment) and GQA ratio; no dropout, bias
-    or determinism."""
+    causal alignment, lengths (variable ones too, either alignment), GQA ratio and deterministic calls
+    (dQ added in key-tile order); no dropout or bias."""
     if reason := feature_reason(FAMILY, problem, ("dropout", "bias", "kv_cache")):
         return reason
     if getattr(problem, "bias_grad", False):
         return f"{FAMILY} has no dbias"
-    if getattr(problem, "deterministic", False):
-        return f"{FAMILY} adds dQ up with atomics across key tiles: not deterministic"
     if problem.align < 16:
         return f"{FAMILY} needs 16-byte aligned data and strides, the problem's are {problem.align}-byte aligned"
     return None

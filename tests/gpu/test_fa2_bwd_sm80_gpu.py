@@ -37,22 +37,22 @@ def candidate(name: str) -> registry.Candidate:
     return found[0]
 
 
-def run(cand, q, k, v, do, *, causal, alignment, scale=None, softcap=0.0):
+def run(cand, q, k, v, do, *, causal, alignment, scale=None, softcap=0.0, window=None, deterministic=False):
     """The forward (the registry's pick, with LSE), then `cand`'s backward into NaN-poisoned buffers;
     dK and dV per query head."""
     with torch.no_grad():
         o, lse = gemmgen.fused_attention(q, k, v, causal=causal, causal_alignment=alignment, scale=scale,
-                                         softcap=softcap, return_lse=True)
+                                         softcap=softcap, window=window, return_lse=True)
     group = q.shape[1] // k.shape[1]
     problem = calls.problem_for_bwd(q, launch.expanded_layout(k, group, "meta"), causal, causal_alignment=alignment,
-                                    scale=scale, softcap=softcap > 0)
+                                    scale=scale, softcap=softcap > 0, window=window, deterministic=deterministic)
     reason = registry.reject_reason(cand, problem)
     assert reason is None, f"{cand.name} refused {problem.describe()}: {reason}"
     dq = torch.full_like(q, float("nan"))
     dk, dv = (launch.empty_like_layout(t, (*t.shape[:1], q.shape[1], *t.shape[2:])).fill_(float("nan"))
               for t in (k, v))
     p = launch.params_bwd(q, k, v, o, do, lse, dq, dk, dv, causal=causal, causal_alignment=alignment, scale=scale,
-                          softcap=softcap)
+                          softcap=softcap, window=window, deterministic=deterministic)
     launch.run_bwd(cand.kernel, p, q.get_device())
     torch.cuda.synchronize()
     return dq, dk, dv
@@ -87,6 +87,30 @@ def test_instance_gqa_and_views(name):
         want = ref_grads(q, k_all, v_all, do, causal=causal, alignment="bottom_right")
         for label, g, w in zip(("dQ", "dK per query head", "dV per query head"), got, want):
             assert_close(f"{name} {h}:{hkv} {layout} {label}", g, w, dtype)
+
+
+@pytest.mark.parametrize("name", instances(False) or ["(none built)"])
+def test_instance_deterministic(name):
+    """deterministic=True: the key tiles of each query tile add its dQ one after another in key-tile
+    order; three runs bitwise equal and right, with causal (bottom-right, Nq != Nk, GQA 4:1 at its own
+    heads), a two-sided window and no mask over many key tiles."""
+    cand = candidate(name)
+    d = cand.instance.head_dim
+    dtype = launch.TORCH_DTYPES[cand.instance.dtype.value]
+    for (nq, nk), kw in (((1000, 1300), dict(causal=True, alignment="bottom_right")),
+                         ((777, 2049), dict(causal=False, alignment="top_left", window=(200, 100))),
+                         ((129, 4097), dict(causal=False, alignment="top_left"))):
+        q, k, v, do = make(2, 4, 1 if nq == 1000 else 4, nq, nk, d, dtype, (name, "det", nq, nk))
+        first = run(cand, q, k, v, do, deterministic=True, **kw)
+        for _ in range(2):
+            assert all(torch.equal(a, b) for a, b in zip(first, run(cand, q, k, v, do, deterministic=True, **kw)))
+        leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+        attention_reference(*leaves, kw["causal"], kw["alignment"], window=kw.get("window"))[0].backward(do.double())
+        group = q.shape[1] // k.shape[1]
+        for label, g, t in zip(("dQ", "dK", "dV"), first, leaves):
+            if label != "dQ" and group > 1:  # per query head: summed over each group
+                g = g.view(g.shape[0], k.shape[1], group, *g.shape[2:]).sum(2)
+            assert_close(f"{name} {nq}x{nk} {kw} deterministic {label}", g, t.grad, dtype)
 
 
 @pytest.mark.parametrize("name", instances(True) or ["(none built)"])

@@ -349,3 +349,31 @@ def test_varlen_attn_runs_gemmgen(active):
     assert served("_flash_attention_forward") == (1, 0), torch_sdpa.fallback_reasons()
     has_backward = hasattr(torch.ops.gemmgen, "fused_attention_varlen_backward")
     assert served("_flash_attention_backward") == ((1, 0) if has_backward else (0, 1))
+
+
+def test_causal_varlen_attn_with_different_lengths_runs_bottom_right(active):
+    """Causal packed sequences whose query and key lengths differ (separate cum_seq tensors): torch's
+    mask is bottom-right within each sequence, and gemmgen serves it so (fa2_sm80, fa2_bwd_sm80)."""
+    varlen = pytest.importorskip("torch.nn.attention.varlen", reason="this torch has no varlen_attn")
+    dtype, d = torch.bfloat16, 64
+    lens_q, lens_k = [17, 0, 64, 5], [40, 3, 129, 5]
+    cu_q, cu_k = (torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+                  for n in (lens_q, lens_k))
+    q, do = (randn((sum(lens_q), 4, d), dtype, ("varlen-br", name)) for name in ("q", "do"))
+    k, v = (randn((sum(lens_k), 4, d), dtype, ("varlen-br", name)) for name in ("k", "v"))
+    leaves = [t.requires_grad_() for t in (q, k, v)]
+    params = inspect.signature(varlen.varlen_attn).parameters
+    causal = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
+    o = varlen.varlen_attn(*leaves, cu_q, cu_k, max(lens_q), max(lens_k), **causal)
+    if served("_flash_attention_forward") == (0, 0):
+        pytest.skip("this torch does not route varlen_attn through aten::_flash_attention_forward")
+    o.backward(do)
+    for sq, sk in zip(zip(cu_q.tolist(), cu_q.tolist()[1:]), zip(cu_k.tolist(), cu_k.tolist()[1:])):
+        if sq[0] == sq[1] or sk[0] == sk[1]:
+            continue
+        views = [t[a:b].transpose(0, 1).unsqueeze(0) for t, (a, b) in zip((q, k, v, do), (sq, sk, sk, sq))]
+        want_o, want_grads = reference(*views, causal=True)
+        assert_close(f"O {sq}", o[sq[0]:sq[1]], want_o[0].transpose(0, 1), dtype)
+        for name, t, rows, want in zip(("dQ", "dK", "dV"), leaves, (sq, sk, sk), want_grads):
+            assert_close(f"{name} {rows}", t.grad[rows[0]:rows[1]], want[0].transpose(0, 1), dtype)
+    assert served("_flash_attention_forward") == (1, 0), torch_sdpa.fallback_reasons()

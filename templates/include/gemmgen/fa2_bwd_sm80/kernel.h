@@ -6,7 +6,9 @@
 //   main:    one CTA per (key tile, batch * head). K and V stay in shared memory; the loop walks the
 //            query tiles that see this key tile: S = Q K^T, dP = dO V^T, P = exp(scale S - LSE),
 //            dS = P (dP - D), then dV += P^T dO, dK += dS^T Q (registers, fp32) and dQ += dS K
-//            (fp32 atomics into the workspace). dK (times the scale) and dV are stored at the end.
+//            (fp32 atomics into the workspace; with params.deterministic, plain adds that the key
+//            tiles of a query tile make one after another, lowest first, each waiting for its turn
+//            on a counter in the workspace). dK (times the scale) and dV are stored at the end.
 //   convert: dQ = scale * the accumulator, in dQ's dtype and strides.
 // Nothing of size seqlen_q x seqlen_k touches global memory.
 //
@@ -39,6 +41,7 @@ struct Workspace {
   float* dq_accum;  // [batch * heads, rows_padded, head_dim]
   float* lse_log2;  // [batch * heads, rows_padded]
   float* d;         // [batch * heads, rows_padded]
+  int* turns;       // [batch * heads, rows_padded / block_m]: deterministic dQ, the next key tile's turn
   int64_t rows_padded;
 };
 
@@ -50,6 +53,17 @@ struct Args {
 CUTE_DEVICE void bh_of(int64_t bh, int heads, int& b, int& h) {
   b = int(bh / heads);
   h = int(bh % heads);
+}
+
+// A turn counter read with acquire and written with release semantics at GPU scope: the dQ adds a
+// key tile makes before passing the turn are visible to the one that takes it.
+__device__ __forceinline__ int load_acquire(const int* p) {
+  int v;
+  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void store_release(int* p, int v) {
+  asm volatile("st.release.gpu.global.b32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
 
 // tanh(x) as 1 - 2 / (e^2x + 1), as the forward computes it (fa2_sm80/kernel.h).
@@ -71,6 +85,9 @@ __global__ void __launch_bounds__(256) prep_kernel(const Args a) {
   bh_of(bh, p.heads, b, h);
   float* acc = a.ws.dq_accum + (bh * a.ws.rows_padded + row) * Traits::kHeadDim;
   for (int c = lane; c < Traits::kHeadDim / 4; c += 32) reinterpret_cast<float4*>(acc)[c] = make_float4(0, 0, 0, 0);
+  if (a.p.deterministic && lane == 0 && row % Traits::kBlockM == 0) {
+    a.ws.turns[bh * (a.ws.rows_padded / Traits::kBlockM) + row / Traits::kBlockM] = 0;
+  }
   float dot = 0.f;
   float lse2 = INFINITY;
   const Sequence seq = sequence_of(p, b);
@@ -168,9 +185,13 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const Args a)
 
   extern __shared__ __align__(128) char smem[];
 
-  const int n_block = blockIdx.x;
-  const int64_t bh = blockIdx.y + int64_t(blockIdx.z) * gridDim.y;
-  if (bh >= int64_t(p.batch) * p.heads) return;
+  // Deterministic calls launch a 1-D grid, batch * head fastest: key tile 0 of every head starts
+  // first, so a CTA that waits for a lower key tile's turn waits on one launched a wave earlier
+  // (with key tiles fastest, a head's tiles started together and waited in a chain, holding SMs).
+  const int64_t heads = int64_t(p.batch) * p.heads;
+  const int n_block = p.deterministic ? int(blockIdx.x / heads) : int(blockIdx.x);
+  const int64_t bh = p.deterministic ? int64_t(blockIdx.x % heads) : blockIdx.y + int64_t(blockIdx.z) * gridDim.y;
+  if (bh >= heads) return;
   int b, h;
   bh_of(bh, p.heads, b, h);
   const int h_kv = h / (p.heads / p.heads_kv);
@@ -413,6 +434,28 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const Args a)
       clear(acc_dq);
       gemm_ss(acc_dq, tdQrdS, tdQrKt, tdQsdS, tdQsKt, mma_q, copy_q_a, copy_q_b, thr_copy_q_a, thr_copy_q_b);
       float* dq_rows = dq_accum + int64_t(row0) * kHeadDim;
+      if (p.deterministic) {
+        // This key tile's turn at query tile m: the key tiles that see m are a contiguous range
+        // (m_begin and m_end never decrease with the key tile) from the first whose last key
+        // reaches m's first row through the window's left edge.
+        const int64_t x = int64_t(row0) + lo - kBlockN + 1;
+        const int first = x <= 0 ? 0 : int((x + kBlockN - 1) / kBlockN);
+        int* turn = a.ws.turns + bh * (a.ws.rows_padded / kBlockM) + m;
+        if (tidx == 0) {
+          while (load_acquire(turn) != n_block - first) {
+          }
+        }
+        __syncthreads();
+        CUTE_UNROLL
+        for (int i = 0; i < size(acc_dq); i += 2) {
+          float2* at = reinterpret_cast<float2*>(dq_rows + get<0>(tdQcdQ(i)) * kHeadDim + get<1>(tdQcdQ(i)));
+          const float2 old = __ldcg(at);
+          __stcg(at, make_float2(old.x + acc_dq(i), old.y + acc_dq(i + 1)));
+        }
+        __threadfence();
+        __syncthreads();
+        if (tidx == 0) store_release(turn, n_block - first + 1);
+      } else {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
       // Elements 2i and 2i + 1 of an m16n8 accumulator are one row's adjacent columns (the first
       // mode is (column pair, row + 8)): one 8-byte atomic each.
@@ -427,6 +470,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const Args a)
         atomicAdd(dq_rows + get<0>(tdQcdQ(i)) * kHeadDim + get<1>(tdQcdQ(i)), acc_dq(i));
       }
 #endif
+      }
       __syncthreads();  // every warp is done with P, dS and this step's Q, dO buffer
     }
   }

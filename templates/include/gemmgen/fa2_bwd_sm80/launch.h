@@ -22,7 +22,7 @@ constexpr int kRowsPerAuxBlock = 8;       // prep and convert: one warp per row,
 inline int64_t align_up(int64_t x, int64_t a) { return (x + a - 1) / a * a; }
 
 struct Plan {
-  int64_t rows_padded, off_dq, off_lse, off_d, bytes;
+  int64_t rows_padded, off_dq, off_lse, off_d, off_turns, bytes;
 };
 
 template <class Traits, bool Softcap>
@@ -45,10 +45,6 @@ int check(const GemmgenAttnBwdParams* p, char* err, int err_len) {
                   p->window_left, p->window_right);
   }
   if (int status = fa2_sm80::check_varlen(p, err, err_len)) return status;
-  if (p->deterministic) {
-    return report(err, err_len, GEMMGEN_INVALID_ARGUMENT,
-                  "deterministic: this family adds dQ up with atomics across key tiles");
-  }
   if (Softcap ? !(p->softcap > 0.f && p->softcap < INFINITY) : p->softcap != 0.f) {
     return report(err, err_len, GEMMGEN_INVALID_ARGUMENT,
                   Softcap ? "softcap %g: this instance runs a finite logit softcap > 0"
@@ -105,6 +101,11 @@ int make_plan(const GemmgenAttnBwdParams* p, Plan* plan, char* err, int err_len)
     return report(err, err_len, GEMMGEN_INVALID_ARGUMENT, "batch*heads %lld exceeds %lld",
                   static_cast<long long>(heads), static_cast<long long>(kMaxGridYZ * kMaxGridYZ));
   }
+  const int64_t blocks = (p->seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN * heads;
+  if (p->deterministic && blocks > INT32_MAX) {  // the deterministic grid is one-dimensional
+    return report(err, err_len, GEMMGEN_INVALID_ARGUMENT, "deterministic: %lld blocks exceed CUDA's %d",
+                  static_cast<long long>(blocks), INT32_MAX);
+  }
   Plan out;
   out.rows_padded = align_up(p->seqlen_q, Traits::kBlockM);
   int64_t at = 0;
@@ -116,6 +117,8 @@ int make_plan(const GemmgenAttnBwdParams* p, Plan* plan, char* err, int err_len)
   out.off_dq = part(heads * out.rows_padded * Traits::kHeadDim * int64_t(sizeof(float)));
   out.off_lse = part(heads * out.rows_padded * int64_t(sizeof(float)));
   out.off_d = part(heads * out.rows_padded * int64_t(sizeof(float)));
+  // Deterministic calls: a turn counter per query tile.
+  out.off_turns = p->deterministic ? part(heads * (out.rows_padded / Traits::kBlockM) * int64_t(sizeof(int))) : 0;
   out.bytes = at;
   *plan = out;
   return GEMMGEN_OK;
@@ -151,15 +154,20 @@ int run(const GemmgenAttnBwdParams* p, cudaStream_t stream, char* err, int err_l
   if (int status = opt_in_smem<&bwd_kernel<Traits, Softcap>>(kSmem, err, err_len)) return status;
   char* ws = static_cast<char*>(p->workspace);
   Args args{*p, Workspace{reinterpret_cast<float*>(ws + plan.off_dq), reinterpret_cast<float*>(ws + plan.off_lse),
-                          reinterpret_cast<float*>(ws + plan.off_d), plan.rows_padded}};
+                          reinterpret_cast<float*>(ws + plan.off_d), reinterpret_cast<int*>(ws + plan.off_turns),
+                          plan.rows_padded}};
   const int64_t heads = int64_t(p->batch) * p->heads;
   const unsigned grid_y = unsigned(heads < kMaxGridYZ ? heads : kMaxGridYZ);
   const unsigned grid_z = unsigned((heads + grid_y - 1) / grid_y);
   const unsigned prep_blocks = unsigned((plan.rows_padded + kRowsPerAuxBlock - 1) / kRowsPerAuxBlock);
   prep_kernel<Traits><<<dim3(prep_blocks, grid_y, grid_z), 32 * kRowsPerAuxBlock, 0, stream>>>(args);
   if (int status = launch_error(err, err_len, "prep kernel launch")) return status;
-  const unsigned key_tiles = unsigned((p->seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN);
-  bwd_kernel<Traits, Softcap><<<dim3(key_tiles, grid_y, grid_z), Traits::kNThreads, kSmem, stream>>>(args);
+  const int64_t key_tiles = (p->seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN;
+  if (p->deterministic) {  // one block per (key tile, batch * head), batch * head fastest (kernel.h)
+    bwd_kernel<Traits, Softcap><<<unsigned(key_tiles * heads), Traits::kNThreads, kSmem, stream>>>(args);
+  } else {
+    bwd_kernel<Traits, Softcap><<<dim3(unsigned(key_tiles), grid_y, grid_z), Traits::kNThreads, kSmem, stream>>>(args);
+  }
   if (int status = launch_error(err, err_len, "backward kernel launch")) return status;
   const unsigned convert_blocks = unsigned((p->seqlen_q + kRowsPerAuxBlock - 1) / kRowsPerAuxBlock);
   convert_kernel<Traits><<<dim3(convert_blocks, grid_y, grid_z), 32 * kRowsPerAuxBlock, 0, stream>>>(args);
