@@ -220,7 +220,7 @@ def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
     The forward checks at once that a backward instance serves the call, and raises NoInstanceError
     with every instance's reason if none does. deterministic=True asks for a backward whose result does
     not depend on the order blocks finish in (bitwise repeatable; slower: fmha_bwd_sm90 on Hopper and
-    fa2_bwd_sm80 elsewhere add each query tile's dQ in key-tile order, at 0.74-1.0x and 0.29-0.43x
+    fa2_bwd_sm80 elsewhere add each query tile's dQ in key-tile order, at 0.74-1.0x and 0.58-0.82x
     their default speeds on an H100; with dropout or a mask mea_bwd_sm80 runs one CTA per head). The
     returned LSE has no gradient of its own; `out=` has no backward. Double backward raises.
 

@@ -13,10 +13,11 @@
 // Nothing of size seqlen_q x seqlen_k touches global memory.
 //
 // Masks come at launch: causal_offset (key j visible to query i iff j <= i + causal_offset;
-// INT32_MAX for none), or a sliding window around it (abi.h's local, window_left, window_right). Query head h reads key/value head h / (heads / heads_kv) and writes dK and dV
-// of head h (GEMMGEN_INFO_READS_GQA: the caller sums each group's). Variable lengths: every grid
-// covers the longest sequence, each block finds its sequence's rows (gemmgen/sequence.h) and the
-// workspace keeps seqlen_q (the longest) rows per (batch, head).
+// INT32_MAX for none), or a sliding window around it (abi.h's local, window_left, window_right).
+// Query head h reads key/value head h / (heads / heads_kv) and writes dK and dV of head h
+// (GEMMGEN_INFO_READS_GQA: the caller sums each group's). Variable lengths: every grid covers the
+// longest sequence, each block finds its sequence's rows (gemmgen/sequence.h) and the workspace
+// keeps seqlen_q (the longest) rows per (batch, head).
 #pragma once
 #include <cmath>
 #include <cute/tensor.hpp>
@@ -434,28 +435,21 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const Args a)
       clear(acc_dq);
       gemm_ss(acc_dq, tdQrdS, tdQrKt, tdQsdS, tdQsKt, mma_q, copy_q_a, copy_q_b, thr_copy_q_a, thr_copy_q_b);
       float* dq_rows = dq_accum + int64_t(row0) * kHeadDim;
+      // Deterministic calls: this key tile's turn at query tile m. The key tiles that see m are a
+      // contiguous range (m_begin and m_end never decrease with the key tile) from the first whose
+      // last key reaches m's first row through the window's left edge; one at a time, in order, adds
+      // its part (atomics, each element once per tile, so the sums' order is fixed) and passes on.
+      int* turn = a.ws.turns + bh * (a.ws.rows_padded / kBlockM) + m;
+      int place = 0;
       if (p.deterministic) {
-        // This key tile's turn at query tile m: the key tiles that see m are a contiguous range
-        // (m_begin and m_end never decrease with the key tile) from the first whose last key
-        // reaches m's first row through the window's left edge.
         const int64_t x = int64_t(row0) + lo - kBlockN + 1;
-        const int first = x <= 0 ? 0 : int((x + kBlockN - 1) / kBlockN);
-        int* turn = a.ws.turns + bh * (a.ws.rows_padded / kBlockM) + m;
+        place = n_block - (x <= 0 ? 0 : int((x + kBlockN - 1) / kBlockN));
         if (tidx == 0) {
-          while (load_acquire(turn) != n_block - first) {
+          while (load_acquire(turn) != place) {
           }
         }
         __syncthreads();
-        CUTE_UNROLL
-        for (int i = 0; i < size(acc_dq); i += 2) {
-          float2* at = reinterpret_cast<float2*>(dq_rows + get<0>(tdQcdQ(i)) * kHeadDim + get<1>(tdQcdQ(i)));
-          const float2 old = __ldcg(at);
-          __stcg(at, make_float2(old.x + acc_dq(i), old.y + acc_dq(i + 1)));
-        }
-        __threadfence();
-        __syncthreads();
-        if (tidx == 0) store_release(turn, n_block - first + 1);
-      } else {
+      }
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
       // Elements 2i and 2i + 1 of an m16n8 accumulator are one row's adjacent columns (the first
       // mode is (column pair, row + 8)): one 8-byte atomic each.
@@ -470,6 +464,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1) bwd_kernel(const Args a)
         atomicAdd(dq_rows + get<0>(tdQcdQ(i)) * kHeadDim + get<1>(tdQcdQ(i)), acc_dq(i));
       }
 #endif
+      if (p.deterministic) {
+        __threadfence();  // this CTA's additions land before the next key tile takes the turn
+        __syncthreads();
+        if (tidx == 0) store_release(turn, place + 1);
       }
       __syncthreads();  // every warp is done with P, dS and this step's Q, dO buffer
     }
