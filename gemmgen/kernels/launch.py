@@ -57,10 +57,15 @@ def max_offset(*tensors: torch.Tensor | None) -> int:
 ALIGNMENTS = ("top_left", "bottom_right")
 
 
-def causal_offset(seqlen_q: int, seqlen_k: int, causal_alignment: str) -> int:
-    """Key j is visible to query i iff j <= i + offset: 0 for top-left (torch), Nk - Nq for bottom-right."""
+def check_alignment(causal_alignment: str) -> None:
+    """Raise ValueError for an alignment that is not one of ALIGNMENTS."""
     if causal_alignment not in ALIGNMENTS:
         raise ValueError(f"causal_alignment {causal_alignment!r}; supported: {', '.join(ALIGNMENTS)}")
+
+
+def causal_offset(seqlen_q: int, seqlen_k: int, causal_alignment: str) -> int:
+    """Key j is visible to query i iff j <= i + offset: 0 for top-left (torch), Nk - Nq for bottom-right."""
+    check_alignment(causal_alignment)
     return 0 if causal_alignment == "top_left" else seqlen_k - seqlen_q
 
 
@@ -119,8 +124,7 @@ def _set_varlen(p: abi.AttnParams | abi.AttnBwdParams, cu_seqlens_q: torch.Tenso
                 causal: bool, causal_alignment: str, window: tuple[int, int] | None, softcap: float) -> None:
     """The offsets, mask and softcap of a variable-length call (forward or backward params)."""
     p.cu_seqlens_q, p.cu_seqlens_k = cu_seqlens_q.data_ptr(), cu_seqlens_k.data_ptr()
-    if causal_alignment not in ALIGNMENTS:
-        raise ValueError(f"causal_alignment {causal_alignment!r}; supported: {', '.join(ALIGNMENTS)}")
+    check_alignment(causal_alignment)
     masked = causal or window is not None
     p.causal_offset = 0 if masked else NO_MASK_OFFSET
     p.align_per_sequence = int(masked and causal_alignment == "bottom_right")

@@ -327,11 +327,10 @@ def _fused_attention_padded(q, k, v, dp: int, out, return_lse: bool, scale: floa
 _checked_offsets: dict[int, tuple] = {}
 
 
-def _offsets_checked(cu: torch.Tensor, total: int, max_seqlen: int) -> tuple | None:
-    """(weakref, version, total, max_seqlen) of `cu` as _checked_offsets files it; None for a tensor
-    without a version counter (inference mode), whose values are read every call."""
+def _version(cu: torch.Tensor) -> int | None:
+    """cu's version counter; None for a tensor without one (inference mode), read every call."""
     try:
-        return weakref.ref(cu), cu._version, total, max_seqlen
+        return cu._version
     except RuntimeError:
         return None
 
@@ -350,9 +349,9 @@ def _check_cu_seqlens(name: str, cu: torch.Tensor, total: int, max_seqlen: int, 
     if torch.compiler.is_compiling() or isinstance(cu, FakeTensor) or cu.is_meta or (
             cu.is_cuda and torch.cuda.is_current_stream_capturing()):
         return  # the values cannot be read while tracing or capturing, nor from a meta tensor
-    mark = _offsets_checked(cu, total, max_seqlen)
+    version = _version(cu)
     seen = _checked_offsets.get(id(cu))
-    if mark is not None and seen is not None and seen[0]() is cu and seen[1:] == mark[1:]:
+    if version is not None and seen is not None and seen[0]() is cu and seen[1:] == (version, total, max_seqlen):
         return  # these values, unchanged since (the same version), passed against these sizes
     values = cu.tolist()
     lengths = [b - a for a, b in zip(values, values[1:])]
@@ -362,10 +361,10 @@ def _check_cu_seqlens(name: str, cu: torch.Tensor, total: int, max_seqlen: int, 
         raise InputError(f"{name} ends at {values[-1]}, the packed tensor has {total} rows")
     if max(lengths) > max_seqlen:
         raise InputError(f"max_seqlen {max_seqlen} is below {name}'s longest sequence, {max(lengths)}")
-    if mark is not None:
+    if version is not None:
         if len(_checked_offsets) >= 256:
             _checked_offsets.clear()
-        _checked_offsets[id(cu)] = mark
+        _checked_offsets[id(cu)] = (weakref.ref(cu), version, total, max_seqlen)
 
 
 def fused_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
