@@ -11,7 +11,9 @@ and queued back to back with the host path, default build untuned, in --rounds a
   mea:         the same call on mea_sm80 (forward only, where built: what varlen ran on before)
   dense:       gemmgen.fused_attention on [B, H, N, d] (equal lengths only: the same work dense)
   torch:       torch.nn.attention.varlen.varlen_attn (where this torch has it; torch's flash kernel)
-TFLOP/s count the visible (query, key) pairs: 4 * H * d * pairs / t, 2.5x that for the backward.
+Forward only, two extra columns time varlen and dense as kernels alone (each call queued behind a
+spin kernel, so the host path is hidden): where the eager figure falls below these, the host is the
+bound. TFLOP/s count the visible (query, key) pairs: 4 * H * d * pairs / t, 2.5x that for the backward.
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import DTYPES, backward_alone, header, publish  # noqa: E402
 
 import gemmgen  # noqa: E402
+from gemmgen.ops import offsets  # noqa: E402
 from gemmgen.select import calls, registry, selection, timing  # noqa: E402
 
 TOKENS, HIDDEN = 16384, 2048
@@ -68,7 +71,8 @@ def main() -> int:
     peer = torch_varlen()
     fmt = lambda x: "-" if x is None else f"{x:.0f}"  # noqa: E731
     rows = ["| d | causal | packing | varlen instance | varlen | mea | dense | torch varlen_attn | varlen / dense "
-            "| varlen / torch | varlen / mea |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+            "| varlen / torch | varlen / mea | varlen kernel | dense kernel |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for d in args.head_dim:
         h = HIDDEN // d
         mea = None if grad else mea_name(args.dtype, d)
@@ -104,16 +108,21 @@ def main() -> int:
                 if grad:
                     problem = calls.problem_for_bwd_varlen(q.detach(), k.detach(), len(lens), n_max, n_max, causal)
                 else:
-                    problem = calls.problem_for_varlen(q, k, v, len(lens), n_max, n_max, causal)
+                    problem = calls.problem_for_varlen(q, k, v, len(lens), n_max, n_max, causal,
+                                                       short_keys=offsets.short_keys(cu, cu, causal))
                 name = selection.select(problem).name
                 ms = timing.rounds_ms(sides, rounds=args.rounds, reps=args.reps, warmup=2)
+                alone = {} if grad else timing.rounds_ms({s: f for s, f in sides.items() if s in ("varlen", "dense")},
+                                                         rounds=args.rounds, reps=args.reps, warmup=2, hide_host=True)
                 pairs = sum(n * (n + 1) // 2 if causal else n * n for n in lens)
                 flops = (2.5 if grad else 1.0) * 4 * h * d * pairs
                 tf = {s: flops / t / 1e9 for s, t in ms.items()}
+                tf_alone = {s: flops / t / 1e9 for s, t in alone.items()}
                 ratio = lambda s: "-" if s not in tf else f"{tf['varlen'] / tf[s]:.2f}"  # noqa: E731
                 row = (f"| {d} | {'Y' if causal else 'N'} | {label} | {name} | {fmt(tf['varlen'])} | "
                        f"{fmt(tf.get('mea'))} | {fmt(tf.get('dense'))} | {fmt(tf.get('torch'))} | {ratio('dense')} | "
-                       f"{ratio('torch')} | {ratio('mea')} |")
+                       f"{ratio('torch')} | {ratio('mea')} | {fmt(tf_alone.get('varlen'))} | "
+                       f"{fmt(tf_alone.get('dense'))} |")
                 rows.append(row)
                 print(row, flush=True)
                 del q, k, v, sides

@@ -126,7 +126,7 @@ CAUSAL_64 = FmhaBwdSm90Instance(DType.BF16, 64, Mask.CAUSAL, 64, 128)
     (dict(zero_scale=True), None),
     (dict(dropout=True), "no dropout"),
     (dict(bias=True), "no bias"),
-    (dict(varlen=True), "no varlen"),
+    (dict(varlen=True), "split-dQ instances"),  # example 88's loop: fixed lengths only
     (dict(bias_grad=True), "no dbias"),
     (dict(deterministic=True), "not deterministic"),  # example 88's loop; the split-dQ one takes turns
     (dict(negative_scale=True), "scales >= 0"),
@@ -159,9 +159,22 @@ LOCAL_64_SQ = dataclasses.replace(CAUSAL_64_SQ, mask=Mask.LOCAL)
     (LOCAL_64_SQ, dict(window=(0, 200), causal_alignment="bottom_right", seqlen_q=129, seqlen_k=4097)),
     (CAUSAL_64_SQ, dict(causal=True, deterministic=True)),  # dQ added in key-tile order
     (LOCAL_64_SQ, dict(window=(64, 0), deterministic=True)),
+    # Packed sequences: one batch entry, each key masked to its own sequence's rows (band.h).
+    (CAUSAL_64_SQ, dict(causal=True, varlen=True, seqlen_q=4097, seqlen_k=17)),
+    (CAUSAL_64_SQ, dict(causal=True, causal_alignment="bottom_right", varlen=True)),
+    (LOCAL_64_SQ, dict(window=(64, 0), varlen=True)),
 ])
 def test_problem_reason_of_the_band(inst, kw):
     assert fam.problem_reason(inst, problem(**kw)) is None
+
+
+def test_packed_sequences_on_split_dq_instances_only():
+    """The split-dQ instances carry the `varlen` mark and run packed calls, but not deterministic ones
+    (fa2_bwd_sm80 does); example 88's loop runs none."""
+    assert CAUSAL_64_SQ.params()["varlen"] is True and "varlen" not in CAUSAL_64.params()
+    assert fam.MARKED == ("varlen",)
+    assert "fixed lengths only" in fam.problem_reason(CAUSAL_64_SQ, problem(causal=True, varlen=True,
+                                                                            deterministic=True))
 
 
 def test_registry_sends_a_window_to_local_instances_only():
@@ -227,9 +240,9 @@ def test_real_build_workspace(built):
     (dict(seqlen_k=0), "bad sizes"),
     (dict(heads_kv=1), "heads_kv 1 != heads 3"),
     (dict(deterministic=1), "deterministic"),
-    (dict(dropout_p=0.1), "no bias, dbias, dropout"),
-    (dict(bias=0x1000), "no bias, dbias, dropout"),
-    (dict(dbias=0x1000), "no bias, dbias, dropout"),
+    (dict(dropout_p=0.1), "no bias, dbias or dropout"),
+    (dict(bias=0x1000), "no bias, dbias or dropout"),
+    (dict(dbias=0x1000), "no bias, dbias or dropout"),
     (dict(cu_seqlens_q=0x1000), "variable lengths"),
     (dict(scale=-0.5), "scales >= 0"),
     (dict(scale=float("nan")), "scales >= 0"),

@@ -146,7 +146,9 @@ CAUSAL_128 = FmhaSm90Instance(DType.BF16, 128, Mask.CAUSAL, Schedule.PINGPONG, 1
     (dict(), None),
     (dict(dropout=True), "no dropout"),
     (dict(bias=True), "no bias"),
-    (dict(varlen=True), "no varlen"),
+    (dict(varlen=True), None),  # packed sequences on the persistent schedule
+    (dict(varlen=True, short_keys=True), "every sequence with queries has keys"),
+    (dict(varlen=True, causal=True, seqlen_q=1100, seqlen_k=1000), None),  # maxima: short_keys decides
     (dict(negative_scale=True), "scales >= 0"),
     (dict(causal=True, causal_alignment="bottom_right", seqlen_q=1000), None),  # chunked prefill
     (dict(causal=True, causal_alignment="bottom_right", seqlen_q=1, seqlen_k=17), None),
@@ -160,6 +162,19 @@ CAUSAL_128 = FmhaSm90Instance(DType.BF16, 128, Mask.CAUSAL, Schedule.PINGPONG, 1
 def test_problem_reason(kw, reason):
     got = fam.problem_reason(CAUSAL_128, problem(**kw))
     assert got is None if reason is None else reason in got
+
+
+def test_varlen_only_on_the_persistent_schedule_without_a_window():
+    """Packed sequences run on the persistent instances but the sliding windows; those carry the
+    `varlen` mark (a build from before lacks it and is refused them by the registry)."""
+    tma = FmhaSm90Instance(DType.BF16, 32, Mask.NONE, Schedule.TMA, 64, 128, 4, lazy_rescale=True)
+    local = dataclasses.replace(CAUSAL_128, mask=Mask.LOCAL)
+    for inst in (tma, local):
+        assert not inst.runs_varlen and "varlen" not in inst.params()
+        assert "persistent schedule without a window" in fam.problem_reason(
+            inst, problem(varlen=True, window=(8, 0) if inst is local else None))
+    assert CAUSAL_128.runs_varlen and CAUSAL_128.params()["varlen"] is True
+    assert fam.MARKED == ("varlen",)
 
 
 def test_registry_prefers_the_family_that_can_run(tmp_path):

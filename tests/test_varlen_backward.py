@@ -459,14 +459,15 @@ def restore_builds():
 
 
 def test_forward_refuses_when_no_backward_instance_serves_varlen(cpu_ops, monkeypatch, tmp_path, restore_builds):
-    """With only the Hopper backward built (it has no varlen), the forward raises at once with its
-    reason, as fused_attention does; without grad it runs."""
+    """With only Hopper backward instances of example 88's loop built (no varlen: the split-dQ ones
+    run it), the forward raises at once with their reason, as fused_attention does; without grad it
+    runs."""
     from gemmgen.generator.families import fmha_bwd_sm90
 
     monkeypatch.setattr(torch_op, "_varlen_bwd_kernel", REAL_VARLEN_BWD_KERNEL)
-    synthetic_build(tmp_path, monkeypatch, fmha_bwd_sm90.DEFAULT)
+    synthetic_build(tmp_path, monkeypatch, [i for i in fmha_bwd_sm90.SPACE if not i.split_dq])
     q, k, v, cu_q, cu_k = small_case()
-    with pytest.raises(gemmgen.NoInstanceError, match="fmha_bwd_sm90 has no varlen"):
+    with pytest.raises(gemmgen.NoInstanceError, match="variable lengths on its split-dQ instances"):
         gemmgen.fused_attention_varlen(q, k, v, cu_q, cu_k, 5, 5, causal=True)
     with torch.no_grad():
         gemmgen.fused_attention_varlen(q, k, v, cu_q, cu_k, 5, 5, causal=True)
@@ -475,8 +476,8 @@ def test_forward_refuses_when_no_backward_instance_serves_varlen(cpu_ops, monkey
 
 def test_varlen_backward_problem_and_selection(monkeypatch, tmp_path, restore_builds):
     """The varlen backward's problem carries the varlen flag and the maxima, K with Q's heads: the
-    Hopper backward is rejected for it with its reason, mea_bwd_sm80 runs it, dropout needs its
-    dropout instance."""
+    Hopper backward's split-dQ instance runs it, example 88's loop is rejected with its reason,
+    dropout needs mea_bwd_sm80's dropout instance."""
     from gemmgen.generator.families import fmha_bwd_sm90, mea_bwd_sm80
     from gemmgen.select import calls, selection
 
@@ -489,19 +490,24 @@ def test_varlen_backward_problem_and_selection(monkeypatch, tmp_path, restore_bu
     assert (problem.batch_heads, problem.seqlen_q, problem.seqlen_k) == (24, 17, 30)
     assert problem.functional_key == "bwd_bf16_d64_causal_a16_varlen"
     decision = selection.decide(problem)
+    assert decision.winner.name == "fmha_bwd_sm90_bf16_d64_causal_m128n128_sq"
+    synthetic_build(tmp_path / "loop", monkeypatch, (*mea_bwd_sm80.DEFAULT,
+                                                     *(i for i in fmha_bwd_sm90.SPACE if not i.split_dq)))
+    decision = selection.decide(problem)
     assert decision.winner.entry.family == "mea_bwd_sm80"
     reasons = dict(decision.rejected)
     hopper = [r for label, r in reasons.items() if "fmha_bwd_sm90_bf16_d64_causal" in label]
-    assert hopper and all("fmha_bwd_sm90 has no varlen" in r for r in hopper), reasons
+    assert hopper and all("split-dQ instances" in r for r in hopper), reasons
     with pytest.raises(gemmgen.NoInstanceError, match="built without dropout"):
         selection.select(calls.problem_for_bwd_varlen(q, kk, 3, 17, 30, True, dropout=True))
 
 
 def test_varlen_runs_on_the_fa2_families_in_either_alignment(monkeypatch, tmp_path, restore_builds):
-    """With the default build of every family that runs varlen: fa2_sm80 and fa2_bwd_sm80 win it,
-    in both alignments, with a window (a local instance) and a softcap (an `_sc` one); mea_sm80
-    and mea_bwd_sm80 refuse the bottom-right alignment and keep dropout (and the cost model may give
-    them short sequences, where their 32-row tiles waste less)."""
+    """With the default build of every family that runs varlen: fa2_sm80 wins the forward (fmha_sm90
+    is not in this build) in both alignments, with a window (a local instance) and a softcap (an
+    `_sc` one); the backward goes to fmha_bwd_sm90's split-dQ instances where it has the head dim
+    and to fa2_bwd_sm80 where not (d256); mea_sm80 and mea_bwd_sm80 refuse the bottom-right
+    alignment and keep dropout."""
     from gemmgen.generator.families import fa2_bwd_sm80, fa2_sm80, fmha_bwd_sm90, mea_bwd_sm80, mea_sm80
     from gemmgen.select import calls, selection
 
@@ -514,7 +520,7 @@ def test_varlen_runs_on_the_fa2_families_in_either_alignment(monkeypatch, tmp_pa
         fwd = calls.problem_for_varlen(q, kk, kk, 3, 1024, 2048, True, causal_alignment=alignment)
         bwd = calls.problem_for_bwd_varlen(q, kk, 3, 1024, 2048, True, causal_alignment=alignment)
         assert selection.select(fwd).name == "fa2_sm80_bf16_d128_causal_m128n64w4s1"
-        assert selection.select(bwd).name == "fa2_bwd_sm80_bf16_d128_m64n128w8s1"
+        assert selection.select(bwd).name == "fmha_bwd_sm90_bf16_d128_causal_m64n128_sq"
     reasons = dict(selection.decide(calls.problem_for_bwd_varlen(
         q, kk, 3, 1024, 2048, True, causal_alignment="bottom_right")).rejected)
     mea = [r for label, r in reasons.items() if label.startswith("mea_bwd_sm80_bf16_k128")]
@@ -524,7 +530,10 @@ def test_varlen_runs_on_the_fa2_families_in_either_alignment(monkeypatch, tmp_pa
     capped = calls.problem_for_varlen(q, kk, kk, 3, 1024, 2048, True, softcap=True)
     assert selection.select(capped).name == "fa2_sm80_bf16_d128_causal_m128n64w4s1_sc"
     assert selection.select(calls.problem_for_bwd_varlen(q, kk, 3, 1024, 2048, True, softcap=True)).name == \
-        "fa2_bwd_sm80_bf16_d128_m64n128w8s1_sc"
+        "fmha_bwd_sm90_bf16_d128_causal_m64n128_sq_sc"
+    q256, k256 = torch.empty(40, 8, 256, dtype=torch.bfloat16), torch.empty(50, 8, 256, dtype=torch.bfloat16)
+    assert selection.select(calls.problem_for_bwd_varlen(q256, k256, 3, 1024, 2048, True)).name == \
+        "fa2_bwd_sm80_bf16_d256_m64n64w8s1"
     dropout = calls.problem_for_varlen(q, kk, kk, 3, 1024, 2048, True, dropout=True)
     assert selection.select(dropout).entry.family == "mea_sm80"
 

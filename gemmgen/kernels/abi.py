@@ -61,6 +61,8 @@ class AttnParams(ctypes.Structure):
         ("window_right", ctypes.c_int32),
         ("softcap", ctypes.c_float),  # > 0: scaled scores s become softcap * tanh(s / softcap); 0: none
         ("align_per_sequence", ctypes.c_int32),  # varlen: 1 shifts each sequence's diagonal by len_k - len_q
+        ("total_q", ctypes.c_int64),  # varlen: rows of the packed q and o
+        ("total_k", ctypes.c_int64),  # varlen: rows of the packed k and v
     ]
 
 
@@ -313,6 +315,8 @@ class AttnBwdParams(ctypes.Structure):
         ("window_right", ctypes.c_int32),
         ("softcap", ctypes.c_float),  # the forward's logit softcap (0: none)
         ("align_per_sequence", ctypes.c_int32),  # the forward's per-sequence alignment (varlen)
+        ("total_q", ctypes.c_int64),  # varlen: rows of the packed q, o, d_o, dq
+        ("total_k", ctypes.c_int64),  # varlen: rows of the packed k, v, dk, dv
     ]
 
 

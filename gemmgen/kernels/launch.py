@@ -117,6 +117,7 @@ def params_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Te
         1.0 / math.sqrt(d) if scale is None else float(scale), 0)
     _set_features(p, dropout_p, seed, offset)
     _set_varlen(p, cu_seqlens_q, cu_seqlens_k, causal, causal_alignment, window, softcap)
+    p.total_q, p.total_k = q.shape[0], k.shape[0]
     return p
 
 
@@ -198,6 +199,7 @@ def params_bwd_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torc
     p.scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     _set_features(p, dropout_p, seed, offset)
     _set_varlen(p, cu_seqlens_q, cu_seqlens_k, causal, causal_alignment, window, softcap)
+    p.total_q, p.total_k = q.shape[0], k.shape[0]
     return p
 
 

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 
-import weakref
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
 from gemmgen.kernels import launch
 from gemmgen.select import calls, selection
-from gemmgen.ops import eager, padding, torch_op
+from gemmgen.ops import eager, offsets, padding, torch_op
 from gemmgen.ops.checks import (check_4d, check_bool, check_dense, check_finite, check_instance, check_no_overlap,
                                 check_softcap,
                                 check_window)
@@ -320,21 +319,6 @@ def _fused_attention_padded(q, k, v, dp: int, out, return_lse: bool, scale: floa
     return (o, lse) if return_lse else o
 
 
-# Offsets whose values passed _check_cu_seqlens: id(tensor) -> (a weak reference to it, its version
-# counter, the total and maximum checked against). Every layer of a model step passes the same
-# offsets: one device-to-host read per tensor version instead of a sync per call, which left the
-# GPU idle while the host went on (bench/NOTES.md 82).
-_checked_offsets: dict[int, tuple] = {}
-
-
-def _version(cu: torch.Tensor) -> int | None:
-    """cu's version counter; None for a tensor without one (inference mode), read every call."""
-    try:
-        return cu._version
-    except RuntimeError:
-        return None
-
-
 def _check_cu_seqlens(name: str, cu: torch.Tensor, total: int, max_seqlen: int, device: torch.device) -> None:
     if not isinstance(cu, torch.Tensor) or cu.dtype != torch.int32 or cu.dim() != 1 or cu.shape[0] < 2:
         raise InputError(f"{name} must be a 1-D torch.int32 tensor of batch + 1 offsets; got "
@@ -344,27 +328,18 @@ def _check_cu_seqlens(name: str, cu: torch.Tensor, total: int, max_seqlen: int, 
         raise InputError(f"{name} must be on the tensors' device {device}; got {cu.device}")
     if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int) or not 0 <= max_seqlen <= INT32_MAX:
         raise InputError(f"max_seqlen for {name} must be an int in [0, 2**31), got {max_seqlen!r}")
-    # Reading the values needs a sync: not while tracing (checked first: tracing cannot evaluate
-    # is_current_stream_capturing) nor while capturing a CUDA graph.
-    if torch.compiler.is_compiling() or isinstance(cu, FakeTensor) or cu.is_meta or (
-            cu.is_cuda and torch.cuda.is_current_stream_capturing()):
-        return  # the values cannot be read while tracing or capturing, nor from a meta tensor
-    version = _version(cu)
-    seen = _checked_offsets.get(id(cu))
-    if version is not None and seen is not None and seen[0]() is cu and seen[1:] == (version, total, max_seqlen):
-        return  # these values, unchanged since (the same version), passed against these sizes
-    values = cu.tolist()
-    lengths = [b - a for a, b in zip(values, values[1:])]
+    seen = offsets.entry(cu)  # the values: read once per tensor version (gemmgen.ops.offsets)
+    if seen is None or (total, max_seqlen) in seen.checked:
+        return  # unreadable now (tracing, capture, meta), or these values passed against these sizes
+    values, lengths = seen.values, seen.lengths
     if values[0] != 0 or min(lengths) < 0:
-        raise InputError(f"{name} must start at 0 and never decrease; got {values[:8]}{'...' * (len(values) > 8)}")
+        raise InputError(f"{name} must start at 0 and never decrease; got {list(values[:8])}"
+                         f"{'...' * (len(values) > 8)}")
     if values[-1] != total:
         raise InputError(f"{name} ends at {values[-1]}, the packed tensor has {total} rows")
     if max(lengths) > max_seqlen:
         raise InputError(f"max_seqlen {max_seqlen} is below {name}'s longest sequence, {max(lengths)}")
-    if version is not None:
-        if len(_checked_offsets) >= 256:
-            _checked_offsets.clear()
-        _checked_offsets[id(cu)] = (weakref.ref(cu), version, total, max_seqlen)
+    seen.checked.add((total, max_seqlen))
 
 
 def fused_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
@@ -389,7 +364,9 @@ def fused_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
     version: an in-place change is checked again) outside torch.compile and CUDA graph capture; a
     non-contiguous cu_seqlens view is copied to a contiguous one (the kernel
     reads the offsets as an array). fa2_sm80 runs every mask and softcap here on every GPU;
-    mea_sm80 (built on request) runs dropout and top-left causal.
+    fmha_sm90 on Hopper at head dims 64-192 without a window or softcap, where every sequence with
+    queries has keys (causal: at least as many as queries), the offsets readable (not under CUDA
+    graph capture); mea_sm80 (built on request) runs dropout and top-left causal.
 
     Differentiable: when q, k or v require grad (grad mode on), autograd gets dQ, dK and dV (summed
     over each group for GQA/MQA; zero for rows of sequences without keys, and for keys of sequences

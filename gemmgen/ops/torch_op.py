@@ -57,7 +57,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from gemmgen.select import calls, jit, registry, selection
 from gemmgen.kernels import launch
 from gemmgen.errors import InputError
-from gemmgen.ops import padding
+from gemmgen.ops import offsets, padding
 from gemmgen.ops.checks import check_softcap, check_window
 from gemmgen.ops.grad import check_no_grad
 from gemmgen.select.problem import ALIGN_BYTES, Problem
@@ -229,11 +229,12 @@ def _run_varlen(q, k, v, o, lse, cu_q, cu_k, max_q, max_k, causal, scale, instan
     index = q.get_device()
     causal, alignment, window, softcap = _varlen_mask(causal, causal_alignment, window, softcap)
     big = launch.max_offset(q, k, v, o) >= 2**31
+    short = offsets.short_keys(cu_q, cu_k, causal or window is not None)
     key = (index, q.dtype, q.shape, k.shape, batch, max_q, max_k, causal, _sign(scale),
-           big, instance, dropout_p > 0.0, False, True, alignment, window, softcap > 0)
+           big, instance, dropout_p > 0.0, False, True, alignment, window, softcap > 0, short)
     plan = _kernel_for(key, lambda: calls.problem_for_varlen(
         q, k, v, batch, max_q, max_k, causal, causal_alignment=alignment, scale=scale, dropout=dropout_p > 0.0,
-        window=window, softcap=softcap > 0), q, k, causal, instance)
+        window=window, softcap=softcap > 0, short_keys=short), q, k, causal, instance)
     seed, offset = _dropout_seed(index, dropout_p, seed, offset, batch * q.shape[1] * max_q * max_k)
     launch.launch(plan.kernel, launch.params_varlen(q, k, v, o, lse, cu_q, cu_k, max_q, max_k, causal=causal,
                                                causal_alignment=alignment, scale=scale, dropout_p=dropout_p,

@@ -33,16 +33,17 @@ def problem_for(q: torch.Tensor, k: torch.Tensor, causal: bool, *, v: torch.Tens
 def problem_for_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: int, max_seqlen_q: int,
                        max_seqlen_k: int, causal: bool, *, causal_alignment: str = "top_left",
                        scale: float | None = None, dropout: bool = False, window: tuple[int, int] | None = None,
-                       softcap: bool = False) -> Problem:
+                       softcap: bool = False, short_keys: bool = True) -> Problem:
     """The Problem of a validated variable-length call: packed q [Tq, H, d], k, v [Tk, Hkv, d]; the
-    mask (causal or a normalized `window`) aligned within each sequence by `causal_alignment`."""
+    mask (causal or a normalized `window`) aligned within each sequence by `causal_alignment`;
+    short_keys as Problem.short_keys (gemmgen.ops.offsets.short_keys)."""
     h, d = q.shape[1], q.shape[2]
     return Problem(dtype=DTYPE_NAMES[q.dtype], head_dim=d, causal=bool(causal),
                    device=device.facts(q.get_device()), batch_heads=batch * h, seqlen_q=max_seqlen_q,
                    seqlen_k=max_seqlen_k, gqa=h // k.shape[1], layout="bnhd", align=ALIGN_BYTES,
                    causal_alignment=causal_alignment, negative_scale=scale is not None and scale < 0,
-                   zero_scale=scale == 0, dropout=dropout, varlen=True, max_offset=max_offset(q, k, v),
-                   window=window, softcap=bool(softcap))
+                   zero_scale=scale == 0, dropout=dropout, varlen=True, short_keys=short_keys,
+                   max_offset=max_offset(q, k, v), window=window, softcap=bool(softcap))
 
 
 def problem_for_bwd(q: torch.Tensor, k: torch.Tensor, causal: bool, *, causal_alignment: str = "top_left",

@@ -51,6 +51,9 @@ class Problem:
     dropout: bool = False
     bias: bool = False
     varlen: bool = False
+    # varlen: some sequence with queries has no keys, or with a mask fewer keys than queries (True
+    # when the offsets could not be read: the families that cannot run such sequences then refuse)
+    short_keys: bool = False
     kv_cache: bool = False  # per-sequence key counts and/or a paged K/V (fused_attention_with_kvcache)
     max_offset: int = 0  # the largest element offset from a tensor's data pointer the call reaches
     window: tuple[int, int] | None = None  # a sliding window (causal False; never (-1, -1) or (-1, 0))

@@ -13,8 +13,10 @@ have no other target.
 Built by default for sm90: on an H100 and an H200 its default instances pass the backward GPU
 suite (odd and unequal lengths, both causal cases it accepts) and run the FlashAttention sweep's
 backward at 155-584 TFLOP/s, 0.93-1.13x cuDNN at N >= 1024 but one H100 row at 0.74 (NOTES 67;
-example 88's own loop 131-273, NOTES 53; 0.91-1.15x with the band mask, NOTES 75-76); mea_bwd_sm80
-serves what it refuses. Causal instances start their CTAs in tile_order.h's order.
+example 88's own loop 131-273, NOTES 53; 0.91-1.15x with the band mask, NOTES 75-76); fa2_bwd_sm80
+and mea_bwd_sm80 serve what it refuses. Causal instances start their CTAs in tile_order.h's order.
+Packed sequences (variable lengths) run on the split-dQ instances as one batch entry over the packed
+tensors, each key masked to its own sequence's query rows (band.h's Packed; NOTES 86).
 
 One instance = one (dtype, head_dim, mask, tile): block_m queries per step of a CTA's loop, block_n
 keys per CTA (example 88's TileShape (block_m, block_n, head_dim)). `problem_reason` states what a
@@ -35,6 +37,9 @@ BUILT_BY_DEFAULT = True
 TEMPLATE = "fmha_bwd_sm90.cu.jinja"
 HEADER_DIRS = ("fmha_bwd_sm90", "fmha_sm90")  # fmha_sm90/cutlass_launch.h: the shared launch
 ARCHS = (Arch.SM90,)
+# Features its kernel reads that a build from before did not: instances say so in their params, and
+# the registry keeps the feature from an entry without the mark (registry.MARKS).
+MARKED = ("varlen",)
 
 # Axes.
 DTYPES = (DType.FP16, DType.BF16)
@@ -102,6 +107,11 @@ class FmhaBwdSm90Instance(AttentionInstance):
         (block_m per step of its loop), the transpose of a forward tile."""
         return CostInputs(self.block_n, self.block_m, self.stages, self.threads, self.smem_bytes)
 
+    def params(self) -> dict:
+        """The fields, and on split-dQ instances the mark of packed sequences (MARKED), which their
+        mainloop runs (band.h's Packed)."""
+        return {**super().params(), **({"varlen": True} if self.split_dq else {})}
+
     def template_values(self) -> dict:
         return {**super().template_values(), "band_kind": BAND_KIND[self.mask], "split_dq": self.split_dq,
                 "softcap": self.softcap}
@@ -126,9 +136,14 @@ def invalid_reason(inst: FmhaBwdSm90Instance, arch: Arch = Arch.SM90) -> str | N
 
 
 def problem_reason(inst: FmhaBwdSm90Instance, problem) -> str | None:
-    """What a built instance cannot run (the registry's reason), None when it can."""
-    if reason := feature_reason(FAMILY, problem):
+    """What a built instance cannot run (the registry's reason), None when it can: no dropout, bias or
+    dbias; packed sequences on the split-dQ instances, not deterministic."""
+    if reason := feature_reason(FAMILY, problem, ("dropout", "bias", "kv_cache")):
         return reason
+    if problem.varlen and not inst.split_dq:
+        return f"{FAMILY} runs variable lengths on its split-dQ instances (`_sq`)"
+    if problem.varlen and getattr(problem, "deterministic", False):
+        return f"{FAMILY} runs deterministic calls at fixed lengths only"
     if getattr(problem, "bias_grad", False):
         return f"{FAMILY} has no dbias"
     if getattr(problem, "deterministic", False) and not inst.split_dq:

@@ -24,6 +24,9 @@ BUILT_BY_DEFAULT = True
 TEMPLATE = "fmha_sm90.cu.jinja"
 HEADER_DIRS = ("fmha_sm90",)
 ARCHS = (Arch.SM90,)
+# Features its kernel reads that a build from before did not: instances say so in their params, and
+# the registry keeps the feature from an entry without the mark (registry.MARKS).
+MARKED = ("varlen",)
 
 
 class Schedule(enum.Enum):
@@ -132,6 +135,12 @@ class FmhaSm90Instance(AttentionInstance):
     def persistent(self) -> bool:
         return self.schedule is Schedule.PINGPONG
 
+    @property
+    def runs_varlen(self) -> bool:
+        """Packed sequences (templates/include/gemmgen/fmha_sm90/varlen.h): the persistent schedule
+        without a sliding window."""
+        return self.persistent and self.mask is not Mask.LOCAL
+
     def params(self) -> dict:
         """The fields, lazy_rescale and q_buffers only where not their defaults, and `speculate`."""
         return {"dtype": self.dtype.value, "head_dim": self.head_dim, "mask": self.mask.value,
@@ -139,7 +148,8 @@ class FmhaSm90Instance(AttentionInstance):
                 "stages": self.stages, **({"lazy_rescale": True} if self.lazy_rescale else {}),
                 **({"q_buffers": self.q_buffers} if self.q_buffers > 1 else {}),
                 # Derived, and kept here so that the build key changes with the rule that derives it.
-                **({"speculate": True} if self.speculates else {})}
+                **({"speculate": True} if self.speculates else {}),
+                **({"varlen": True} if self.runs_varlen else {})}
 
     def template_values(self) -> dict:
         return {**super().template_values(), "schedule_cpp": SCHEDULE_CPP[self.schedule], "causal": self.causal,
@@ -201,12 +211,21 @@ def invalid_reason(inst: FmhaSm90Instance, arch: Arch = Arch.SM90) -> str | None
 
 
 def problem_reason(inst: FmhaSm90Instance, problem) -> str | None:
-    """What a built instance cannot run (the registry's reason), None when it can."""
-    if reason := feature_reason(FAMILY, problem):
+    """What a built instance cannot run (the registry's reason), None when it can: no dropout, bias
+    or key-value cache; packed sequences on the persistent schedule without a window, when every
+    sequence with queries has keys, and with a causal mask at least as many as queries."""
+    if reason := feature_reason(FAMILY, problem, ("dropout", "bias", "kv_cache")):
         return reason
+    if problem.varlen:
+        if not inst.runs_varlen:
+            return f"{FAMILY} runs variable lengths on its persistent schedule without a window"
+        if problem.short_keys:
+            return (f"{FAMILY} runs variable lengths where every sequence with queries has keys, and with a "
+                    f"causal mask at least as many keys as queries (or where the offsets could not be read: "
+                    f"CUDA graph capture)")
     if problem.negative_scale:
         return f"{FAMILY} runs scales >= 0 (its softmax takes the row maximum of the raw scores)"
-    if (problem.causal or problem.window is not None) and problem.seqlen_q > problem.seqlen_k:
+    if (problem.causal or problem.window is not None) and problem.seqlen_q > problem.seqlen_k and not problem.varlen:
         # The causal and local masks (templates/include/gemmgen/fmha_sm90/causal.h) run offsets in
         # [0, Nk - Nq]: both alignments when Nq <= Nk. With Nq > Nk, bottom-right leaves rows without
         # a key and top-left gives rows past Nk every key (causal) or none (a window).

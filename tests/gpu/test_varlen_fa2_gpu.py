@@ -43,20 +43,21 @@ def candidate(name: str) -> registry.Candidate:
     return found[0]
 
 
-def make(h, hkv, d, dtype, key, layout="packed"):
-    """Fresh packed q, dO [Tq, H, d] and k, v [Tk, Hkv, d]."""
-    q, do = (packed_randn(sum(LENS_Q), h, d, dtype, (key, n), layout) for n in ("q", "do"))
-    k, v = (packed_randn(sum(LENS_K), hkv, d, dtype, (key, n), layout) for n in ("k", "v"))
+def make(h, hkv, d, dtype, key, layout="packed", lens=(LENS_Q, LENS_K)):
+    """Fresh packed q, dO [Tq, H, d] and k, v [Tk, Hkv, d] of sequences of lengths `lens` (q's, k's)."""
+    q, do = (packed_randn(sum(lens[0]), h, d, dtype, (key, n), layout) for n in ("q", "do"))
+    k, v = (packed_randn(sum(lens[1]), hkv, d, dtype, (key, n), layout) for n in ("k", "v"))
     return q, k, v, do
 
 
-def per_sequence(q, k, v, *, causal, alignment, window=None, softcap=0.0, scale=None):
+def per_sequence(q, k, v, *, causal, alignment, window=None, softcap=0.0, scale=None, lens=(LENS_Q, LENS_K)):
     """float64 packed O and LSE [B, H, max_q] (-inf past each sequence's end) of each sequence alone,
     differentiable in q, k, v."""
-    oq, ok = offsets(LENS_Q).tolist(), offsets(LENS_K).tolist()
+    lens_q, lens_k = lens
+    oq, ok = offsets(lens_q).tolist(), offsets(lens_k).tolist()
     outs = []
-    lse = torch.full((len(LENS_Q), q.shape[1], max(LENS_Q)), float("-inf"), dtype=torch.float64, device=q.device)
-    for b in range(len(LENS_Q)):
+    lse = torch.full((len(lens_q), q.shape[1], max(lens_q)), float("-inf"), dtype=torch.float64, device=q.device)
+    for b in range(len(lens_q)):
         qs, ks, vs = (t[a:z].transpose(0, 1).unsqueeze(0) for t, a, z in
                       ((q, oq[b], oq[b + 1]), (k, ok[b], ok[b + 1]), (v, ok[b], ok[b + 1])))
         if ks.shape[2] == 0:
@@ -75,15 +76,20 @@ def check_lse(name, got, want):
     assert err < 2e-3, f"{name}: LSE error {err:.3e}"
 
 
-def forward_into_poison(cand, q, k, v, *, causal, alignment, window=None, softcap=0.0, scale=None):
+def forward_into_poison(cand, q, k, v, *, causal, alignment, window=None, softcap=0.0, scale=None,
+                        lens=(LENS_Q, LENS_K)):
     causal, window = check_window(window, causal)  # as fused_attention_varlen normalizes them
-    problem = calls.problem_for_varlen(q, k, v, len(LENS_Q), max(LENS_Q), max(LENS_K), causal,
-                                       causal_alignment=alignment, scale=scale, window=window, softcap=softcap > 0)
+    lens_q, lens_k = lens
+    masked = causal or window is not None
+    short = any(lq > 0 and (lk == 0 or (masked and lk < lq)) for lq, lk in zip(lens_q, lens_k))
+    problem = calls.problem_for_varlen(q, k, v, len(lens_q), max(lens_q), max(lens_k), causal,
+                                       causal_alignment=alignment, scale=scale, window=window, softcap=softcap > 0,
+                                       short_keys=short)
     reason = registry.reject_reason(cand, problem)
     assert reason is None, f"{cand.name} refused {problem.describe()}: {reason}"
     o = torch.full_like(q, float("nan"))
-    lse = torch.full((len(LENS_Q), q.shape[1], max(LENS_Q)), float("nan"), device=q.device)
-    p = launch.params_varlen(q, k, v, o, lse, offsets(LENS_Q), offsets(LENS_K), max(LENS_Q), max(LENS_K),
+    lse = torch.full((len(lens_q), q.shape[1], max(lens_q)), float("nan"), device=q.device)
+    p = launch.params_varlen(q, k, v, o, lse, offsets(lens_q), offsets(lens_k), max(lens_q), max(lens_k),
                              causal=causal, causal_alignment=alignment, scale=scale, window=window, softcap=softcap)
     launch.launch(cand.kernel, p, q.get_device())
     torch.cuda.synchronize()
@@ -136,13 +142,15 @@ def backward_into_poison(cand, q, k, v, do, *, causal, alignment, window=None, s
     return dq, dk, dv
 
 
-@pytest.mark.parametrize("name", built("fa2_bwd_sm80") or ["(none built)"])
-def test_backward_instance_on_packed_sequences(name):
+def check_backward_instance(name, cases):
+    """Backward instance `name` on the packed lengths of this module, each case (causal, alignment,
+    window) paired in turn with MHA, MQA and GQA 4:1 (K and V at their own heads, head-major storage
+    for the last): dQ, dK, dV into NaN-poisoned buffers against float64 autograd per sequence."""
     cand = candidate(name)
     inst = cand.instance
     dtype = launch.TORCH_DTYPES[inst.dtype.value]
     softcap = 20.0 if inst.softcap else 0.0
-    for (causal, alignment, window), (h, hkv) in zip(MASKS + WINDOWS, [(4, 4), (4, 1), (8, 2)] * 2):
+    for (causal, alignment, window), (h, hkv) in zip(cases, [(4, 4), (4, 1), (8, 2)] * 2):
         label = f"{name} causal={causal}/{alignment} window={window} {h}:{hkv}"
         q, k, v, do = make(h, hkv, inst.head_dim, dtype, (name, causal, alignment, window), "head_major" if h == 8
                            else "packed")
@@ -153,6 +161,11 @@ def test_backward_instance_on_packed_sequences(name):
         want = torch.autograd.grad(out, leaves, do.double(), materialize_grads=True)
         for g_name, g, w in zip(("dQ", "dK", "dV"), got, want):
             assert_close(f"{label} {g_name}", g, w, dtype)
+
+
+@pytest.mark.parametrize("name", built("fa2_bwd_sm80") or ["(none built)"])
+def test_backward_instance_on_packed_sequences(name):
+    check_backward_instance(name, MASKS + WINDOWS)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])

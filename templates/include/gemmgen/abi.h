@@ -79,6 +79,12 @@ typedef struct GemmgenAttnParams {
   // of each sequence b by its own len_k - len_q (causal_offset then 0: the bottom-right alignment
   // within each sequence, FlashAttention's varlen causal); 0: causal_offset alone (top-left: 0).
   int32_t align_per_sequence;
+
+  // Variable lengths: the rows of the packed q and o (total_q) and of k and v (total_k), which
+  // bound what a TMA descriptor may span (read by the families that build descriptors over the
+  // packed tensors; 0 where not set: those families then refuse the call).
+  int64_t total_q;
+  int64_t total_k;
 } GemmgenAttnParams;
 
 // Static facts of one compiled instance, for the manifest and the registry.
@@ -166,6 +172,11 @@ typedef struct GemmgenAttnBwdParams {
 
   // The forward's per-sequence alignment, as in GemmgenAttnParams.
   int32_t align_per_sequence;
+
+  // Variable lengths: the rows of the packed query-side (q, o, d_o, dq) and key-side (k, v, dk, dv)
+  // tensors, as in GemmgenAttnParams.
+  int64_t total_q;
+  int64_t total_k;
 } GemmgenAttnBwdParams;
 
 // A backward instance exports

@@ -16,6 +16,8 @@
 #include "cute/tensor.hpp"
 #include "cutlass/cutlass.h"
 
+#include "88_hopper_fmha/collective/fmha_common.hpp"
+
 namespace gemmgen::fmha_bwd_sm90 {
 
 // Which bounds an instance tests per score: none (only keys past seqlen_k), the upper one (causal), or
@@ -91,6 +93,86 @@ CUTLASS_DEVICE void mask_scores(Band const& band, Acc& acc, Index const& index, 
     if constexpr (Kind != BandKind::kNone) out |= diff > band.hi;
     if constexpr (Kind == BandKind::kLocal) out |= diff < band.lo;
     if (out) acc(i) = -INFINITY;
+  }
+}
+
+// Packed sequences (variable lengths): the call runs as one batch entry over the packed tensors
+// (total_q query rows, total_k keys), and key j of sequence b is visible only to that sequence's
+// query rows, within the band around the sequence's own diagonal (shifted by len_k - len_q when
+// `align` is set: bottom-right per sequence). The query rows a key sees are one contiguous range;
+// with the clamps below its ends never decrease with the key (across sequences too), so a key
+// tile's rows lie in [rows of its first key's start, rows of its last key's end] (a range as
+// contiguous as the band's; rows of other sequences inside it are masked per score).
+struct Packed {
+  const int* cu_q = nullptr;  // [batch + 1] first rows; NULL: fixed lengths
+  const int* cu_k = nullptr;
+  int batch = 0;
+  int align = 0;
+};
+
+struct Rows {
+  int first, last;  // packed query rows [first, last] (first > last: none)
+};
+
+CUTLASS_DEVICE Rows packed_rows(Packed const& s, Band const& band, int key, int total_k) {
+  if (key >= total_k) return {total_k, -1};
+  int lo = 0, hi = s.batch - 1;  // the last sequence starting at or before the key (empty ones skipped)
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (s.cu_k[mid] <= key) lo = mid; else hi = mid - 1;
+  }
+  const int q0 = s.cu_q[lo], len_q = s.cu_q[lo + 1] - q0;
+  const int k0 = s.cu_k[lo], len_k = s.cu_k[lo + 1] - k0;
+  const int64_t shift = s.align ? int64_t(len_k) - len_q : 0;
+  const int64_t kl = int64_t(key) - k0;
+  int64_t first = kl - (int64_t(band.hi) + shift), last = kl - (int64_t(band.lo) + shift);
+  first = first < 0 ? 0 : first > len_q ? len_q : first;  // within [0, len_q]: monotone across sequences
+  last = last > len_q - 1 ? len_q - 1 : last < -1 ? -1 : last;
+  return {q0 + int(first), q0 + int(last)};
+}
+
+// The query tiles of key tile `key_tile` of a packed call (as query_tiles for fixed lengths).
+CUTLASS_DEVICE QueryTiles packed_query_tiles(Packed const& s, Band const& band, int key_tile, int block_n,
+                                             int block_m, int total_q, int total_k) {
+  const int k0 = key_tile * block_n;
+  const int k1 = (k0 + block_n < total_k ? k0 + block_n : total_k) - 1;
+  const int first = packed_rows(s, band, k0, total_k).first, last = packed_rows(s, band, k1, total_k).last;
+  if (first > last) {
+    const int row = first < total_q ? first : total_q - 1;
+    return {(row > 0 ? row : 0) / block_m, 1, true};
+  }
+  return {first / block_m, last / block_m - first / block_m + 1};
+}
+
+// Before a packed call's query loop: the query rows of the keys of this thread's scores, one per row
+// of its accumulator (index: the scores' (key, query) coordinates, mma the tiled MMA whose
+// accumulator they index, its rows being keys), kept in registers through the loop.
+template <class Index, class TiledMma>
+CUTLASS_DEVICE auto key_rows(Packed const& s, Band const& band, Index const& index, TiledMma const& mma,
+                             int total_k) {
+  auto index_mn = cute::make_tensor(index.data(), cutlass::fmha::collective::layout_acc_mn(mma, index.layout()));
+  cute::array<Rows, decltype(cute::size<0>(index_mn))::value> rows;
+  CUTLASS_PRAGMA_UNROLL
+  for (int r = 0; r < cute::size<0>(index_mn); ++r) {
+    rows[r] = packed_rows(s, band, int(cute::get<0>(index_mn(r, 0))), total_k);
+  }
+  return rows;
+}
+
+// The scores of a packed call outside each key's rows (key_rows) become -inf. acc holds the
+// thread's scores, index their (key, query) coordinates.
+template <class Acc, class Index, class TiledMma, class KeyRows>
+CUTLASS_DEVICE void mask_packed_scores(Acc& acc, Index const& index, TiledMma const& mma, KeyRows const& rows) {
+  using cutlass::fmha::collective::layout_acc_mn;
+  auto acc_mn = cute::make_tensor(acc.data(), layout_acc_mn(mma, acc.layout()));
+  auto index_mn = cute::make_tensor(index.data(), layout_acc_mn(mma, index.layout()));
+  CUTLASS_PRAGMA_UNROLL
+  for (int r = 0; r < cute::size<0>(acc_mn); ++r) {
+    CUTLASS_PRAGMA_UNROLL
+    for (int c = 0; c < cute::size<1>(acc_mn); ++c) {
+      const int query = int(cute::get<1>(index_mn(r, c)));
+      if (query < rows[r].first || query > rows[r].last) acc_mn(r, c) = -INFINITY;
+    }
   }
 }
 

@@ -151,10 +151,15 @@ struct Config {
       SplitDq, SplitDqMainloop<Element, TileShape, Kind, Softcap>,
       cutlass::fmha::collective::FmhaBwdMainloopTmaWarpSpecialized<Element, float, TileShape, BwdMask<Causal>>>;
   using Epilogue = cutlass::fmha::collective::FmhaBwdEpilogueKV<Element, float, typename Mainloop::TileShapePV>;
-  using Kernel = cutlass::fmha::kernel::FmhaKernelTmaWarpSpecialized<
-      Mainloop, Epilogue,
-      cutlass::fmha::kernel::TileSchedulerBwdAdapter<std::conditional_t<
-          Causal, gemmgen::fmha_bwd_sm90::CausalKeyTileOrder, cutlass::fmha::kernel::IndividualTileScheduler>>>;
+  using Scheduler = cutlass::fmha::kernel::TileSchedulerBwdAdapter<std::conditional_t<
+      Causal, gemmgen::fmha_bwd_sm90::CausalKeyTileOrder, cutlass::fmha::kernel::IndividualTileScheduler>>;
+  using Kernel = cutlass::fmha::kernel::FmhaKernelTmaWarpSpecialized<Mainloop, Epilogue, Scheduler>;
+  // Packed sequences (split-dQ instances): the same kernel with split_dq.h's kPacked mainloop.
+  using PackedKernel = std::conditional_t<
+      SplitDq,
+      cutlass::fmha::kernel::FmhaKernelTmaWarpSpecialized<SplitDqMainloop<Element, TileShape, Kind, Softcap, true>,
+                                                          Epilogue, Scheduler>,
+      void>;
   static constexpr int kHeadDim = HeadDim;
   static constexpr int kBlockM = BlockM;
   static constexpr int kBlockN = BlockN;
@@ -167,6 +172,11 @@ struct Config {
 
 constexpr int64_t kInt32Max = 2147483647;
 constexpr int64_t kMaxGridYZ = 65535;
+
+template <class K>
+struct KernelTag {  // a kernel type passed as a value (run()'s choice of kernel)
+  using type = K;
+};
 constexpr int64_t kRowPad = 8;          // LSE and D rows in the workspace: Nq rounded up to this
 constexpr int64_t kWorkspaceAlign = 256;
 constexpr int kVec = 8;                 // elements per 16-byte access (fp16/bf16)
@@ -225,11 +235,14 @@ int64_t turn_tiles(int64_t nq) {
 
 // Step 1: D and the LSE copy. kLanes threads share a row (kVec elements each); rows in a grid-stride
 // loop. Row r is (batch r / (H Nq), head r / Nq % H, query r % Nq).
+// Packed sequences (packed.cu_q set; one batch entry of nq = total_q rows): the forward's LSE is
+// [sequences, H, lse_rows] (lse_rows = max_seqlen_q), gathered here into the packed rows.
 template <class Element, int HeadDim>
 __global__ void __launch_bounds__(128) prep_kernel(const Element* o, int64_t o_sb, int64_t o_sh, int64_t o_sr,
                                                    const Element* d_o, int64_t do_sb, int64_t do_sh, int64_t do_sr,
                                                    const float* lse, float* lse_ws, float* sum_ws, int64_t heads,
-                                                   int64_t nq, int64_t rows_padded, int64_t rows) {
+                                                   int64_t nq, int64_t rows_padded, int64_t rows, Packed packed,
+                                                   int64_t lse_rows) {
   constexpr int kLanes = HeadDim / kVec;
   static_assert(kLanes >= 1 && kLanes <= 32 && (kLanes & (kLanes - 1)) == 0, "head_dim / 8 must be a power of 2");
   constexpr int kRowsPerBlock = 128 / kLanes;
@@ -255,7 +268,16 @@ __global__ void __launch_bounds__(128) prep_kernel(const Element* o, int64_t o_s
     CUTLASS_PRAGMA_UNROLL
     for (int s = 1; s < kLanes; s *= 2) acc += __shfl_xor_sync(0xffffffffu, acc, s, kLanes);
     if (active && lane == 0) {
-      const float l = lse[bh * nq + i];
+      int64_t at = bh * nq + i;
+      if (packed.cu_q != nullptr) {  // row i of sequence b (the last starting at or before it), head hh
+        int lo = 0, hi = packed.batch - 1;
+        while (lo < hi) {
+          const int mid = (lo + hi + 1) / 2;
+          if (packed.cu_q[mid] <= i) lo = mid; else hi = mid - 1;
+        }
+        at = (int64_t(lo) * heads + hh) * lse_rows + (i - packed.cu_q[lo]);
+      }
+      const float l = lse[at];
       sum_ws[bh * rows_padded + i] = acc;
       lse_ws[bh * rows_padded + i] = l == -INFINITY ? INFINITY : l;  // a row without keys: P = 0
     }
@@ -314,7 +336,9 @@ inline bool sizes_ok(const GemmgenAttnBwdParams* p) {
 template <class Cfg>
 int64_t workspace(const GemmgenAttnBwdParams* p) {
   if (p == nullptr || !sizes_ok(p) || p->head_dim != Cfg::kHeadDim) return 0;
-  const int64_t b = p->batch, h = p->heads, nq = p->seqlen_q;
+  const bool packed = p->cu_seqlens_q != nullptr;
+  const int64_t b = packed ? 1 : p->batch, h = p->heads, nq = packed ? p->total_q : p->seqlen_q;
+  if (nq < 1) return 0;
   // run() refuses calls whose dQ accumulator passes int32 offsets; no workspace is needed for them.
   if (b * h > kInt32Max || b * h * nq > kInt32Max / Cfg::kHeadDim) return 0;
   return workspace_layout(b, h, nq, Cfg::kHeadDim, turn_tiles<Cfg>(nq)).total;
@@ -346,10 +370,37 @@ int run(const GemmgenAttnBwdParams* p, cudaStream_t stream, char* err, int err_l
                   "heads / heads_kv %d: at most %lld query heads per key/value head", p->heads / p->heads_kv,
                   static_cast<long long>(kMaxGridYZ));
   }
-  if (p->bias != nullptr || p->dbias != nullptr || p->dropout_p != 0.f || p->cu_seqlens_q != nullptr ||
-      p->cu_seqlens_k != nullptr) {
+  if (p->bias != nullptr || p->dbias != nullptr || p->dropout_p != 0.f) {
+    return report(err, err_len, GEMMGEN_INVALID_ARGUMENT, "this family runs no bias, dbias or dropout");
+  }
+  // Packed sequences (split-dQ instances): one batch entry over the packed tensors, each key masked to
+  // its own sequence's rows (band.h's Packed).
+  const bool packed = p->cu_seqlens_q != nullptr || p->cu_seqlens_k != nullptr;
+  if (packed) {
+    if (!Cfg::kBand) {
+      return report(err, err_len, GEMMGEN_INVALID_ARGUMENT,
+                    "variable lengths: this instance runs none (the split-dQ instances do)");
+    }
+    if (p->cu_seqlens_q == nullptr || p->cu_seqlens_k == nullptr) {
+      return report(err, err_len, GEMMGEN_INVALID_ARGUMENT, "variable lengths need both cu_seqlens_q and cu_seqlens_k");
+    }
+    if (p->total_q < 1 || p->total_k < 1 || p->total_q > kInt32Max || p->total_k > kInt32Max) {
+      return report(err, err_len, GEMMGEN_INVALID_ARGUMENT,
+                    "variable lengths: total_q %lld, total_k %lld (the packed tensors' rows, in [1, 2^31))",
+                    static_cast<long long>(p->total_q), static_cast<long long>(p->total_k));
+    }
+    if (p->deterministic != 0) {
+      return report(err, err_len, GEMMGEN_INVALID_ARGUMENT,
+                    "deterministic with variable lengths: this family runs it at fixed lengths only");
+    }
+    if (Cfg::kKind != BandKind::kNone && p->causal_offset != 0) {
+      return report(err, err_len, GEMMGEN_INVALID_ARGUMENT,
+                    "variable lengths: the diagonal is top-left (causal_offset 0) or bottom-right per sequence "
+                    "(align_per_sequence), got causal_offset %d", p->causal_offset);
+    }
+  } else if (p->align_per_sequence != 0) {
     return report(err, err_len, GEMMGEN_INVALID_ARGUMENT,
-                  "this family runs no bias, dbias, dropout or variable lengths");
+                  "align_per_sequence aligns the sequences of variable lengths: cu_seqlens are NULL");
   }
   if (p->deterministic != 0 && !Cfg::kBand) {
     return report(err, err_len, GEMMGEN_INVALID_ARGUMENT,
@@ -376,7 +427,8 @@ int run(const GemmgenAttnBwdParams* p, cudaStream_t stream, char* err, int err_l
                   Cfg::kLocal ? "this instance runs a sliding window only (local is 0)"
                               : "local is set: this instance runs no sliding window");
   }
-  const int64_t b = p->batch, h = p->heads, hkv = p->heads_kv, nq = p->seqlen_q, nk = p->seqlen_k;
+  const int64_t b = packed ? 1 : p->batch, h = p->heads, hkv = p->heads_kv;
+  const int64_t nq = packed ? p->total_q : p->seqlen_q, nk = packed ? p->total_k : p->seqlen_k;
   const int64_t group = h / hkv;  // query heads per key/value head (split-dQ instances read GQA)
   auto norm = [](int64_t extent, int64_t stride) {
     return extent == 1 && (stride < 0 || stride > kInt32Max || stride % kVec != 0) ? int64_t(0) : stride;
@@ -443,10 +495,6 @@ int run(const GemmgenAttnBwdParams* p, cudaStream_t stream, char* err, int err_l
                   static_cast<long long>(nk), static_cast<long long>(kMaxGridYZ), Cfg::kBlockN);
   }
 
-  constexpr int kSmem = Kernel::SharedStorageSize;
-  if (int status = opt_in_smem<cutlass::device_kernel<Kernel>>(kSmem, err, err_len); status != GEMMGEN_OK) {
-    return status;
-  }
   int device = 0;
   cudaError_t e = cudaGetDevice(&device);
   auto cuda_failed = [&](const char* what) {
@@ -465,12 +513,14 @@ int run(const GemmgenAttnBwdParams* p, cudaStream_t stream, char* err, int err_l
   if (e != cudaSuccess) return cuda_failed("clearing dQ's accumulator");
 
   const int64_t rows = b * h * nq;
+  const Packed packed_seqs =
+      packed ? Packed{p->cu_seqlens_q, p->cu_seqlens_k, p->batch, p->align_per_sequence} : Packed{};
   {
     constexpr int kRowsPerBlock = 128 / (D / kVec);
     const int64_t blocks = std::min<int64_t>((rows + kRowsPerBlock - 1) / kRowsPerBlock, int64_t(1) << 20);
     prep_kernel<Element, D><<<static_cast<unsigned>(blocks), 128, 0, stream>>>(
         static_cast<const Element*>(vo.ptr), vo.sb, vo.sh, vo.sr, static_cast<const Element*>(vdo.ptr), vdo.sb,
-        vdo.sh, vdo.sr, p->lse, lse_ws, sum_ws, h, nq, ws.rows_padded, rows);
+        vdo.sh, vdo.sr, p->lse, lse_ws, sum_ws, h, nq, ws.rows_padded, rows, packed_seqs, p->seqlen_q);
     e = cudaGetLastError();
     if (e != cudaSuccess) return cuda_failed("prep kernel launch");
   }
@@ -494,35 +544,53 @@ int run(const GemmgenAttnBwdParams* p, cudaStream_t stream, char* err, int err_l
   const int64_t key_tiles = (nk + Cfg::kBlockN - 1) / Cfg::kBlockN;
   const int64_t head_step = std::max(
       group, (Cfg::kCausal ? causal_heads_per_launch(h, nq, D, key_tiles, device) : kMaxGridYZ) / group * group);
-  for (int64_t b0 = 0; b0 < b; b0 += kMaxGridYZ) {
-    for (int64_t h0 = 0; h0 < h; h0 += head_step) {
-      const int nb = static_cast<int>(std::min(kMaxGridYZ, b - b0));
-      const int nh = static_cast<int>(std::min(head_step, h - h0));
-      auto at = [&](auto* ptr, const View& t) { return ptr + b0 * t.sb + h0 / (h / t.heads) * t.sh; };
-      const int64_t vec0 = b0 * h + h0;  // first (batch, head) row of the workspace vectors
-      typename Kernel::Arguments args{
-          make_tuple(nb, nh, static_cast<int>(nq), static_cast<int>(nk), D),
-          {at(q0, vq), s3(vq), at(k0, vk), s3(vk), at(v0, vv), s3(vv), at(do0, vdo), s3(vdo),
-           lse_ws + vec0 * rp, make_stride(int(h * rp), int(rp), _1{}),
-           sum_ws + vec0 * rp, make_stride(int(h * rp), int(rp), _1{}),
-           dq_acc + vec0 * nq * D, make_stride(int(h * nq * D), int(nq * D), D, _1{})},
-          {at(dk0, vdk), s3(vdk), at(dv0, vdv), s3(vdv)},
-          cutlass::KernelHardwareInfo{device, 0}};
-      e = launch_with_scale<Kernel>(args, scale, kSmem, stream, [&](auto& params) {
-        if constexpr (Cfg::kBand) {
-          params.mainloop.band = band;
-          params.mainloop.group = static_cast<int>(group);
-          params.mainloop.softcap = p->softcap;
-          if (p->deterministic) {
-            params.mainloop.turns = turns + vec0 * query_tiles;
-            params.mainloop.turns_batch_stride = h * query_tiles;
-            params.mainloop.turns_head_stride = static_cast<int>(query_tiles);
-          }
-        }
-      });
-      if (e != cudaSuccess) return cuda_failed("backward kernel launch");
+  // The main kernel (K: the instance's, or its packed-sequence kernel), over chunks of the grid.
+  auto run_main = [&](auto kernel) -> int {
+    using K = typename decltype(kernel)::type;
+    constexpr int kSmem = K::SharedStorageSize;
+    if (int status = opt_in_smem<cutlass::device_kernel<K>>(kSmem, err, err_len); status != GEMMGEN_OK) {
+      return status;
     }
+    for (int64_t b0 = 0; b0 < b; b0 += kMaxGridYZ) {
+      for (int64_t h0 = 0; h0 < h; h0 += head_step) {
+        const int nb = static_cast<int>(std::min(kMaxGridYZ, b - b0));
+        const int nh = static_cast<int>(std::min(head_step, h - h0));
+        auto at = [&](auto* ptr, const View& t) { return ptr + b0 * t.sb + h0 / (h / t.heads) * t.sh; };
+        const int64_t vec0 = b0 * h + h0;  // first (batch, head) row of the workspace vectors
+        typename K::Arguments args{
+            make_tuple(nb, nh, static_cast<int>(nq), static_cast<int>(nk), D),
+            {at(q0, vq), s3(vq), at(k0, vk), s3(vk), at(v0, vv), s3(vv), at(do0, vdo), s3(vdo),
+             lse_ws + vec0 * rp, make_stride(int(h * rp), int(rp), _1{}),
+             sum_ws + vec0 * rp, make_stride(int(h * rp), int(rp), _1{}),
+             dq_acc + vec0 * nq * D, make_stride(int(h * nq * D), int(nq * D), D, _1{})},
+            {at(dk0, vdk), s3(vdk), at(dv0, vdv), s3(vdv)},
+            cutlass::KernelHardwareInfo{device, 0}};
+        e = launch_with_scale<K>(args, scale, kSmem, stream, [&](auto& params) {
+          if constexpr (Cfg::kBand) {
+            params.mainloop.band = band;
+            params.mainloop.group = static_cast<int>(group);
+            params.mainloop.softcap = p->softcap;
+            params.mainloop.packed = packed_seqs;
+            if (p->deterministic) {
+              params.mainloop.turns = turns + vec0 * query_tiles;
+              params.mainloop.turns_batch_stride = h * query_tiles;
+              params.mainloop.turns_head_stride = static_cast<int>(query_tiles);
+            }
+          }
+        });
+        if (e != cudaSuccess) return cuda_failed("backward kernel launch");
+      }
+    }
+    return GEMMGEN_OK;
+  };
+  int status = GEMMGEN_OK;
+  if constexpr (Cfg::kBand) {
+    status = packed ? run_main(KernelTag<typename Cfg::PackedKernel>{})
+                    : run_main(KernelTag<Kernel>{});
+  } else {
+    status = run_main(KernelTag<Kernel>{});
   }
+  if (status != GEMMGEN_OK) return status;
 
   {
     const int64_t vectors = rows * (D / kVec);

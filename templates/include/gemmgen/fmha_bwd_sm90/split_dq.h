@@ -21,7 +21,8 @@
 // complete in order); the tile's Q and dO stages go back to the producer only then. The tensor
 // cores stay busy through dQ's store and the next tile's first issue (NOTES 67: +2-13%).
 //
-// The mask is band.h's (a launch parameter in this mainloop's Params): the load warp
+// The mask is band.h's (a launch parameter in this mainloop's Params; packed sequences add each
+// key's rows of its own sequence, band.h's Packed): the load warp
 // (load_kv_maybe_q), the math warp groups (compute) and the dQ reducer (reduce) are this
 // mainloop's own, and all three walk the CTA's range of query tiles (band.h's query_tiles, on the
 // CTA's key tile), where example 88's versions visit every query tile and skip those its
@@ -70,7 +71,9 @@ CUTLASS_DEVICE void pass_turn(int* counter) {
 // and math loop) is replaced below, so it is never called.
 struct NoFusion {};
 
-template <class Element_, class TileShape_, BandKind Kind, bool Softcap = false>
+// kPacked: the kernel of packed sequences (params.packed set), a second kernel of the instance, so
+// that the fixed-length kernel keeps its registers (the packed mask's lookups cost spills there).
+template <class Element_, class TileShape_, BandKind Kind, bool Softcap = false, bool kPacked = false>
 struct SplitDqMainloop
     : cutlass::fmha::collective::FmhaBwdMainloopTmaWarpSpecialized<Element_, float, TileShape_, NoFusion> {
   using Base = cutlass::fmha::collective::FmhaBwdMainloopTmaWarpSpecialized<Element_, float, TileShape_, NoFusion>;
@@ -137,18 +140,24 @@ struct SplitDqMainloop
     int64_t turns_batch_stride = 0;  // counters per batch entry (heads * query tiles)
     int turns_head_stride = 0;       // counters per head (query tiles)
     float softcap = 0.f;             // the forward's logit softcap (Softcap instances)
+    Packed packed;                   // packed sequences (band.h): the kPacked kernel's
   };
 
   template <class ProblemShape>
   static Params to_underlying_arguments(ProblemShape const& problem_size, typename Base::Arguments const& args,
                                         void* workspace) {
-    return Params{Base::to_underlying_arguments(problem_size, args, workspace), Band{}, 1, nullptr, 0, 0, 0.f};
+    return Params{Base::to_underlying_arguments(problem_size, args, workspace), Band{}, 1, nullptr, 0, 0, 0.f,
+                  Packed{}};
   }
 
   // The CTA's query tiles; blk_coord's key tile is the CTA's (block_n keys), not a math group's.
   template <class BlkCoord, class ProblemShape>
   CUTLASS_DEVICE static QueryTiles cta_query_tiles(BlkCoord const& blk_coord, Params const& params,
                                                    ProblemShape const& problem_size) {
+    if constexpr (kPacked) {
+      return packed_query_tiles(params.packed, params.band, int(get<1>(blk_coord)), kBlockN, kBlockM,
+                                int(get<2>(problem_size)), int(get<3>(problem_size)));
+    }
     return query_tiles<Kind>(params.band, int(get<1>(blk_coord)), kBlockN, kBlockM, int(get<2>(problem_size)),
                              int(get<3>(problem_size)));
   }
@@ -363,6 +372,15 @@ struct SplitDqMainloop
     const int n_block = get<1>(wg_coord);
     tScS.data() = tScS.data() + E<0>{} * n_block * get<0>(TileShapeNM{});
 
+    // Packed calls: the query rows of this thread's keys (band.h), fixed through the loop.
+    [[maybe_unused]] const auto rows_of_keys = [&] {
+      if constexpr (kPacked) {
+        return key_rows(params.packed, params.band, tScS, tiled_mma_nm, int(get<3>(problem_size)));
+      } else {
+        return 0;
+      }
+    }();
+
     // The CTA's range of query tiles, as the load warp and the reducer walk it.
     const QueryTiles tiles = cta_query_tiles(blk_coord, params, problem_size);
     tScS.data() = tScS.data() + E<1>{} * tiles.first * get<1>(TileShapeNM{});
@@ -440,7 +458,11 @@ struct SplitDqMainloop
           acc_S(i) = out * t;
         }
       }
-      mask_scores<Kind>(params.band, acc_S, tScS, int(get<3>(problem_size)));
+      if constexpr (kPacked) {
+        mask_packed_scores(acc_S, tScS, tiled_mma_nm, rows_of_keys);
+      } else {
+        mask_scores<Kind>(params.band, acc_S, tScS, int(get<3>(problem_size)));
+      }
       constexpr ElementAccumulator kLog2e = 1.4426950408889634f;
       CUTLASS_PRAGMA_UNROLL
       for (int i = 0; i < size(acc_P); ++i) {

@@ -28,6 +28,7 @@
 #include "gemmgen/fmha_sm90/cutlass_launch.h"
 #include "gemmgen/fmha_sm90/persistent.h"
 #include "gemmgen/fmha_sm90/softmax.h"
+#include "gemmgen/fmha_sm90/varlen.h"
 #include "gemmgen/report.h"
 
 namespace gemmgen::fmha_sm90 {
@@ -81,7 +82,9 @@ struct KernelOf<Element, TileShape, Stride, Schedule::kPingpong, Causal, StagesK
       Element, float, float, TileShape, Stride, Stride, Stride, Fusion, Opt<Tag::kStagesKV, Int<StagesKV>>,
       Opt<Tag::kStagesQ, StagesQ>, Opt<Tag::kIsPersistent, cute::true_type>, Opt<Tag::kLoadsQSeparately, cute::true_type>,
       Opt<Tag::kNumMmaWarpGroups, Groups>>;
-  using Scheduler = std::conditional_t<Causal, PairedScheduler, cutlass::fmha::kernel::PersistentTileScheduler>;
+  using Fixed = std::conditional_t<Causal, PairedScheduler, cutlass::fmha::kernel::PersistentTileScheduler>;
+  // Packed sequences (varlen.h) on every persistent instance but the sliding windows.
+  using Scheduler = std::conditional_t<Local, Fixed, VarlenOr<Fixed, Causal, size<0>(TileShape{})>>;
   using type = PersistentKernel<Mainloop, Fusion, Scheduler, Opt<Tag::kStagesKV, Int<StagesKV>>,
                                 Opt<Tag::kStagesQ, StagesQ>, Opt<Tag::kIsPersistent, cute::true_type>, Opt<Tag::kLoadsQSeparately, cute::true_type>,
                                 Opt<Tag::kNumMmaWarpGroups, Groups>>;
@@ -104,6 +107,7 @@ struct Config {
   static constexpr bool kCausal = Causal;
   static constexpr bool kLocal = Local;
   static constexpr bool kPersistent = S == Schedule::kPingpong;
+  static constexpr bool kVarlen = kPersistent && !Local;  // runs packed sequences (varlen.h)
 };
 
 constexpr int64_t kMaxGridYZ = 65535;
@@ -121,6 +125,108 @@ struct DeviceState {
   std::atomic<bool> smem_set{false};
 };
 
+// The device, its SM count (the persistent schedule's grid) and the kernel's shared-memory opt-in,
+// cached per device after the first call.
+template <class Kernel>
+cudaError_t device_setup(int* device, int* sm_count) {
+  cudaError_t e = cudaGetDevice(device);
+  static DeviceState states[64];
+  DeviceState* state = *device >= 0 && *device < 64 ? &states[*device] : nullptr;
+  *sm_count = state ? state->sm_count.load(std::memory_order_relaxed) : 0;
+  if (e == cudaSuccess && *sm_count == 0) {
+    e = cudaDeviceGetAttribute(sm_count, cudaDevAttrMultiProcessorCount, *device);
+    if (e == cudaSuccess && state) state->sm_count.store(*sm_count, std::memory_order_relaxed);
+  }
+  constexpr int kSmem = Kernel::SharedStorageSize;
+  if (e == cudaSuccess && kSmem >= 48 * 1024 && !(state && state->smem_set.load(std::memory_order_relaxed))) {
+    e = cudaFuncSetAttribute(cutlass::device_kernel<Kernel>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+    if (e == cudaSuccess && state) state->smem_set.store(true, std::memory_order_relaxed);
+  }
+  return e;
+}
+
+// Before a launch: every element offset the call reaches (`reach`) fits the kernel's int32 indices,
+// and the device is set up (device_setup). GEMMGEN_OK, or the error reported.
+template <class Kernel, size_t N>
+int prepare(const int64_t (&reach)[N], int* device, int* sm_count, char* err, int err_len) {
+  for (int64_t r : reach) {
+    if (r > kInt32Max) {
+      return report(err, err_len, GEMMGEN_INVALID_ARGUMENT,
+                    "element offsets reach %lld: this family indexes with int32", static_cast<long long>(r));
+    }
+  }
+  cudaError_t e = device_setup<Kernel>(device, sm_count);
+  if (e != cudaSuccess) {
+    return report(err, err_len, GEMMGEN_CUDA_ERROR, "device setup: %s (%s)", cudaGetErrorString(e),
+                  cudaGetErrorName(e));
+  }
+  return GEMMGEN_OK;
+}
+
+// A scale of exactly 0 would turn the masked scores (-inf) into NaN in exp2(score * scale - max);
+// the smallest normal float gives the same uniform weights.
+inline float kernel_scale(float scale) { return scale == 0.f ? FLT_MIN : scale; }
+
+// Packed sequences (cu_seqlens; varlen.h): one launch over the packed [total rows, H, d] tensors,
+// its problem size (1, H, total_q, total_k, d), the sequences handed to the tile scheduler.
+template <class Cfg>
+int run_packed(const GemmgenAttnParams* p, cudaStream_t stream, char* err, int err_len) {
+  if constexpr (!Cfg::kVarlen) {
+    return report(err, err_len, GEMMGEN_INVALID_ARGUMENT,
+                  "variable lengths: this instance runs none (the persistent ones without a window do)");
+  } else {
+    using Kernel = typename Cfg::Kernel;
+    if (p->cu_seqlens_q == nullptr || p->cu_seqlens_k == nullptr) {
+      return report(err, err_len, GEMMGEN_INVALID_ARGUMENT, "variable lengths need both cu_seqlens_q and cu_seqlens_k");
+    }
+    if (p->total_q < 1 || p->total_k < 0) {
+      return report(err, err_len, GEMMGEN_INVALID_ARGUMENT,
+                    "variable lengths: total_q %lld, total_k %lld (the packed tensors' rows; total_q >= 1)",
+                    static_cast<long long>(p->total_q), static_cast<long long>(p->total_k));
+    }
+    if (Cfg::kCausal ? p->causal_offset != 0 : p->align_per_sequence != 0) {
+      return report(err, err_len, GEMMGEN_INVALID_ARGUMENT,
+                    Cfg::kCausal ? "variable lengths: the causal diagonal is top-left (causal_offset 0) or "
+                                   "bottom-right per sequence (align_per_sequence), got causal_offset %d"
+                                 : "variable lengths without a mask: align_per_sequence aligns none (%d)",
+                    Cfg::kCausal ? p->causal_offset : p->align_per_sequence);
+    }
+    const int64_t h = p->heads, hkv = p->heads_kv, d = p->head_dim, tq = p->total_q;
+    const int64_t tk = std::max<int64_t>(p->total_k, 1);  // no key is read when there is none
+    const int64_t reach[] = {extent(1, h, tq, d, 0, p->q_head_stride, p->q_row_stride),
+                             extent(1, hkv, tk, d, 0, p->k_head_stride, p->k_row_stride),
+                             extent(1, hkv, tk, d, 0, p->v_head_stride, p->v_row_stride),
+                             extent(1, h, tq, d, 0, p->o_head_stride, p->o_row_stride),
+                             int64_t(p->batch) * h * p->seqlen_q};
+    int device = 0, sm_count = 0;
+    if (int status = prepare<Kernel>(reach, &device, &sm_count, err, err_len)) return status;
+    using E = typename Cfg::Element;
+    // The batch mode has one entry: its stride is never stepped, and the row stride stands in for
+    // it (TMA-legal); likewise the K/V head stride with one K/V head.
+    auto rows = [](int64_t row, int64_t head) { return make_stride(int(row), _1{}, make_stride(int(row), int(head))); };
+    const int64_t k_head_stride = hkv > 1 ? p->k_head_stride : p->k_row_stride;
+    const int64_t v_head_stride = hkv > 1 ? p->v_head_stride : p->v_row_stride;
+    typename Kernel::Arguments args{
+        {1, int(h), int(tq), int(tk), int(d)},
+        {static_cast<const E*>(p->q), rows(p->q_row_stride, p->q_head_stride), static_cast<const E*>(p->k),
+         rows(p->k_row_stride, k_head_stride), static_cast<const E*>(p->v), rows(p->v_row_stride, v_head_stride)},
+        {static_cast<E*>(p->o), rows(p->o_row_stride, p->o_head_stride), p->lse,
+         make_stride(_1{}, make_stride(int(h * p->seqlen_q), int(p->seqlen_q)))},
+        cutlass::KernelHardwareInfo{device, sm_count}};
+    const Varlen varlen{p->cu_seqlens_q, p->cu_seqlens_k, p->batch, p->seqlen_q, p->seqlen_k, p->align_per_sequence};
+    cudaError_t e = launch_with_scale<Kernel>(args, kernel_scale(p->scale), Kernel::SharedStorageSize, stream,
+                                              [group = int(h / hkv), varlen](auto& params) {
+                                                params.kv_group = group;
+                                                params.tile_scheduler.varlen = varlen;
+                                              });
+    if (e != cudaSuccess) {
+      return report(err, err_len, GEMMGEN_CUDA_ERROR, "kernel launch: %s (%s)", cudaGetErrorString(e),
+                    cudaGetErrorName(e));
+    }
+    return GEMMGEN_OK;
+  }
+}
+
 template <class Cfg>
 int run(const GemmgenAttnParams* p, cudaStream_t stream, char* err, int err_len) {
   using Kernel = typename Cfg::Kernel;
@@ -135,9 +241,8 @@ int run(const GemmgenAttnParams* p, cudaStream_t stream, char* err, int err_len)
                   "bad sizes: batch %d heads %d heads_kv %d seqlen_q %d seqlen_k %d", p->batch, p->heads,
                   p->heads_kv, p->seqlen_q, p->seqlen_k);
   }
-  if (p->bias != nullptr || p->dropout_p != 0.f || p->cu_seqlens_q != nullptr || p->cu_seqlens_k != nullptr ||
-      p->seqlens_k != nullptr || p->block_table != nullptr) {
-    return report(err, err_len, GEMMGEN_INVALID_ARGUMENT, "this family runs no bias, dropout, variable lengths or key-value cache");
+  if (p->bias != nullptr || p->dropout_p != 0.f || p->seqlens_k != nullptr || p->block_table != nullptr) {
+    return report(err, err_len, GEMMGEN_INVALID_ARGUMENT, "this family runs no bias, dropout or key-value cache");
   }
   if (Cfg::kLocal != (p->local != 0)) {
     return report(err, err_len, GEMMGEN_INVALID_ARGUMENT,
@@ -151,13 +256,18 @@ int run(const GemmgenAttnParams* p, cudaStream_t stream, char* err, int err_len)
   if (!(p->scale >= 0.f)) {
     return report(err, err_len, GEMMGEN_INVALID_ARGUMENT, "scale %g: this family runs scales >= 0", p->scale);
   }
+  if (p->lse == nullptr) {
+    return report(err, err_len, GEMMGEN_INVALID_ARGUMENT, "this family always writes LSE: pass a buffer");
+  }
+  if (p->cu_seqlens_q != nullptr || p->cu_seqlens_k != nullptr) return run_packed<Cfg>(p, stream, err, err_len);
+  if (p->align_per_sequence != 0) {
+    return report(err, err_len, GEMMGEN_INVALID_ARGUMENT,
+                  "align_per_sequence aligns the sequences of variable lengths: cu_seqlens are NULL");
+  }
   if ((Cfg::kCausal || Cfg::kLocal) && (p->causal_offset < 0 || int64_t(p->seqlen_q) + p->causal_offset > p->seqlen_k)) {
     return report(err, err_len, GEMMGEN_INVALID_ARGUMENT,
                   "causal and local masks run offsets in [0, seqlen_k - seqlen_q] (every row sees a key; got "
                   "offset %d, seqlen_q %d, seqlen_k %d)", p->causal_offset, p->seqlen_q, p->seqlen_k);
-  }
-  if (p->lse == nullptr) {
-    return report(err, err_len, GEMMGEN_INVALID_ARGUMENT, "this family always writes LSE: pass a buffer");
   }
   const int64_t b = p->batch, h = p->heads, hkv = p->heads_kv, nq = p->seqlen_q, nk = p->seqlen_k;
   const int64_t d = p->head_dim;
@@ -169,35 +279,12 @@ int run(const GemmgenAttnParams* p, cudaStream_t stream, char* err, int err_len)
       extent(b, hkv, nk, d, p->k_batch_stride, p->k_head_stride, p->k_row_stride),
       extent(b, hkv, nk, d, p->v_batch_stride, p->v_head_stride, p->v_row_stride),
       extent(b, h, nq, d, p->o_batch_stride, p->o_head_stride, p->o_row_stride), b * h * nq};
-  for (int64_t r : reach) {
-    if (r > kInt32Max) {
-      return report(err, err_len, GEMMGEN_INVALID_ARGUMENT,
-                    "element offsets reach %lld: this family indexes with int32", static_cast<long long>(r));
-    }
-  }
+  int device = 0, sm_count = 0;
+  if (int status = prepare<Kernel>(reach, &device, &sm_count, err, err_len)) return status;
+  cudaError_t e = cudaSuccess;
 
-  int device = 0;
-  cudaError_t e = cudaGetDevice(&device);
-  static DeviceState states[64];
-  DeviceState* state = device >= 0 && device < 64 ? &states[device] : nullptr;
-  int sm_count = state ? state->sm_count.load(std::memory_order_relaxed) : 0;
-  if (e == cudaSuccess && sm_count == 0) {
-    e = cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device);
-    if (e == cudaSuccess && state) state->sm_count.store(sm_count, std::memory_order_relaxed);
-  }
+  const float scale = kernel_scale(p->scale);
   constexpr int kSmem = Kernel::SharedStorageSize;
-  if (e == cudaSuccess && kSmem >= 48 * 1024 && !(state && state->smem_set.load(std::memory_order_relaxed))) {
-    e = cudaFuncSetAttribute(cutlass::device_kernel<Kernel>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
-    if (e == cudaSuccess && state) state->smem_set.store(true, std::memory_order_relaxed);
-  }
-  if (e != cudaSuccess) {
-    return report(err, err_len, GEMMGEN_CUDA_ERROR, "device setup: %s (%s)", cudaGetErrorString(e),
-                  cudaGetErrorName(e));
-  }
-
-  // A scale of exactly 0 would turn the masked scores (-inf) into NaN in exp2(score * scale - max);
-  // the smallest normal float gives the same uniform weights.
-  const float scale = p->scale == 0.f ? FLT_MIN : p->scale;
   const int64_t group = h / hkv;
   const auto* q0 = static_cast<const typename Cfg::Element*>(p->q);
   const auto* k0 = static_cast<const typename Cfg::Element*>(p->k);

@@ -26,6 +26,7 @@
 #include "88_hopper_fmha/kernel/fmha_kernel_tma_warpspecialized.hpp"
 
 #include "gemmgen/fmha_sm90/causal.h"
+#include "gemmgen/fmha_sm90/varlen.h"
 
 namespace gemmgen::fmha_sm90 {
 
@@ -134,6 +135,8 @@ struct GroupEpilogue {
     TmaStore tma_store;
     float* ptr_LSE;
     StrideLSE dLSE;
+    Element* ptr_O;  // the direct stores of a packed sequence's last rows
+    StrideO dO;
   };
 
   template <class ProblemShape>  // (batch, heads, seqlen_q, seqlen_k, d)
@@ -144,7 +147,7 @@ struct GroupEpilogue {
   template <class ProblemShape>
   static Params to_underlying_arguments(ProblemShape const& ps, Arguments const& a, void* = nullptr) {
     Tensor mO = make_tensor(make_gmem_ptr(a.ptr_O), shape_o(ps), a.dO);
-    return Params{make_tma_copy(SM90_TMA_STORE{}, mO, SmemLayout{}, TileMN{}, _1{}), a.ptr_LSE, a.dLSE};
+    return Params{make_tma_copy(SM90_TMA_STORE{}, mO, SmemLayout{}, TileMN{}, _1{}), a.ptr_LSE, a.dLSE, a.ptr_O, a.dO};
   }
 
   CUTLASS_DEVICE static void prefetch_tma_descriptor(Params const& params) {
@@ -155,9 +158,14 @@ struct GroupEpilogue {
   CUTLASS_DEVICE static void drain() { cute::tma_store_wait<0>(); }
 
   // blk: (row block of kRows rows, 0, (batch, head)); result: (O accumulators, LSE per held row).
+  // ps: the tile's problem (a packed sequence's own lengths). q_row0 >= 0: a packed sequence whose
+  // first row is row q_row0 of the [total rows, H, d] O (blk's batch then names the sequence): the
+  // TMA store clips only at the packed tensor's end, so a tile reaching past the sequence's last row
+  // is stored row by row instead, up to that row.
   template <class BlkCoord, class Result, class TiledMma, class ProblemShape>
   CUTLASS_DEVICE void operator()(BlkCoord const& blk, Result const& result, TiledMma const& mma,
-                                 ProblemShape const& ps, Params const& params, TensorStorage& smem) const {
+                                 ProblemShape const& ps, Params const& params, TensorStorage& smem,
+                                 int q_row0 = -1) const {
     const int tid = threadIdx.x % kThreads;
     // One named barrier per consumer warp group (1-4; NamedBarrier adds CUTLASS's reserved count, so
     // hardware ids 9-12 of 16: __syncthreads' 0 and the reserved ones stay free).
@@ -178,12 +186,36 @@ struct GroupEpilogue {
     copy(r2s, thr_r2s.retile_S(out), thr_r2s.partition_D(sO));
     cute::tma_store_fence();  // the writes are visible to the TMA unit
     cutlass::arch::NamedBarrier::sync(kThreads, barrier);
-    if (tid == 0) {
-      Tensor mO = params.tma_store.get_tma_tensor(shape_o(ps));
-      Tensor gO = local_tile(mO(_, _, get<2>(blk)), TileMN{}, make_coord(get<0>(blk), _0{}));
-      auto tma = params.tma_store.get_slice(_0{});
-      copy(params.tma_store, tma.partition_S(sO), tma.partition_D(gO));  // rows past seqlen_q are clipped
-      cute::tma_store_arrive();
+    const int rows_left = get<2>(ps) - get<0>(blk) * kRows;  // this tile's rows within the problem
+    if (q_row0 < 0) {
+      if (tid == 0) {
+        Tensor mO = params.tma_store.get_tma_tensor(shape_o(ps));
+        Tensor gO = local_tile(mO(_, _, get<2>(blk)), TileMN{}, make_coord(get<0>(blk), _0{}));
+        auto tma = params.tma_store.get_slice(_0{});
+        copy(params.tma_store, tma.partition_S(sO), tma.partition_D(gO));  // rows past seqlen_q are clipped
+        cute::tma_store_arrive();
+      }
+    } else if (rows_left >= kRows) {
+      if (tid == 0) {  // the descriptor spans the packed rows: batch 0, the sequence's rows from q_row0
+        Tensor mO = params.tma_store.get_tma_tensor(shape_o(ps));
+        Tensor mO_seq = domain_offset(make_coord(q_row0, _0{}), mO(_, _, make_coord(_0{}, get<1>(get<2>(blk)))));
+        Tensor gO = local_tile(mO_seq, TileMN{}, make_coord(get<0>(blk), _0{}));
+        auto tma = params.tma_store.get_slice(_0{});
+        copy(params.tma_store, tma.partition_S(sO), tma.partition_D(gO));
+        cute::tma_store_arrive();
+      }
+    } else {
+      // 16-byte chunks from the swizzled buffer (a chunk of 8 elements stays contiguous in it). The
+      // buffer is rewritten only after the next tile's first barrier, which every thread reaches
+      // after these reads.
+      constexpr int kChunks = kCols * int(sizeof(Element)) / 16;
+      Element* o_rows = params.ptr_O + int64_t(q_row0 + get<0>(blk) * kRows) * get<0>(params.dO) +
+                        int64_t(get<1>(get<2>(blk))) * get<1>(get<2>(params.dO));
+      for (int i = tid; i < rows_left * kChunks; i += kThreads) {
+        const int r = i / kChunks, c = (i - r * kChunks) * (16 / int(sizeof(Element)));
+        *reinterpret_cast<uint4*>(o_rows + int64_t(r) * get<0>(params.dO) + c) =
+            *reinterpret_cast<uint4 const*>(&sO(r, c));
+      }
     }
 
     // LSE: the thread holding column 0 of a row writes it.
@@ -225,6 +257,35 @@ struct PersistentKernel
   template <class F, class = void> struct IsWindow : cute::false_type {};
   template <class F> struct IsWindow<F, std::void_t<decltype(F::kWindow)>> : cute::true_type {};
   static constexpr bool kWindow = IsWindow<Fusion>::value;
+  // Packed sequences (varlen.h): with a VarlenOr scheduler, a call whose scheduler params name
+  // cu_seqlens. The launch's problem size then spans the packed tensors (batch 1, total rows).
+  template <class S, class = void> struct IsVarlen : cute::false_type {};
+  template <class S> struct IsVarlen<S, std::void_t<decltype(&S::varlen)>> : cute::true_type {};
+  static constexpr bool kVarlen = IsVarlen<Scheduler>::value;
+  CUTLASS_DEVICE static bool packed(Params const& params) {
+    if constexpr (kVarlen) {
+      return params.tile_scheduler.varlen.cu_q != nullptr;
+    } else {
+      return false;
+    }
+  }
+  // The packed sequence of work item `blk` (its batch coordinate names the sequence).
+  template <class BlkCoord>
+  CUTLASS_DEVICE static Placed place_item(Params const& params, BlkCoord const& blk) {
+    if constexpr (kVarlen) {
+      return Scheduler::place_of(params.tile_scheduler.varlen, get<0>(get<2>(blk)));
+    } else {
+      return Placed{};
+    }
+  }
+  // Its problem: (1, heads, its query rows, the keys its mask may show, d).
+  CUTLASS_DEVICE static auto item_problem(Params const& params, Placed const& at) {
+    auto ps = params.problem_size;
+    get<0>(ps) = 1;
+    get<2>(ps) = at.len_q;
+    get<3>(ps) = at.keys;
+    return ps;
+  }
   CUTLASS_DEVICE static auto fusion_problem(Params const& params) {
     if constexpr (kWindow) {
       return WindowShape{params.problem_size, params.window_lo, params.window_hi};
@@ -268,27 +329,16 @@ struct PersistentKernel
     pipe_q.consumer_release(read_q);
   }
 
-  // The K and V tiles of a sliding window's row tile `blk` (K/V head in kv_blk), in the order CUTLASS's
-  // own loader issues them (K of tile t, then V of tile t, the first V after the K/V and Q warps meet),
-  // from the row tile's first key tile on.
-  template <class BlkCoord, class State, class Storage, class Barrier>
-  CUTLASS_DEVICE static void load_kv(BlkCoord const& blk, BlkCoord const& kv_blk, Params const& params,
-                                     PipeKV& pipe_kv, State& write_kv, Storage& storage, Barrier& barrier,
-                                     bool first) {
-    using TileShape = typename Mainloop::TileShape;
-    const auto problem = fusion_problem(params);
-    const int start = Fusion::first_tile(blk, problem);
-    const int count = Fusion{}.get_trip_count(blk, TileShape{}, problem);
+  // Issues `count` K and V tiles from tile `start` on, in the order CUTLASS's own loader does (K of
+  // tile t, then V of tile t, the first V after the K/V and Q warps meet).
+  template <class StateK, class StateV, class State, class Storage, class Barrier>
+  CUTLASS_DEVICE static void load_kv_tiles(StateK const& state_k, StateV const& state_v, int start, int count,
+                                           Params const& params, PipeKV& pipe_kv, State& write_kv,
+                                           Storage& storage, Barrier& barrier, bool first) {
     const int lane = cute::elect_one_sync();
     typename Mainloop::LoadK load_k{params.mainloop.tma_load_k, pipe_kv, storage.smem_k};
     typename Mainloop::LoadV load_v{params.mainloop.tma_load_v, pipe_kv, storage.smem_v};
-    auto state_k = load_k.init_state(_0{}, params.problem_size, typename Mainloop::TileShapeQK{}, kv_blk, count);
-    auto state_v = load_v.init_state(_0{}, params.problem_size, typename Mainloop::TileShapePV{}, kv_blk, count);
-    struct TileIndex {  // what CollectiveLoadTma::step reads of an iterator
-      int i;
-      CUTLASS_DEVICE int operator*() const { return i; }
-      CUTLASS_DEVICE void operator++() { ++i; }
-    } tile{start};
+    TileIndex tile{start};
     int steps = 2 * count;  // one K and one V step per key tile
     load_k.template step<false>(tile, state_k, write_kv, lane, steps);
     if (first) {
@@ -302,9 +352,113 @@ struct PersistentKernel
     }
   }
 
+  struct TileIndex {  // what CollectiveLoadTma::step reads of an iterator
+    int i;
+    CUTLASS_DEVICE int operator*() const { return i; }
+    CUTLASS_DEVICE void operator++() { ++i; }
+  };
+
+  // A sliding window's row tile `blk` (K/V head in kv_blk): its key tiles from the first it sees.
+  template <class BlkCoord, class State, class Storage, class Barrier>
+  CUTLASS_DEVICE static void load_kv(BlkCoord const& blk, BlkCoord const& kv_blk, Params const& params,
+                                     PipeKV& pipe_kv, State& write_kv, Storage& storage, Barrier& barrier,
+                                     bool first) {
+    using TileShape = typename Mainloop::TileShape;
+    const auto problem = fusion_problem(params);
+    const int count = Fusion{}.get_trip_count(blk, TileShape{}, problem);
+    typename Mainloop::LoadK load_k{params.mainloop.tma_load_k, pipe_kv, storage.smem_k};
+    typename Mainloop::LoadV load_v{params.mainloop.tma_load_v, pipe_kv, storage.smem_v};
+    auto state_k = load_k.init_state(_0{}, params.problem_size, typename Mainloop::TileShapeQK{}, kv_blk, count);
+    auto state_v = load_v.init_state(_0{}, params.problem_size, typename Mainloop::TileShapePV{}, kv_blk, count);
+    load_kv_tiles(state_k, state_v, Fusion::first_tile(blk, problem), count, params, pipe_kv, write_kv, storage,
+                  barrier, first);
+  }
+
+  // A packed sequence's tiles of one head: a (rows, cols, tiles) view of the packed tensor `m` from
+  // the sequence's first row (mode `RowMode` of m's (rows or cols, cols or rows, (batch, head))),
+  // partitioned for the TMA copy into `smem` (CUTLASS's load state).
+  template <int RowMode, class Tma, class MTensor, class Tile, class SmemLayout, class Smem>
+  CUTLASS_DEVICE static auto packed_state(Tma const& tma, MTensor const& m, int row0, int head, Tile const& tile,
+                                          SmemLayout const&, Smem& smem) {
+    Tensor m_head = m(_, _, make_coord(_0{}, head));
+    Tensor g = [&] {
+      if constexpr (RowMode == 0) {
+        return local_tile(domain_offset(make_coord(row0, _0{}), m_head), tile, make_coord(_, _0{}));
+      } else {
+        return local_tile(domain_offset(make_coord(_0{}, row0), m_head), tile, make_coord(_0{}, _));
+      }
+    }();
+    Tensor s = make_tensor(make_smem_ptr(smem.data()), SmemLayout{});
+    auto block_tma = tma.get_slice(_0{});
+    return make_tuple(block_tma.partition_S(g), block_tma.partition_D(s));
+  }
+
+  // The K and V tiles of a packed sequence's row tile `blk` (its problem `ps`, K/V head kv_head).
+  template <class BlkCoord, class ProblemShape, class State, class Storage, class Barrier>
+  CUTLASS_DEVICE static void load_kv_packed(BlkCoord const& blk, ProblemShape const& ps, Placed const& at,
+                                            int kv_head, Params const& params, PipeKV& pipe_kv, State& write_kv,
+                                            Storage& storage, Barrier& barrier, bool first) {
+    using TileShapeQK = typename Mainloop::TileShapeQK;
+    auto const& P = params.problem_size;  // (1, heads, total_q, total_k, d)
+    auto const& mp = params.mainloop;
+    Tensor mK = mp.tma_load_k.get_tma_tensor(make_shape(get<3>(P), get<4>(P), make_shape(get<0>(P), get<1>(P))));
+    Tensor mV = mp.tma_load_v.get_tma_tensor(make_shape(get<4>(P), get<3>(P), make_shape(get<0>(P), get<1>(P))));
+    auto state_k = packed_state<0>(mp.tma_load_k, mK, at.k_row0, kv_head, select<1, 2>(TileShapeQK{}),
+                                   typename Mainloop::SmemLayoutK{}, storage.smem_k);
+    auto state_v = packed_state<1>(mp.tma_load_v, mV, at.k_row0, kv_head,
+                                   make_shape(get<2>(TileShapeQK{}), get<1>(TileShapeQK{})),
+                                   typename Mainloop::SmemLayoutV{}, storage.smem_v);
+    const int count = Fusion{}.get_trip_count(blk, typename Mainloop::TileShape{}, ps);
+    load_kv_tiles(state_k, state_v, 0, count, params, pipe_kv, write_kv, storage, barrier, first);
+  }
+
+  // The Q tiles (one per consumer group) of a packed sequence's row tile `blk`.
+  template <class BlkCoord, class State, class Storage, class Barrier>
+  CUTLASS_DEVICE static void load_q_packed(BlkCoord const& blk, Placed const& at, Params const& params,
+                                           PipeQ& pipe_q, State& write_q, Storage& storage, Barrier& barrier,
+                                           bool first) {
+    using TileShapeQK = typename Mainloop::TileShapeQK;
+    auto const& P = params.problem_size;
+    auto const& mp = params.mainloop;
+    Tensor mQ = mp.tma_load_q.get_tma_tensor(make_shape(get<2>(P), get<4>(P), make_shape(get<0>(P), get<1>(P))));
+    auto state_q = packed_state<0>(mp.tma_load_q, mQ, at.q_row0, get<1>(get<2>(blk)), select<0, 2>(TileShapeQK{}),
+                                   typename Mainloop::SmemLayoutQ{}, storage.smem_q);
+    const int lane = cute::elect_one_sync();
+    typename Mainloop::LoadQ load_q{mp.tma_load_q, pipe_q, storage.smem_q};
+    TileIndex tile{kGroups * int(get<0>(blk))};
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < kGroups; ++i) {
+      int count = 1;
+      load_q.step(tile, state_q, write_q, lane, count);
+      if (i == 0 && first) {
+        barrier.arrive();
+        barrier.wait(/*phase=*/0);
+      }
+    }
+  }
+
+  // Producer warp 3 of a packed call: LSE rows past each sequence's end (up to max_q) are -inf, as
+  // the softmax of an empty row; the CTAs take the sequences in turn.
+  CUTLASS_DEVICE static void write_lse_tails(Params const& params) {
+    if constexpr (kVarlen) {
+      Varlen const& v = params.tile_scheduler.varlen;
+      const int heads = get<1>(params.problem_size);
+      const int lane = threadIdx.x % cutlass::NumThreadsPerWarp;
+      for (int b = blockIdx.x; b < v.batch; b += gridDim.x) {
+        const int len_q = Scheduler::place_of(v, b).len_q;
+        const int tail = v.max_q - len_q;
+        float* lse_b = params.epilogue.ptr_LSE + int64_t(b) * heads * v.max_q;
+        for (int i = lane; i < tail * heads; i += cutlass::NumThreadsPerWarp) {
+          const int h = i / tail;
+          lse_b[int64_t(h) * v.max_q + len_q + (i - h * tail)] = -INFINITY;
+        }
+      }
+    }
+  }
+
   CUTLASS_DEVICE void operator()(const Params& params, char* smem) {
     constexpr int kThreads = cutlass::NumThreadsPerWarpGroup;
-    enum { kLoadKV = 1, kLoadQ = 2 };  // producer warps; warps 0 and 3 idle
+    enum { kLoadKV = 1, kLoadQ = 2, kLseTails = 3 };  // producer warps; warp 0 idle, 3 too at fixed lengths
     auto& storage = *reinterpret_cast<SharedStorage*>(smem);
     const int warp = cutlass::canonical_warp_idx_sync();
     const int warp_in_group = warp % cutlass::NumWarpsPerWarpGroup;
@@ -363,16 +517,31 @@ struct PersistentKernel
             load_kv(scheduler.get_block_coord(), kv_blk, params, pipe_kv, write_kv, storage.tensors.mainloop,
                     storage.load_warp_barrier, first);
           } else {
-            mainloop.template load_kv_maybe_q<false>(0, kv_blk, params.mainloop, params.problem_size, pipe_kv,
-                                                     write_kv, pipe_q, write_q, storage.tensors.mainloop,
-                                                     storage.load_warp_barrier, first);
+            if (packed(params)) {
+              auto blk = scheduler.get_block_coord();
+              const Placed at = place_item(params, blk);
+              load_kv_packed(blk, item_problem(params, at), at, get<1>(get<2>(kv_blk)), params, pipe_kv, write_kv,
+                             storage.tensors.mainloop, storage.load_warp_barrier, first);
+            } else {
+              mainloop.template load_kv_maybe_q<false>(0, kv_blk, params.mainloop, params.problem_size, pipe_kv,
+                                                       write_kv, pipe_q, write_q, storage.tensors.mainloop,
+                                                       storage.load_warp_barrier, first);
+            }
           }
         }
       } else if (warp_in_group == kLoadQ) {
         for (; scheduler.is_valid(); ++scheduler, first = false) {
-          mainloop.load_maybe_q(scheduler.get_block_coord(), params.mainloop, params.problem_size, pipe_q, write_q,
-                                storage.tensors.mainloop, storage.load_warp_barrier, first);
+          if (packed(params)) {
+            auto blk = scheduler.get_block_coord();
+            load_q_packed(blk, place_item(params, blk), params, pipe_q, write_q, storage.tensors.mainloop,
+                          storage.load_warp_barrier, first);
+          } else {
+            mainloop.load_maybe_q(scheduler.get_block_coord(), params.mainloop, params.problem_size, pipe_q,
+                                  write_q, storage.tensors.mainloop, storage.load_warp_barrier, first);
+          }
         }
+      } else if (warp_in_group == kLseTails && packed(params)) {
+        write_lse_tails(params);
       }
       return;
     }
@@ -386,17 +555,28 @@ struct PersistentKernel
       auto blk = scheduler.get_block_coord();
       auto group_blk = blk;  // this group's 64 rows of the row tile
       get<0>(group_blk) = kGroups * get<0>(blk) + consumer;
+      // The tile's problem: the call's, or a packed sequence's own (its first row at q_row0).
+      auto problem = fusion_problem(params);
+      auto out_problem = params.problem_size;
+      int q_row0 = -1;
+      if constexpr (kVarlen) {
+        if (packed(params)) {
+          const Placed at = place_item(params, blk);
+          problem = out_problem = item_problem(params, at);
+          q_row0 = at.q_row0;
+        }
+      }
       read_q.advance(consumer);  // Q stages go to the groups in turn, a tile's kGroups at a time
-      if (get<0>(group_blk) * kGroupRows >= get<2>(params.problem_size)) {
-        skip(blk, fusion_problem(params), pipe_kv, read_kv, pipe_q, read_q, order);
+      if (get<0>(group_blk) * kGroupRows >= get<2>(out_problem)) {
+        skip(blk, problem, pipe_kv, read_kv, pipe_q, read_q, order);
         read_q.advance(kGroups - consumer);
         continue;
       }
-      auto result = mainloop.compute(blk, group_blk, params.mainloop, fusion_problem(params), pipe_kv, read_kv,
-                                     pipe_q, read_q, pipe_unused, write_unused, storage.tensors.mainloop, order);
+      auto result = mainloop.compute(blk, group_blk, params.mainloop, problem, pipe_kv, read_kv, pipe_q, read_q,
+                                     pipe_unused, write_unused, storage.tensors.mainloop, order);
       read_q.advance(kGroups - consumer);
-      epilogue(group_blk, result, typename Mainloop::TiledMmaPV{}, params.problem_size, params.epilogue,
-               storage.tensors.epilogue[consumer]);
+      epilogue(group_blk, result, typename Mainloop::TiledMmaPV{}, out_problem, params.epilogue,
+               storage.tensors.epilogue[consumer], q_row0);
     }
     Epilogue::drain();
   }

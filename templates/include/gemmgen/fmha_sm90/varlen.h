@@ -1,0 +1,129 @@
+// Packed sequences of different lengths (cu_seqlens) in the persistent schedule of the fmha_sm90
+// family: where each sequence lies, the row tiles of all of them as one list of work items, and the
+// LSE rows no tile writes.
+//
+// The kernel's Q, K, V and O descriptors span the packed tensors ([total rows, H, d]); a work item
+// (row tile m of sequence b, head h) reads and writes at the sequence's first rows, and its
+// mainloop and mask see a problem of the sequence's own lengths, so the key tiles past its end are
+// masked as the last key tile of any call is, and the causal diagonal sits where that problem's
+// lengths put it (bottom-right: len_k - len_q; top-left: the keys past len_q are not read).
+//
+// Contract (the caller checks it on the offsets; gemmgen's selection sends other calls to a family
+// that runs them): every sequence with queries has keys, and with a causal mask at least as many
+// keys as queries. A sequence outside it gets no work item: its O rows are left as they were.
+#pragma once
+#include "cute/tensor.hpp"
+#include "cutlass/cutlass.h"
+
+namespace gemmgen::fmha_sm90 {
+
+// What a variable-length call hands the persistent kernel (cu_q NULL: fixed lengths).
+struct Varlen {
+  const int* cu_q = nullptr;  // [batch + 1] first rows of the sequences in the packed Q and O
+  const int* cu_k = nullptr;  // [batch + 1] in the packed K and V
+  int batch = 0;              // sequences
+  int max_q = 0, max_k = 0;   // the maxima: LSE rows per (sequence, head); lengths are clamped to them
+  int align = 0;              // causal: 1 bottom-right within each sequence, 0 top-left
+};
+
+// Sequence b as one work item's mainloop sees it.
+struct Placed {
+  int q_row0 = 0, k_row0 = 0;  // first rows in the packed tensors
+  int len_q = 0;               // query rows (0: no work item)
+  int keys = 0;                // the problem's seqlen_k: keys the mask may show (causal: len_q + offset)
+};
+
+CUTLASS_DEVICE int clamp_len(int len, int most) { return len < 0 ? 0 : len > most ? most : len; }
+
+template <bool Causal>
+CUTLASS_DEVICE Placed place(Varlen const& v, int b) {
+  Placed s;
+  s.q_row0 = v.cu_q[b];
+  s.k_row0 = v.cu_k[b];
+  const int len_q = clamp_len(v.cu_q[b + 1] - s.q_row0, v.max_q);
+  const int len_k = clamp_len(v.cu_k[b + 1] - s.k_row0, v.max_k);
+  s.keys = Causal && !v.align ? len_q : len_k;
+  // Outside the contract: no work item (a causal problem needs keys >= rows, any problem a key).
+  s.len_q = (len_k == 0 || (Causal && len_k < len_q)) ? 0 : len_q;
+  return s;
+}
+
+// The persistent kernel's tile scheduler: Fixed (CUTLASS's, or PairedScheduler for causal row
+// tiles) for fixed lengths; for variable lengths the row tiles of every (sequence, head) in one list,
+// sequence by sequence and head by head within it (the CTAs running at one time share a few heads'
+// K and V in L2), handed to the CTAs in a static round robin over an SM-sized grid. Causal row tiles
+// go in pairs within a sequence (tile i with tile m - 1 - i, the longer first), as PairedScheduler's.
+template <class Fixed, bool Causal, int BlockM>
+struct VarlenOr {
+  struct Params {
+    typename Fixed::Params fixed;
+    Varlen varlen;  // set at launch; cu_q NULL runs Fixed
+    int heads = 0;
+    int sm_count = 0;
+  };
+
+  Fixed fixed;
+  Params const* p;
+  int item;          // work item (a row tile, or a pair of them) in the list
+  int b = 0;         // its sequence
+  int base = 0;      // the sequence's first item
+  int per_head = 0;  // items per head of the sequence
+  int tiles = 0;     // row tiles per head of the sequence
+  bool second = false;
+
+  CUTLASS_DEVICE VarlenOr(Params const& params) : fixed(params.fixed), p(&params), item(blockIdx.x) {
+    if (varlen()) seek();
+  }
+
+  template <class ProblemSize, class ClusterShape, class TileShape>
+  static Params to_underlying_arguments(ProblemSize const& problem_size, cutlass::KernelHardwareInfo hw_info,
+                                        ClusterShape const& cluster_shape, TileShape const& tile_shape) {
+    return Params{Fixed::to_underlying_arguments(problem_size, hw_info, cluster_shape, tile_shape), Varlen{},
+                  int(cute::get<1>(problem_size)), hw_info.sm_count};
+  }
+
+  static dim3 get_grid_shape(Params const& params) {
+    return params.varlen.cu_q != nullptr ? dim3(params.sm_count, 1, 1) : Fixed::get_grid_shape(params.fixed);
+  }
+
+  CUTLASS_DEVICE bool varlen() const { return p->varlen.cu_q != nullptr; }
+  CUTLASS_DEVICE static Placed place_of(Varlen const& v, int b) { return place<Causal>(v, b); }
+
+  // Moves b and base forward to the sequence holding `item` (items only grow).
+  CUTLASS_DEVICE void seek() {
+    for (; b < p->varlen.batch; ++b) {
+      tiles = cute::ceil_div(place<Causal>(p->varlen, b).len_q, BlockM);
+      per_head = Causal ? (tiles + 1) / 2 : tiles;
+      if (item < base + per_head * p->heads) return;
+      base += per_head * p->heads;
+    }
+  }
+
+  CUTLASS_DEVICE bool is_valid() { return varlen() ? b < p->varlen.batch : fixed.is_valid(); }
+
+  CUTLASS_DEVICE auto get_block_coord() {
+    if (!varlen()) return fixed.get_block_coord();
+    const int rel = item - base;
+    const int h = rel / per_head, t = rel - h * per_head;
+    const int m = Causal && !second ? tiles - 1 - t : t;
+    return cute::make_coord(m, cute::_0{}, cute::make_coord(b, h));
+  }
+
+  CUTLASS_DEVICE VarlenOr& operator++() {
+    if (!varlen()) {
+      ++fixed;
+      return *this;
+    }
+    const int t = (item - base) % per_head;
+    if (Causal && !second && t != tiles - 1 - t) {
+      second = true;
+    } else {
+      second = false;
+      item += gridDim.x;
+      seek();
+    }
+    return *this;
+  }
+};
+
+}  // namespace gemmgen::fmha_sm90
