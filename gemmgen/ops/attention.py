@@ -320,12 +320,8 @@ def _fused_attention_padded(q, k, v, dp: int, out, return_lse: bool, scale: floa
 
 
 def _check_cu_seqlens(name: str, cu: torch.Tensor, total: int, max_seqlen: int, device: torch.device) -> None:
-    if not isinstance(cu, torch.Tensor) or cu.dtype != torch.int32 or cu.dim() != 1 or cu.shape[0] < 2:
-        raise InputError(f"{name} must be a 1-D torch.int32 tensor of batch + 1 offsets; got "
-                         f"{getattr(cu, 'dtype', type(cu).__name__)} of shape {tuple(getattr(cu, 'shape', ()))}")
-    check_dense(name, cu)
-    if cu.device != device:
-        raise InputError(f"{name} must be on the tensors' device {device}; got {cu.device}")
+    """max_seqlen, and cu's values against the packed tensor's rows and max_seqlen (cu's metadata
+    checked before, in _check_varlen_tensors)."""
     if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int) or not 0 <= max_seqlen <= INT32_MAX:
         raise InputError(f"max_seqlen for {name} must be an int in [0, 2**31), got {max_seqlen!r}")
     seen = offsets.entry(cu)  # the values: read once per tensor version (gemmgen.ops.offsets)
@@ -340,6 +336,30 @@ def _check_cu_seqlens(name: str, cu: torch.Tensor, total: int, max_seqlen: int, 
     if max(lengths) > max_seqlen:
         raise InputError(f"max_seqlen {max_seqlen} is below {name}'s longest sequence, {max(lengths)}")
     seen.checked.add((total, max_seqlen))
+
+
+def _check_varlen_tensors(q, k, v, cu_seqlens_q, cu_seqlens_k) -> None:
+    """fused_attention_varlen's checks of the tensors' metadata but the device (and q, k, v's data
+    pointers)."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 3:
+            raise InputError(f"{name} must be a 3-D torch.Tensor ([total_tokens, heads, head_dim]); got "
+                             f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+    if k.shape[0] != v.shape[0]:
+        raise InputError(f"k and v must have the same number of rows; got {k.shape[0]} and {v.shape[0]}")
+    # As [1, H, T, d] views the 4-D checks apply: dtype, head dim, heads, strides, device.
+    views = [t.unsqueeze(0).transpose(1, 2) for t in (q, k, v)]
+    _validate(*views, None, device=False)
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if not isinstance(cu, torch.Tensor) or cu.dtype != torch.int32 or cu.dim() != 1 or cu.shape[0] < 2:
+            raise InputError(f"{name} must be a 1-D torch.int32 tensor of batch + 1 offsets; got "
+                             f"{getattr(cu, 'dtype', type(cu).__name__)} of shape {tuple(getattr(cu, 'shape', ()))}")
+        check_dense(name, cu)
+        if cu.device != q.device:
+            raise InputError(f"{name} must be on the tensors' device {q.device}; got {cu.device}")
+    if cu_seqlens_q.shape[0] != cu_seqlens_k.shape[0]:
+        raise InputError(f"cu_seqlens_q and cu_seqlens_k must have the same length; got "
+                         f"{cu_seqlens_q.shape[0]} and {cu_seqlens_k.shape[0]}")
 
 
 def fused_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
@@ -394,28 +414,27 @@ def fused_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
         o, lse = res if return_lse else (res, None)
         o = padding.cut(o, q)
         return (o, lse) if return_lse else o
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 3:
-            raise InputError(f"{name} must be a 3-D torch.Tensor ([total_tokens, heads, head_dim]); got "
-                             f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
-    if k.shape[0] != v.shape[0]:
-        raise InputError(f"k and v must have the same number of rows; got {k.shape[0]} and {v.shape[0]}")
-    # As [1, H, T, d] views the 4-D checks apply: dtype, head dim, heads, strides, device.
-    views = [t.unsqueeze(0).transpose(1, 2) for t in (q, k, v)]
-    _validate(*views, None, device=False)
+    tensors = (q, k, v, cu_seqlens_q, cu_seqlens_k)
+    direct = eager.runs_directly(*tensors)
+    checked = direct and eager.signature(*tensors)  # 3-D q: never a fused_attention signature
+    known = checked and checked in _CHECKED
+    if known:
+        _check_pointers(q, k, v, None)
+    else:
+        _check_varlen_tensors(q, k, v, cu_seqlens_q, cu_seqlens_k)
+    # The offsets' values against the sizes (read once per tensor version: gemmgen.ops.offsets).
     _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q, q.device)
     _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k, q.device)
-    if cu_seqlens_q.shape[0] != cu_seqlens_k.shape[0]:
-        raise InputError(f"cu_seqlens_q and cu_seqlens_k must have the same length; got "
-                         f"{cu_seqlens_q.shape[0]} and {cu_seqlens_k.shape[0]}")
-    _check_device(*views, None)
-    training = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    if not known:
+        _check_device(q, k, v, None)
+        if checked:
+            _CHECKED.add(checked)
+    training = not direct and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     if training and dropout_p > 0.0 and seed is None:  # the backward regenerates the forward's mask
         draws = (cu_seqlens_q.shape[0] - 1) * q.shape[1] * max_seqlen_q * max_seqlen_k
         seed, base = launch.draw_seed(q.get_device(), draws)
         offset += base
-    tensors = (q, k, v, cu_seqlens_q, cu_seqlens_k)
-    if eager.runs_directly(*tensors):
+    if direct:
         op = torch_op.run_fused_attention_varlen
     elif training and eager.runs_eagerly(*tensors):
         op = torch_op.run_fused_attention_varlen_training

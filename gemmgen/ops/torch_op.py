@@ -228,18 +228,24 @@ def _run_varlen(q, k, v, o, lse, cu_q, cu_k, max_q, max_k, causal, scale, instan
         return
     index = q.get_device()
     causal, alignment, window, softcap = _varlen_mask(causal, causal_alignment, window, softcap)
-    big = launch.max_offset(q, k, v, o) >= 2**31
     short = offsets.short_keys(cu_q, cu_k, causal or window is not None)
-    key = (index, q.dtype, q.shape, k.shape, batch, max_q, max_k, causal, _sign(scale),
-           big, instance, dropout_p > 0.0, False, True, alignment, window, softcap > 0, short)
+    # Everything the selection and the params look at but the data pointers, as _run's key.
+    key = (index, q.dtype, q.shape, k.shape, q.stride(), k.stride(), v.stride(), o.stride(), batch, max_q, max_k,
+           causal, scale, instance, dropout_p, False, True, alignment, window, softcap, short)
     plan = _kernel_for(key, lambda: calls.problem_for_varlen(
         q, k, v, batch, max_q, max_k, causal, causal_alignment=alignment, scale=scale, dropout=dropout_p > 0.0,
         window=window, softcap=softcap > 0, short_keys=short), q, k, causal, instance)
-    seed, offset = _dropout_seed(index, dropout_p, seed, offset, batch * q.shape[1] * max_q * max_k)
-    launch.launch(plan.kernel, launch.params_varlen(q, k, v, o, lse, cu_q, cu_k, max_q, max_k, causal=causal,
-                                               causal_alignment=alignment, scale=scale, dropout_p=dropout_p,
-                                               seed=seed, offset=offset, window=window, softcap=softcap),
-                  index)
+    p = plan.params(lambda: launch.params_varlen(q, k, v, o, None, cu_q, cu_k, max_q, max_k, causal=causal,
+                                                 causal_alignment=alignment, scale=scale, dropout_p=dropout_p,
+                                                 window=window, softcap=softcap))
+    p.q, p.k, p.v, p.o = q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr()
+    p.cu_seqlens_q, p.cu_seqlens_k = cu_q.data_ptr(), cu_k.data_ptr()
+    if lse is not None:
+        p.lse = lse.data_ptr()
+    if dropout_p > 0.0:
+        p.dropout_seed, p.dropout_offset = _dropout_seed(index, dropout_p, seed, offset,
+                                                         batch * q.shape[1] * max_q * max_k)
+    launch.launch(plan.kernel, p, index, plan.workspace)
 
 
 def _lse_like(q: torch.Tensor, return_lse: bool) -> torch.Tensor:
@@ -283,8 +289,10 @@ def _fused_attention_out(q, k, v, out, causal=False, causal_alignment="top_left"
 
 def _varlen_outputs(q, cu_seqlens_q, max_seqlen_q, return_lse):
     o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    shape = (cu_seqlens_q.shape[0] - 1, q.shape[1], max_seqlen_q) if return_lse else (0,)
-    return o, torch.empty(shape, dtype=torch.float32, device=q.device)
+    if not return_lse:
+        return o, _no_lse_on(q.device)
+    return o, torch.empty((cu_seqlens_q.shape[0] - 1, q.shape[1], max_seqlen_q), dtype=torch.float32,
+                          device=q.device)
 
 
 def _fused_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=False,
