@@ -179,9 +179,9 @@ int run_packed(const GemmgenAttnParams* p, cudaStream_t stream, char* err, int e
     if (p->cu_seqlens_q == nullptr || p->cu_seqlens_k == nullptr) {
       return report(err, err_len, GEMMGEN_INVALID_ARGUMENT, "variable lengths need both cu_seqlens_q and cu_seqlens_k");
     }
-    if (p->total_q < 1 || p->total_k < 0) {
+    if (p->total_q < 1 || p->total_k < 1) {
       return report(err, err_len, GEMMGEN_INVALID_ARGUMENT,
-                    "variable lengths: total_q %lld, total_k %lld (the packed tensors' rows; total_q >= 1)",
+                    "variable lengths: total_q %lld, total_k %lld (the packed tensors' rows, each >= 1)",
                     static_cast<long long>(p->total_q), static_cast<long long>(p->total_k));
     }
     if (Cfg::kCausal ? p->causal_offset != 0 : p->align_per_sequence != 0) {
@@ -191,8 +191,7 @@ int run_packed(const GemmgenAttnParams* p, cudaStream_t stream, char* err, int e
                                  : "variable lengths without a mask: align_per_sequence aligns none (%d)",
                     Cfg::kCausal ? p->causal_offset : p->align_per_sequence);
     }
-    const int64_t h = p->heads, hkv = p->heads_kv, d = p->head_dim, tq = p->total_q;
-    const int64_t tk = std::max<int64_t>(p->total_k, 1);  // no key is read when there is none
+    const int64_t h = p->heads, hkv = p->heads_kv, d = p->head_dim, tq = p->total_q, tk = p->total_k;
     const int64_t reach[] = {extent(1, h, tq, d, 0, p->q_head_stride, p->q_row_stride),
                              extent(1, hkv, tk, d, 0, p->k_head_stride, p->k_row_stride),
                              extent(1, hkv, tk, d, 0, p->v_head_stride, p->v_row_stride),

@@ -197,7 +197,9 @@ struct GroupEpilogue {
       }
     } else if (rows_left >= kRows) {
       if (tid == 0) {  // the descriptor spans the packed rows: batch 0, the sequence's rows from q_row0
-        Tensor mO = params.tma_store.get_tma_tensor(shape_o(ps));
+        auto rows_to_end = shape_o(ps);
+        get<0>(rows_to_end) = q_row0 + get<2>(ps);  // (offset below to the sequence's own rows)
+        Tensor mO = params.tma_store.get_tma_tensor(rows_to_end);
         Tensor mO_seq = domain_offset(make_coord(q_row0, _0{}), mO(_, _, make_coord(_0{}, get<1>(get<2>(blk)))));
         Tensor gO = local_tile(mO_seq, TileMN{}, make_coord(get<0>(blk), _0{}));
         auto tma = params.tma_store.get_slice(_0{});
