@@ -319,7 +319,7 @@ def _fused_attention_padded(q, k, v, dp: int, out, return_lse: bool, scale: floa
     return (o, lse) if return_lse else o
 
 
-def _check_cu_seqlens(name: str, cu: torch.Tensor, total: int, max_seqlen: int, device: torch.device) -> None:
+def _check_cu_seqlens(name: str, cu: torch.Tensor, total: int, max_seqlen: int) -> None:
     """max_seqlen, and cu's values against the packed tensor's rows and max_seqlen (cu's metadata
     checked before, in _check_varlen_tensors)."""
     if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int) or not 0 <= max_seqlen <= INT32_MAX:
@@ -423,8 +423,8 @@ def fused_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
     else:
         _check_varlen_tensors(q, k, v, cu_seqlens_q, cu_seqlens_k)
     # The offsets' values against the sizes (read once per tensor version: gemmgen.ops.offsets).
-    _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q, q.device)
-    _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k, q.device)
+    _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q)
+    _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k)
     if not known:
         _check_device(q, k, v, None)
         if checked:
