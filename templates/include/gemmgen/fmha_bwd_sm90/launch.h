@@ -540,10 +540,14 @@ int run(const GemmgenAttnBwdParams* p, cudaStream_t stream, char* err, int err_l
   auto s3 = [](const View& t) { return make_stride(int(t.sb), int(t.sh), int(t.sr), _1{}); };
   // Chunks keep batch and heads within the grid's y and z limits (causal: the batch in z, the key
   // tiles in y, and the heads per launch of causal_heads_per_launch), whole GQA groups each, so that
-  // a chunk's first query head reads its key/value head h0 / group.
+  // a chunk's first query head reads its key/value head h0 / group. A packed call's CTA reads the
+  // rows of its own sequence only: its heads' working set is counted per sequence (max_seqlen_q),
+  // as a fixed-length call's is per batch entry.
   const int64_t key_tiles = (nk + Cfg::kBlockN - 1) / Cfg::kBlockN;
+  const int64_t rows_per_head = packed ? int64_t(p->seqlen_q) : nq;
   const int64_t head_step = std::max(
-      group, (Cfg::kCausal ? causal_heads_per_launch(h, nq, D, key_tiles, device) : kMaxGridYZ) / group * group);
+      group,
+      (Cfg::kCausal ? causal_heads_per_launch(h, rows_per_head, D, key_tiles, device) : kMaxGridYZ) / group * group);
   // The main kernel (K: the instance's, or its packed-sequence kernel), over chunks of the grid.
   auto run_main = [&](auto kernel) -> int {
     using K = typename decltype(kernel)::type;
