@@ -66,6 +66,7 @@ struct KernelOf {  // CUTLASS's own composition of the kernel (the TMA and coope
       FusionOf<Causal, Lazy, Speculate>,
       typename DispatchOf<S>::type,
       cutlass::fmha::kernel::Option<cutlass::fmha::kernel::Tag::kStagesKV, Int<StagesKV>>>::Kernel;
+  using packed_type = void;  // no packed sequences on these schedules
 };
 
 template <class Element, class TileShape, class Stride, bool Causal, int StagesKV, bool Lazy, int QBuffers,
@@ -83,11 +84,15 @@ struct KernelOf<Element, TileShape, Stride, Schedule::kPingpong, Causal, StagesK
       Opt<Tag::kStagesQ, StagesQ>, Opt<Tag::kIsPersistent, cute::true_type>, Opt<Tag::kLoadsQSeparately, cute::true_type>,
       Opt<Tag::kNumMmaWarpGroups, Groups>>;
   using Fixed = std::conditional_t<Causal, PairedScheduler, cutlass::fmha::kernel::PersistentTileScheduler>;
-  // Packed sequences (varlen.h) on every persistent instance but the sliding windows.
-  using Scheduler = std::conditional_t<Local, Fixed, VarlenOr<Fixed, Causal, size<0>(TileShape{})>>;
-  using type = PersistentKernel<Mainloop, Fusion, Scheduler, Opt<Tag::kStagesKV, Int<StagesKV>>,
-                                Opt<Tag::kStagesQ, StagesQ>, Opt<Tag::kIsPersistent, cute::true_type>, Opt<Tag::kLoadsQSeparately, cute::true_type>,
-                                Opt<Tag::kNumMmaWarpGroups, Groups>>;
+  template <class Scheduler>
+  using With = PersistentKernel<Mainloop, Fusion, Scheduler, Opt<Tag::kStagesKV, Int<StagesKV>>,
+                                Opt<Tag::kStagesQ, StagesQ>, Opt<Tag::kIsPersistent, cute::true_type>,
+                                Opt<Tag::kLoadsQSeparately, cute::true_type>, Opt<Tag::kNumMmaWarpGroups, Groups>>;
+  using type = With<Fixed>;
+  // Packed sequences (varlen.h), on every persistent instance but the sliding windows: a second
+  // kernel, so that the fixed-length one keeps its registers (the packed scheduler and problem cost
+  // the 4-group d64 tile 36 -> 100 bytes of spill in one kernel).
+  using packed_type = std::conditional_t<Local, void, With<VarlenOr<Fixed, Causal, size<0>(TileShape{})>>>;
 };
 
 template <class Element_, int BlockM, int BlockN, int HeadDim, Schedule S, bool Causal, int StagesKV,
@@ -100,7 +105,9 @@ struct Config {
   static_assert(!Speculate || (Lazy && S != Schedule::kTma), "the TMA mainloop and CUTLASS's softmax never speculate");
   // A window's first key tile may hide every key of a row: the speculative step assumes it does not.
   static_assert(!Local || (!Causal && !Speculate && Lazy), "a local instance is lazy, not causal, not speculating");
-  using Kernel = typename KernelOf<Element, TileShape, Stride, S, Causal, StagesKV, Lazy, QBuffers, Speculate, Local>::type;
+  using Kernels = KernelOf<Element, TileShape, Stride, S, Causal, StagesKV, Lazy, QBuffers, Speculate, Local>;
+  using Kernel = typename Kernels::type;
+  using PackedKernel = typename Kernels::packed_type;  // void: no packed sequences
   static constexpr int kHeadDim = HeadDim;
   static constexpr int kBlockM = BlockM;
   static constexpr int kBlockN = BlockN;
@@ -175,7 +182,7 @@ int run_packed(const GemmgenAttnParams* p, cudaStream_t stream, char* err, int e
     return report(err, err_len, GEMMGEN_INVALID_ARGUMENT,
                   "variable lengths: this instance runs none (the persistent ones without a window do)");
   } else {
-    using Kernel = typename Cfg::Kernel;
+    using Kernel = typename Cfg::PackedKernel;
     if (p->cu_seqlens_q == nullptr || p->cu_seqlens_k == nullptr) {
       return report(err, err_len, GEMMGEN_INVALID_ARGUMENT, "variable lengths need both cu_seqlens_q and cu_seqlens_k");
     }
@@ -212,7 +219,8 @@ int run_packed(const GemmgenAttnParams* p, cudaStream_t stream, char* err, int e
         {static_cast<E*>(p->o), rows(p->o_row_stride, p->o_head_stride), p->lse,
          make_stride(_1{}, make_stride(int(h * p->seqlen_q), int(p->seqlen_q)))},
         cutlass::KernelHardwareInfo{device, sm_count}};
-    const Varlen varlen{p->cu_seqlens_q, p->cu_seqlens_k, p->batch, p->seqlen_q, p->seqlen_k, p->align_per_sequence};
+    const Varlen varlen{p->cu_seqlens_q, p->cu_seqlens_k, p->batch, p->seqlen_q, p->seqlen_k,
+                        p->align_per_sequence};
     cudaError_t e = launch_with_scale<Kernel>(args, kernel_scale(p->scale), Kernel::SharedStorageSize, stream,
                                               [group = int(h / hkv), varlen](auto& params) {
                                                 params.kv_group = group;
