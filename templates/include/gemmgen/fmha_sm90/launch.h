@@ -92,7 +92,7 @@ struct KernelOf<Element, TileShape, Stride, Schedule::kPingpong, Causal, StagesK
   // Packed sequences (varlen.h), on every persistent instance but the sliding windows: a second
   // kernel, so that the fixed-length one keeps its registers (the packed scheduler and problem cost
   // the 4-group d64 tile 36 -> 100 bytes of spill in one kernel).
-  using packed_type = std::conditional_t<Local, void, With<VarlenOr<Fixed, Causal, size<0>(TileShape{})>>>;
+  using packed_type = std::conditional_t<Local, void, With<VarlenScheduler<Causal, size<0>(TileShape{})>>>;
 };
 
 template <class Element_, int BlockM, int BlockN, int HeadDim, Schedule S, bool Causal, int StagesKV,

@@ -259,18 +259,11 @@ struct PersistentKernel
   template <class F, class = void> struct IsWindow : cute::false_type {};
   template <class F> struct IsWindow<F, std::void_t<decltype(F::kWindow)>> : cute::true_type {};
   static constexpr bool kWindow = IsWindow<Fusion>::value;
-  // Packed sequences (varlen.h): with a VarlenOr scheduler, a call whose scheduler params name
-  // cu_seqlens. The launch's problem size then spans the packed tensors (batch 1, total rows).
+  // Packed sequences (varlen.h): the kernel with VarlenScheduler, launched with cu_seqlens only. Its
+  // problem size spans the packed tensors (batch 1, total rows).
   template <class S, class = void> struct IsVarlen : cute::false_type {};
-  template <class S> struct IsVarlen<S, std::void_t<decltype(&S::varlen)>> : cute::true_type {};
+  template <class S> struct IsVarlen<S, std::void_t<decltype(&S::place_of)>> : cute::true_type {};
   static constexpr bool kVarlen = IsVarlen<Scheduler>::value;
-  CUTLASS_DEVICE static bool packed(Params const& params) {
-    if constexpr (kVarlen) {
-      return params.tile_scheduler.varlen.cu_q != nullptr;
-    } else {
-      return false;
-    }
-  }
   // The packed sequence of work item `blk` (its batch coordinate names the sequence).
   template <class BlkCoord>
   CUTLASS_DEVICE static Placed place_item(Params const& params, BlkCoord const& blk) {
@@ -519,7 +512,7 @@ struct PersistentKernel
             load_kv(scheduler.get_block_coord(), kv_blk, params, pipe_kv, write_kv, storage.tensors.mainloop,
                     storage.load_warp_barrier, first);
           } else {
-            if (packed(params)) {
+            if constexpr (kVarlen) {
               auto blk = scheduler.get_block_coord();
               const Placed at = place_item(params, blk);
               load_kv_packed(blk, item_problem(params, at), at, get<1>(get<2>(kv_blk)), params, pipe_kv, write_kv,
@@ -533,7 +526,7 @@ struct PersistentKernel
         }
       } else if (warp_in_group == kLoadQ) {
         for (; scheduler.is_valid(); ++scheduler, first = false) {
-          if (packed(params)) {
+          if constexpr (kVarlen) {
             auto blk = scheduler.get_block_coord();
             load_q_packed(blk, place_item(params, blk), params, pipe_q, write_q, storage.tensors.mainloop,
                           storage.load_warp_barrier, first);
@@ -542,7 +535,7 @@ struct PersistentKernel
                                   write_q, storage.tensors.mainloop, storage.load_warp_barrier, first);
           }
         }
-      } else if (warp_in_group == kLseTails && packed(params)) {
+      } else if (warp_in_group == kLseTails && kVarlen) {
         write_lse_tails(params);
       }
       return;
@@ -562,11 +555,9 @@ struct PersistentKernel
       auto out_problem = params.problem_size;
       int q_row0 = -1;
       if constexpr (kVarlen) {
-        if (packed(params)) {
-          const Placed at = place_item(params, blk);
-          problem = out_problem = item_problem(params, at);
-          q_row0 = at.q_row0;
-        }
+        const Placed at = place_item(params, blk);
+        problem = out_problem = item_problem(params, at);
+        q_row0 = at.q_row0;
       }
       read_q.advance(consumer);  // Q stages go to the groups in turn, a tile's kGroups at a time
       if (get<0>(group_blk) * kGroupRows >= get<2>(out_problem)) {

@@ -48,21 +48,18 @@ CUTLASS_DEVICE Placed place(Varlen const& v, int b) {
   return s;
 }
 
-// The persistent kernel's tile scheduler: Fixed (CUTLASS's, or PairedScheduler for causal row
-// tiles) for fixed lengths; for variable lengths the row tiles of every (sequence, head) in one list,
-// sequence by sequence and head by head within it (the CTAs running at one time share a few heads'
-// K and V in L2), handed to the CTAs in a static round robin over an SM-sized grid. Causal row tiles
-// go in pairs within a sequence (tile i with tile m - 1 - i, the longer first), as PairedScheduler's.
-template <class Fixed, bool Causal, int BlockM>
-struct VarlenOr {
+// The packed kernel's tile scheduler: the row tiles of every (sequence, head) in one list, sequence
+// by sequence and head by head within it (the CTAs running at one time share a few heads' K and V in
+// L2), handed to the CTAs in a static round robin over an SM-sized grid. Causal row tiles go in
+// pairs within a sequence (tile i with tile m - 1 - i, the longer first), as PairedScheduler's.
+template <bool Causal, int BlockM>
+struct VarlenScheduler {
   struct Params {
-    typename Fixed::Params fixed;
-    Varlen varlen;  // set at launch; cu_q NULL runs Fixed
+    Varlen varlen;  // set at launch
     int heads = 0;
     int sm_count = 0;
   };
 
-  Fixed fixed;
   Params const* p;
   int item;          // work item (a row tile, or a pair of them) in the list
   int b = 0;         // its sequence
@@ -71,22 +68,16 @@ struct VarlenOr {
   int tiles = 0;     // row tiles per head of the sequence
   bool second = false;
 
-  CUTLASS_DEVICE VarlenOr(Params const& params) : fixed(params.fixed), p(&params), item(blockIdx.x) {
-    if (varlen()) seek();
-  }
+  CUTLASS_DEVICE VarlenScheduler(Params const& params) : p(&params), item(blockIdx.x) { seek(); }
 
   template <class ProblemSize, class ClusterShape, class TileShape>
   static Params to_underlying_arguments(ProblemSize const& problem_size, cutlass::KernelHardwareInfo hw_info,
-                                        ClusterShape const& cluster_shape, TileShape const& tile_shape) {
-    return Params{Fixed::to_underlying_arguments(problem_size, hw_info, cluster_shape, tile_shape), Varlen{},
-                  int(cute::get<1>(problem_size)), hw_info.sm_count};
+                                        ClusterShape const&, TileShape const&) {
+    return Params{Varlen{}, int(cute::get<1>(problem_size)), hw_info.sm_count};
   }
 
-  static dim3 get_grid_shape(Params const& params) {
-    return params.varlen.cu_q != nullptr ? dim3(params.sm_count, 1, 1) : Fixed::get_grid_shape(params.fixed);
-  }
+  static dim3 get_grid_shape(Params const& params) { return dim3(params.sm_count, 1, 1); }
 
-  CUTLASS_DEVICE bool varlen() const { return p->varlen.cu_q != nullptr; }
   CUTLASS_DEVICE static Placed place_of(Varlen const& v, int b) { return place<Causal>(v, b); }
 
   // Moves b and base forward to the sequence holding `item` (items only grow).
@@ -99,21 +90,16 @@ struct VarlenOr {
     }
   }
 
-  CUTLASS_DEVICE bool is_valid() { return varlen() ? b < p->varlen.batch : fixed.is_valid(); }
+  CUTLASS_DEVICE bool is_valid() { return b < p->varlen.batch; }
 
   CUTLASS_DEVICE auto get_block_coord() {
-    if (!varlen()) return fixed.get_block_coord();
     const int rel = item - base;
     const int h = rel / per_head, t = rel - h * per_head;
     const int m = Causal && !second ? tiles - 1 - t : t;
     return cute::make_coord(m, cute::_0{}, cute::make_coord(b, h));
   }
 
-  CUTLASS_DEVICE VarlenOr& operator++() {
-    if (!varlen()) {
-      ++fixed;
-      return *this;
-    }
+  CUTLASS_DEVICE VarlenScheduler& operator++() {
     const int t = (item - base) % per_head;
     if (Causal && !second && t != tiles - 1 - t) {
       second = true;
