@@ -42,6 +42,8 @@ CURRENT = {
     "varlen_bwd_fmha_bwd_sm90_h100.md": "The backward of packed sequences on fmha_bwd_sm90 before NOTES 88's launches, on an H100",
     "varlen_fwd_fmha_sm90_h100.md": "Packed sequences on fmha_sm90 (the Hopper forward) against the same tokens dense and torch's varlen_attn on an H100",
     "bwd_deterministic_h200.md": "The backward with deterministic=True",
+    "fp8_h100.md": "FP8 attention (e4m3 q, k, v, O in bf16) against bf16 and torch SDPA's bf16 backends on an H100",
+    "fp8_accuracy_h100.md": "FP8 attention's error against the float64 reference of the dequantized inputs, on an H100",
     "context_parallel_h200x2.md": "Context-parallel ring attention over two GPUs",
     "context_parallel_h200x4.md": "Context-parallel ring attention over four GPUs",
     "fa_short_h200.md": "Short sequences at d64 with the default build, untuned, against torch SDPA",

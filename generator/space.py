@@ -139,6 +139,12 @@ def supported_head_dims() -> tuple[int, ...]:
     return tuple(sorted({d for family in FAMILIES if family.KIND == "attention" for d in family.HEAD_DIMS}))
 
 
+def fp8_head_dims() -> tuple[int, ...]:
+    """The head dims some attention family serves with fp8 inputs (their FP8_HEAD_DIMS), sorted."""
+    return tuple(sorted({d for family in FAMILIES if family.KIND == "attention"
+                         for d in getattr(family, "FP8_HEAD_DIMS", ())}))
+
+
 def describe_head_dims(dims: Sequence[int]) -> str:
     """`dims` in a few words: "a multiple of 8 up to 256" where they are every multiple of their
     smallest up to their largest, else "one of 32, 64, 128"."""

@@ -28,8 +28,11 @@ def test_space_names_unique_and_stable():
                                                     "fmha_sm90_bf16_d64_none_pingpong_m256n64s5_lr_q2",
                                                     "fmha_sm90_bf16_d64_causal_pingpong_m256n64s5_lr_q2"}
     assert all(inst.lazy_rescale for inst in fam.DEFAULT)  # our softmax (experiment 41)
-    plain = [i for i in fam.SPACE if i.mask is not Mask.LOCAL]
+    plain = [i for i in fam.SPACE if i.mask is not Mask.LOCAL and i.dtype is not DType.FP8]
     assert len(plain) == 2 * sum(not inst.lazy_rescale for inst in plain)  # both softmaxes per tile
+    fp8 = [i for i in fam.SPACE if i.dtype is DType.FP8]  # our softmax (it takes the factors), persistent
+    assert fp8 and all(i.persistent and i.lazy_rescale and not i.runs_varlen for i in fp8)
+    assert {(i.head_dim, i.mask) for i in fp8} == {(d, m) for d in fam.FP8_HEAD_DIMS for m in fam.FP8_MASKS}
     local = [i for i in fam.SPACE if i.mask is Mask.LOCAL]  # a window: persistent, our softmax, no speculation
     assert local and all(i.persistent and i.lazy_rescale and not i.speculates for i in local)
     q2 = next(i for i in fam.SPACE if i.name == "fmha_sm90_bf16_d64_none_pingpong_m256n64s5_lr_q2")
@@ -37,13 +40,16 @@ def test_space_names_unique_and_stable():
 
 
 def test_default_covers_every_dtype_head_dim_mask_once():
-    """One preferred default tile per (dtype, head dim, mask); the other default tiles are the
-    short-sequence tiles, one per dtype for each (head dim, mask) that has one."""
+    """One preferred default tile per (dtype, head dim, mask) (fp8: per head dim and mask it runs);
+    the other default tiles are the 16-bit short-sequence tiles, one per dtype for each (head dim,
+    mask) that has one."""
     keys = [(i.dtype, i.head_dim, i.mask) for i in fam.PREFERRED_DEFAULT]
     assert sorted(keys, key=str) == sorted(set(keys), key=str)
-    assert set(keys) == {(dt, d, m) for dt in fam.DTYPES for d in fam.HEAD_DIMS for m in Mask}
+    wide = [dt for dt in fam.DTYPES if dt is not DType.FP8]
+    assert set(keys) == ({(dt, d, m) for dt in wide for d in fam.HEAD_DIMS for m in Mask}
+                         | {(DType.FP8, d, m) for d in fam.FP8_HEAD_DIMS for m in fam.FP8_MASKS})
     extra = [i for i in fam.DEFAULT if i not in fam.PREFERRED_DEFAULT]
-    assert len(extra) == len(fam.DTYPES) * len(fam.SHORT_SEQUENCE_TILES)
+    assert len(extra) == len(wide) * len(fam.SHORT_SEQUENCE_TILES)
     assert all((i.schedule, i.block_m, i.block_n, i.q_buffers) == fam.SHORT_SEQUENCE_TILES[i.head_dim, i.causal]
                for i in extra)
 

@@ -67,7 +67,8 @@ def test_reference_formula():
 def test_params_carry_the_softcap():
     """Appended after the window (libraries built before it never read it), before the per-sequence
     alignment and the packed tensors' row counts; 0 without a cap."""
-    assert [n for n, _ in abi.AttnParams._fields_][-4:] == ["softcap", "align_per_sequence", "total_q", "total_k"]
+    assert [n for n, _ in abi.AttnParams._fields_][-7:] == ["softcap", "align_per_sequence", "total_q", "total_k",
+                                                            "descale_q", "descale_k", "descale_v"]
     assert [n for n, _ in abi.AttnBwdParams._fields_][-4:] == ["softcap", "align_per_sequence", "total_q", "total_k"]
     q = torch.zeros(1, 2, 16, 128, dtype=torch.float16)
     p = launch.params(q, q, q, q, None, causal=True, causal_alignment="top_left", scale=None, softcap=30.0)

@@ -12,6 +12,7 @@ from gemmgen.generator.manifest import ABI_VERSION  # noqa: F401 (the version th
 
 INFO_NEEDS_LSE = 1  # GEMMGEN_INFO_NEEDS_LSE
 INFO_KV_CACHE = 4  # GEMMGEN_INFO_KV_CACHE: reads seqlens_k, block_table, num_splits; exports <symbol>_workspace
+INFO_WORKSPACE = 16  # GEMMGEN_INFO_WORKSPACE: exports <symbol>_workspace (a forward that needs one)
 ERR_LEN = 1024  # bytes of the message buffer handed to the entry points
 _local = threading.local()
 
@@ -63,6 +64,8 @@ class AttnParams(ctypes.Structure):
         ("align_per_sequence", ctypes.c_int32),  # varlen: 1 shifts each sequence's diagonal by len_k - len_q
         ("total_q", ctypes.c_int64),  # varlen: rows of the packed q and o
         ("total_k", ctypes.c_int64),  # varlen: rows of the packed k and v
+        # fp8: float32 [B, Hkv] factors of q, k, v (NULL: 1)
+        *[(n, ctypes.c_void_p) for n in ("descale_q", "descale_k", "descale_v")],
     ]
 
 
@@ -107,10 +110,11 @@ class Instance:
         self.needs_lse = bool(flags & INFO_NEEDS_LSE)
         self.kv_cache = bool(flags & INFO_KV_CACHE)
         self._workspace = self._append = None
-        if self.kv_cache:
+        if self.kv_cache or flags & INFO_WORKSPACE:
             self._workspace = getattr(library, f"{symbol}_workspace")
             self._workspace.argtypes = [ctypes.POINTER(self.params_type)]
             self._workspace.restype = ctypes.c_int64
+        if self.kv_cache:
             self._append = getattr(library, f"{symbol}_append")
             self._append.argtypes = [ctypes.POINTER(KvAppendArgs), ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int]
             self._append.restype = ctypes.c_int

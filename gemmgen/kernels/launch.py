@@ -12,6 +12,8 @@ from gemmgen.kernels import abi
 
 DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 TORCH_DTYPES = {name: dt for dt, name in DTYPE_NAMES.items()}
+# Input dtypes of the selection problem: the 16-bit ones, and fp8 (gemmgen.ops.fp8's calls only).
+PROBLEM_DTYPES = {**DTYPE_NAMES, torch.float8_e4m3fn: "fp8"}
 
 try:  # the raw cudaStream_t, without building a torch.cuda.Stream object (inductor uses the same)
     _raw_stream = torch._C._cuda_getCurrentRawStream
@@ -25,19 +27,21 @@ def raw_stream(index: int) -> int:
     return _raw_stream(index)
 
 
-def empty_like_layout(q: torch.Tensor, shape: tuple[int, ...] | torch.Size | None = None) -> torch.Tensor:
-    """An uninitialized tensor with q's dim order (q's layout, made dense), head_dim innermost.
+def empty_like_layout(q: torch.Tensor, shape: tuple[int, ...] | torch.Size | None = None,
+                      dtype: torch.dtype | None = None) -> torch.Tensor:
+    """An uninitialized tensor with q's dim order (q's layout, made dense), head_dim innermost, in
+    `dtype` (q's by default).
 
     The real op and its fake implementation both allocate O through this, so they agree on strides.
     """
     if shape is None and q.is_contiguous():
-        return torch.empty_like(q)
+        return torch.empty_like(q, dtype=dtype)
     shape = tuple(q.shape if shape is None else shape)
     order = sorted(range(3), key=lambda i: (-q.stride(i), i)) + [3]
     strides, step = [0] * 4, 1
     for i in reversed(order):
         strides[i], step = step, step * shape[i]
-    return torch.empty_strided(shape, strides, dtype=q.dtype, device=q.device)
+    return torch.empty_strided(shape, strides, dtype=q.dtype if dtype is None else dtype, device=q.device)
 
 
 def max_offset(*tensors: torch.Tensor | None) -> int:

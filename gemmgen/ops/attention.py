@@ -9,10 +9,9 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from gemmgen.kernels import launch
 from gemmgen.select import calls, selection
-from gemmgen.ops import eager, offsets, padding, torch_op
+from gemmgen.ops import eager, fp8, offsets, padding, torch_op
 from gemmgen.ops.checks import (check_4d, check_bool, check_dense, check_finite, check_instance, check_no_overlap,
-                                check_softcap,
-                                check_window)
+                                check_softcap, check_strides, check_window)
 from gemmgen.ops.grad import check_no_grad
 from gemmgen.errors import DeviceError, InputError
 from gemmgen.select.problem import ALIGN_BYTES
@@ -26,14 +25,7 @@ _CHECKED = eager.Checked()  # fused_attention's tensor signatures whose metadata
 
 
 def _check_strides(name: str, t: torch.Tensor) -> None:
-    (n0, n1, n2, n3), (s0, s1, s2, s3) = t.shape, t.stride()
-    # Dims of size 1 are never stepped over, so their strides do not matter.
-    if n3 > 1 and s3 != 1:
-        raise InputError(f"{name} must be contiguous in its last dim (head_dim); its strides are "
-                         f"{(s0, s1, s2, s3)}")
-    if (n0 > 1 and s0 % ALIGN_ELEMENTS) or (n1 > 1 and s1 % ALIGN_ELEMENTS) or (n2 > 1 and s2 % ALIGN_ELEMENTS):
-        raise InputError(f"{name}'s strides {(s0, s1, s2, s3)} must be multiples of {ALIGN_ELEMENTS} "
-                         f"elements (16 bytes) outside the last dim")
+    check_strides(name, t, ALIGN_ELEMENTS)
 
 
 def _check_out(out: torch.Tensor, q: torch.Tensor, *, kernel_writes: bool = True) -> None:
@@ -197,7 +189,8 @@ def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
                     out: torch.Tensor | None = None, dropout_p: float = 0.0, seed: int | None = None,
                     offset: int = 0, attn_mask: torch.Tensor | None = None,
                     deterministic: bool = False, window: tuple[int, int] | None = None,
-                    softcap: float = 0.0) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                    softcap: float = 0.0, q_descale=None, k_descale=None,
+                    v_descale=None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """O = softmax(scale * Q K^T + mask) V on the GPU, reading the inputs where they are (at a tile
     head dim; see d below).
 
@@ -245,7 +238,31 @@ def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
     runs on fa2_bwd_sm80's `_sc` instances (head dims 128 and 256 by default, every GPU) and on Hopper
     fmha_bwd_sm90's (128): at other head dims inputs that require grad raise NoInstanceError at the
     forward.
+
+    FP8: q, k, v in torch.float8_e4m3fn (all three) run on Hopper's fp8 instances (fmha_sm90
+    `_fp8_`, head dims 64, 128, 256, causal or not, either alignment, GQA/MQA) and return O in
+    bfloat16. q_descale, k_descale, v_descale are the factors that turn the stored values into the
+    inputs (scores = scale * (q * q_descale) (k * k_descale)^T, O = softmax(scores) (v * v_descale)):
+    None (1), a float > 0, or a float32 tensor broadcasting to [B, Hkv] (per tensor or per K/V head,
+    FlashAttention-3's convention; a tensor whose q and k factors multiply to a value that is not
+    positive and finite gives NaN rows). scale >= 0. Strides are multiples of 16 elements outside
+    the last dim. No dropout, mask tensor, window, softcap, out= or backward (inputs
+    that require grad raise); see gemmgen.ops.fp8 and docs/fp8.md for the accuracy.
     """
+    if fp8.is_fp8(q, k, v):
+        check_bool("causal", causal)
+        causal, fp8_window = check_window(window, causal)  # (-1, -1): none; (-1, 0): causal
+        scale, factors = fp8.prepare(
+            q, k, v, causal=causal, causal_alignment=causal_alignment, scale=scale, return_lse=return_lse,
+            instance=instance, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
+            unsupported=(("dropout_p", dropout_p, 0.0), ("attn_mask", attn_mask, None), ("out", out, None),
+                         ("window", fp8_window, None), ("softcap", softcap, 0.0)))
+        o, lse = torch_op.fused_attention_fp8_op(q, k, v, *factors, causal, causal_alignment, scale, return_lse,
+                                                 instance)
+        return (o, lse) if return_lse else o
+    if q_descale is not None or k_descale is not None or v_descale is not None:
+        raise InputError("q_descale, k_descale, v_descale apply to fp8 inputs (torch.float8_e4m3fn); "
+                         f"q, k, v are {getattr(q, 'dtype', type(q).__name__)}")
     check_bool("causal", causal)
     check_bool("return_lse", return_lse)
     check_bool("deterministic", deterministic)
@@ -446,6 +463,14 @@ def fused_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
     return (o, lse) if return_lse else o
 
 
+def _check_fp8_explained(q, k, v, *, dropout_p=0.0, attn_mask=None, window=None, softcap=0.0) -> None:
+    """explain / selected_instance of fp8 tensors: the checks of the call they describe."""
+    fp8.check_unsupported((("dropout_p", dropout_p, 0.0), ("attn_mask", attn_mask, None), ("window", window, None),
+                           ("softcap", softcap, 0.0)))
+    fp8.validate(q, k, v)
+    fp8.check_device(q, k, v, ())
+
+
 def explain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
             causal_alignment: str = "top_left", instance: str | None = None, dropout_p: float = 0.0,
             attn_mask: torch.Tensor | None = None, window: tuple[int, int] | None = None,
@@ -458,6 +483,9 @@ def explain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool =
     _check_args(causal_alignment, None)
     causal, window = check_window(window, causal)
     softcap = check_softcap(softcap)
+    if fp8.is_fp8(q, k, v):  # the fp8 call: no mask tensor, dropout, window or softcap
+        _check_fp8_explained(q, k, v, dropout_p=dropout_p, attn_mask=attn_mask, window=window, softcap=softcap)
+        return selection.decide(calls.problem_for(q, k, causal, v=v, causal_alignment=causal_alignment), instance)
     if (dp := padding.needs_padding(q, k, v)) is not None:  # the padded call it runs
         q, k, v = (padding.pad(t, dp) for t in (q, k, v))
     _validate(q, k, v, None, device=False)
@@ -479,6 +507,9 @@ def selected_instance(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, caus
     _check_args(causal_alignment, None)
     causal, window = check_window(window, causal)
     softcap = check_softcap(softcap)
+    if fp8.is_fp8(q, k, v):
+        _check_fp8_explained(q, k, v, window=window, softcap=softcap)
+        return selection.select(calls.problem_for(q, k, causal, v=v, causal_alignment=causal_alignment), instance).name
     if (dp := padding.needs_padding(q, k, v)) is not None:  # the padded call it runs
         q, k, v = (padding.pad(t, dp) for t in (q, k, v))
     _validate(q, k, v, None)

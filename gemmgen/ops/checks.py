@@ -121,3 +121,15 @@ def check_softcap(softcap: object) -> float:
         raise InputError(f"softcap must be 0 (none) or a positive float32 (scores become softcap * tanh(s / softcap)); "
                          f"got {softcap}")
     return value
+
+
+def check_strides(name: str, t: torch.Tensor, align: int) -> None:
+    """A 4-D tensor's strides as the kernels read it: its last dim contiguous, the others multiples
+    of `align` elements (16 bytes) where the dim is stepped over (a dim of size 1 never is)."""
+    (n0, n1, n2, n3), (s0, s1, s2, s3) = t.shape, t.stride()
+    if n3 > 1 and s3 != 1:
+        raise InputError(f"{name} must be contiguous in its last dim (head_dim); its strides are "
+                         f"{(s0, s1, s2, s3)}")
+    if (n0 > 1 and s0 % align) or (n1 > 1 and s1 % align) or (n2 > 1 and s2 % align):
+        raise InputError(f"{name}'s strides {(s0, s1, s2, s3)} must be multiples of {align} "
+                         f"elements (16 bytes) outside the last dim")

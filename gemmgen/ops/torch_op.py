@@ -22,6 +22,10 @@ torch.compile traces them without a graph break and CUDA graphs capture them:
     torch.ops.gemmgen.fused_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, k, v,
                                                    causal, scale, return_lse, instance, window)
         -> (O [B, Nq, H, d], LSE [B, H, Nq] float32 or an empty tensor); k, v appended into the caches
+    torch.ops.gemmgen.fused_attention_fp8(q, k, v, q_descale, k_descale, v_descale, causal,
+                                          causal_alignment, scale, return_lse, instance)
+        -> (O in bfloat16 in q's layout, LSE or an empty tensor); q, k, v float8_e4m3fn, each
+           descale None or float32 [B, Hkv] contiguous (gemmgen.ops.fp8 prepares them); no backward
 
 fused_attention and fused_attention_backward are joined by torch.library.register_autograd, and so
 are fused_attention_varlen and fused_attention_varlen_backward (plain eager training calls of
@@ -57,7 +61,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from gemmgen.select import calls, jit, registry, selection
 from gemmgen.kernels import launch
 from gemmgen.errors import InputError
-from gemmgen.ops import offsets, padding
+from gemmgen.ops import fp8, offsets, padding
 from gemmgen.ops.checks import check_softcap, check_window
 from gemmgen.ops.grad import check_no_grad
 from gemmgen.select.problem import ALIGN_BYTES, Problem
@@ -85,6 +89,9 @@ _LIB.define("fused_attention_varlen_backward(Tensor grad_out, Tensor q, Tensor k
 _LIB.define("fused_attention_with_kvcache(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor cache_seqlens, "
             "Tensor? block_table=None, Tensor? k=None, Tensor? v=None, bool causal=True, float? scale=None, "
             "bool return_lse=False, str? instance=None, int[]? window=None) -> (Tensor, Tensor)")
+
+_LIB.define("fused_attention_fp8(Tensor q, Tensor k, Tensor v, Tensor? q_descale=None, Tensor? k_descale=None, "
+            f"Tensor? v_descale=None, {_ARGS}) -> (Tensor, Tensor)")
 
 _kernels: dict[tuple, Any] = {}
 _MAX_CACHED = 4096
@@ -123,8 +130,10 @@ def _select(problem: Problem, q: torch.Tensor, k: torch.Tensor, causal: bool,
     """The plan (kernel, num_splits) of this call, and whether it may be cached."""
     cand = jit.select_or_build(problem, instance)
     cacheable = True
-    # The tuner times plain calls: dropout, bias, variable lengths and windows keep the registry's choice.
-    plain = not (problem.dropout or problem.bias or problem.varlen or problem.kv_cache or problem.window is not None)
+    # The tuner times plain 16-bit calls: dropout, bias, variable lengths, windows and fp8 keep the
+    # registry's choice.
+    plain = not (problem.dropout or problem.bias or problem.varlen or problem.kv_cache or problem.window is not None
+                 or problem.dtype == "fp8")
     if instance is None and plain and autotune_enabled() and selection.needs_tuning(problem):
         if torch.cuda.is_current_stream_capturing():  # timing synchronizes: tune after the capture
             cacheable = False
@@ -837,12 +846,55 @@ run_fused_attention_varlen = _fused_attention_varlen
 run_fused_attention_with_kvcache = _fused_attention_with_kvcache
 
 
+def _fused_attention_fp8(q, k, v, q_descale=None, k_descale=None, v_descale=None, causal=False,
+                        causal_alignment="top_left", scale=None, return_lse=False, instance=None):
+    if not q.dtype == k.dtype == v.dtype == fp8.DTYPE:  # O is bf16 whatever the inputs: never a 16-bit kernel
+        raise InputError(f"fused_attention_fp8 takes q, k, v in {fp8.DTYPE}; got {q.dtype}, {k.dtype}, {v.dtype}")
+    o = launch.empty_like_layout(q, dtype=fp8.OUT_DTYPE)
+    lse = _lse_like(q, True) if return_lse else _no_lse_on(q.device)
+    if o.numel() == 0 or k.shape[2] == 0:
+        o.zero_()
+        lse.fill_(float("-inf"))
+        return o, lse
+    for name, t in (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale)):
+        if t is not None and (t.dtype != torch.float32 or t.shape != (q.shape[0], k.shape[1]) or not t.is_contiguous()
+                              or t.device != q.device):
+            raise InputError(f"{name} must be a contiguous float32 [B, Hkv] tensor on q's device (gemmgen.ops.fp8 "
+                             f"prepares it); got {t.dtype} {tuple(t.shape)} on {t.device}")
+    index = q.get_device()
+    causal = bool(causal)
+    if (q.data_ptr() | k.data_ptr() | v.data_ptr()) % ALIGN_BYTES:
+        raise InputError(f"q, k and v must be {ALIGN_BYTES}-byte aligned")
+    # Everything the selection and the params look at but the data pointers. The instance copies V
+    # transposed into the call's workspace (plan.workspace bytes) before its attention kernel.
+    key = (index, q.dtype, q.shape, k.shape, q.stride(), k.stride(), v.stride(), o.stride(), causal,
+           causal_alignment if causal else None, scale, instance, "fp8")
+    plan = _kernel_for(key, lambda: calls.problem_for(q, k, causal, v=v, causal_alignment=causal_alignment,
+                                                      scale=scale), q, k, causal, instance)
+    p = plan.params(lambda: launch.params(q, k, v, o, None, causal=causal, causal_alignment=causal_alignment,
+                                          scale=scale))
+    p.q, p.k, p.v, p.o = q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr()
+    if return_lse:
+        p.lse = lse.data_ptr()
+    p.descale_q, p.descale_k, p.descale_v = (None if t is None else t.data_ptr() for t in (q_descale, k_descale,
+                                                                                          v_descale))
+    launch.launch(plan.kernel, p, index, plan.workspace)
+    return o, lse
+
+
+def _fake_fp8(q, k, v, q_descale=None, k_descale=None, v_descale=None, causal=False, causal_alignment="top_left",
+              scale=None, return_lse=False, instance=None):
+    return launch.empty_like_layout(q, dtype=fp8.OUT_DTYPE), _lse_like(q, return_lse)
+
+
 def _fake_kvcache(q, k_cache, v_cache, cache_seqlens, block_table=None, k=None, v=None, causal=True, scale=None,
                   return_lse=False, instance=None, window=None):
     return _kvcache_outputs(q, return_lse)
 
 
 _LIB.impl("fused_attention", _fused_attention, "CUDA")
+_LIB.impl("fused_attention_fp8", _fused_attention_fp8, "CUDA")
+torch.library.register_fake("gemmgen::fused_attention_fp8", _fake_fp8, lib=_LIB)
 _LIB.impl("fused_attention_with_kvcache", _fused_attention_with_kvcache, "CUDA")
 torch.library.register_fake("gemmgen::fused_attention_with_kvcache", _fake_kvcache, lib=_LIB)
 _LIB.impl("fused_attention_out", _fused_attention_out, "CUDA")
@@ -885,6 +937,7 @@ fused_attention_varlen_op = torch.ops.gemmgen.fused_attention_varlen.default
 fused_attention_backward_op = torch.ops.gemmgen.fused_attention_backward.default
 fused_attention_varlen_backward_op = torch.ops.gemmgen.fused_attention_varlen_backward.default
 fused_attention_with_kvcache_op = torch.ops.gemmgen.fused_attention_with_kvcache.default
+fused_attention_fp8_op = torch.ops.gemmgen.fused_attention_fp8.default
 
 
 def clear_cache() -> None:

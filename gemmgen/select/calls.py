@@ -6,7 +6,7 @@ import dataclasses
 
 import torch
 
-from gemmgen.kernels.launch import DTYPE_NAMES, max_offset
+from gemmgen.kernels.launch import PROBLEM_DTYPES, max_offset
 from gemmgen.select import device
 from gemmgen.select.problem import ALIGN_BYTES, BwdProblem, Problem, layout_kind
 
@@ -20,7 +20,7 @@ def problem_for(q: torch.Tensor, k: torch.Tensor, causal: bool, *, v: torch.Tens
     `softcap` whether a logit softcap applies."""
     b, h, nq, d = q.shape
     bias_tensor = bias if isinstance(bias, torch.Tensor) else None
-    return Problem(dtype=DTYPE_NAMES[q.dtype], head_dim=d, causal=bool(causal),
+    return Problem(dtype=PROBLEM_DTYPES[q.dtype], head_dim=d, causal=bool(causal),
                    device=device.facts(q.get_device()), batch_heads=b * h, seqlen_q=nq,
                    seqlen_k=k.shape[2], gqa=h // k.shape[1],
                    layout=layout_kind(q.stride(), k.stride()), align=ALIGN_BYTES,
@@ -38,7 +38,7 @@ def problem_for_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch:
     mask (causal or a normalized `window`) aligned within each sequence by `causal_alignment`;
     short_keys as Problem.short_keys (gemmgen.ops.offsets.short_keys)."""
     h, d = q.shape[1], q.shape[2]
-    return Problem(dtype=DTYPE_NAMES[q.dtype], head_dim=d, causal=bool(causal),
+    return Problem(dtype=PROBLEM_DTYPES[q.dtype], head_dim=d, causal=bool(causal),
                    device=device.facts(q.get_device()), batch_heads=batch * h, seqlen_q=max_seqlen_q,
                    seqlen_k=max_seqlen_k, gqa=h // k.shape[1], layout="bnhd", align=ALIGN_BYTES,
                    causal_alignment=causal_alignment, negative_scale=scale is not None and scale < 0,
@@ -84,7 +84,7 @@ def problem_for_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     """The Problem of a validated key-value-cache call: q [B, Nq, H, d], caches [B or pages, rows, Hkv, d]
     holding up to `capacity` keys per sequence (the sizes the selection sees: lengths live on the GPU)."""
     b, nq, h, d = q.shape
-    return Problem(dtype=DTYPE_NAMES[q.dtype], head_dim=d, causal=bool(causal),
+    return Problem(dtype=PROBLEM_DTYPES[q.dtype], head_dim=d, causal=bool(causal),
                    device=device.facts(q.get_device()), batch_heads=b * h, seqlen_q=nq, seqlen_k=capacity,
                    gqa=h // k_cache.shape[2], layout="bnhd", align=ALIGN_BYTES, causal_alignment="bottom_right",
                    negative_scale=scale is not None and scale < 0, zero_scale=scale == 0, kv_cache=True,

@@ -38,6 +38,7 @@ class DType(enum.Enum):
     FP16 = "fp16"
     BF16 = "bf16"
     FP32 = "fp32"
+    FP8 = "fp8"  # float8 e4m3 (torch.float8_e4m3fn)
 
     @property
     def cpp(self) -> str:
@@ -60,6 +61,7 @@ DTYPE_TABLE: dict[DType, DTypeInfo] = {
     DType.FP16: DTypeInfo("cutlass::half_t", 2),
     DType.BF16: DTypeInfo("cutlass::bfloat16_t", 2),
     DType.FP32: DTypeInfo("float", 4),
+    DType.FP8: DTypeInfo("cutlass::float_e4m3_t", 1),
 }
 
 

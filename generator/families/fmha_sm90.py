@@ -7,6 +7,11 @@ onto them. Built for sm_90a only: wgmma and setmaxnreg have no other target.
 One instance = one (dtype, head_dim, mask, schedule, tile, K/V stages, softmax: CUTLASS's or ours,
 templates/include/gemmgen/fmha_sm90/softmax.h). `problem_reason` states what a built instance cannot
 run, so the registry picks another family for those calls.
+
+fp8 instances (`_fp8_`: q, k, v in float8 e4m3, O in bf16) run CUTLASS's mainloop with 8-bit
+operands on the persistent schedule (our epilogue stores O in bf16): V is read transposed
+([B, Hkv, d, Nk], keys contiguous: wgmma reads 8-bit operands K-major only), and each (batch, K/V
+head) may carry factors for q, k and v (gemmgen.ops.fp8 prepares both).
 """
 from __future__ import annotations
 
@@ -40,13 +45,18 @@ class Schedule(enum.Enum):
 SCHEDULE_CPP = {Schedule.TMA: "kTma", Schedule.COOPERATIVE: "kCooperative", Schedule.PINGPONG: "kPingpong"}
 
 # Axes.
-DTYPES = (DType.FP16, DType.BF16)
+DTYPES = (DType.FP16, DType.BF16, DType.FP8)
+# fp8: the head dims whose 8-bit tiles were built and measured, without a mask or causal.
+FP8_HEAD_DIMS = (64, 128, 256)
+FP8_MASKS = (Mask.NONE, Mask.CAUSAL)
 HEAD_DIMS = (32, 64, 96, 128, 160, 192, 256)
 # causal: either alignment with Nq <= Nk (the offset is a launch parameter); local: a sliding window
 # (its bounds and offset are launch parameters), on the persistent schedule.
 MASKS = tuple(Mask)
 SCHEDULES = tuple(Schedule)
-TILES = ((64, 64), (64, 128), (128, 64), (128, 128), (128, 192), (192, 64), (192, 128), (256, 64))  # (block_m, block_n)
+TILES = ((64, 64), (64, 128), (128, 64), (128, 128), (128, 192), (192, 64), (192, 128), (256, 64),
+         (128, 256))  # (block_m, block_n); 128x256 for fp8 only
+FP8_ONLY_TILES = ((128, 256),)
 STAGES = (2, 3, 4, 5)  # K/V pipeline stages (one stage holds a K or a V tile)
 # The softmax: ours, which rescales O only when a row maximum grows by more than 2^8 (names `_lr`,
 # templates/include/gemmgen/fmha_sm90/softmax.h; the default: up to 4% faster, bench/NOTES.md,
@@ -127,8 +137,9 @@ class FmhaSm90Instance(AttentionInstance):
         rows_q = self.block_m // self.consumer_groups
         q = self.q_buffers * self.consumer_groups * rows_q * self.head_dim * e
         kv = self.stages * self.block_n * self.head_dim * e
-        if self.persistent:
-            return q + kv + self.consumer_groups * rows_q * self.head_dim * e + 1536
+        if self.persistent:  # O's buffers hold the output type (fp8's is bf16); fp8's factor slots
+            return (q + kv + self.consumer_groups * rows_q * self.head_dim * max(e, 2) + 1536
+                    + (256 if self.dtype is DType.FP8 else 0))
         return q + kv + 512
 
     @property
@@ -138,8 +149,8 @@ class FmhaSm90Instance(AttentionInstance):
     @property
     def runs_varlen(self) -> bool:
         """Packed sequences (templates/include/gemmgen/fmha_sm90/varlen.h): the persistent schedule
-        without a sliding window."""
-        return self.persistent and self.mask is not Mask.LOCAL
+        without a sliding window, 16-bit inputs."""
+        return self.persistent and self.mask is not Mask.LOCAL and self.dtype is not DType.FP8
 
     def params(self) -> dict:
         """The fields, lazy_rescale and q_buffers only where not their defaults, and `speculate`."""
@@ -176,6 +187,15 @@ def invalid_reason(inst: FmhaSm90Instance, arch: Arch = Arch.SM90) -> str | None
     """The one validity rule of this family: None when valid, else why not."""
     if reason := axis_reason("head_dim", inst.head_dim, HEAD_DIMS):
         return reason
+    if (inst.block_m, inst.block_n) in FP8_ONLY_TILES and inst.dtype is not DType.FP8:
+        return f"tile {inst.block_m}x{inst.block_n}: an fp8 tile (its 8-bit K/V stages of 256 keys fit five deep)"
+    if inst.dtype is DType.FP8:
+        if not (inst.persistent and inst.lazy_rescale):
+            return ("fp8 runs on the persistent schedule (its epilogue stores O in bf16) with our softmax "
+                    "(lazy_rescale: it takes each row tile's factors)")
+        if inst.head_dim not in FP8_HEAD_DIMS or inst.mask not in FP8_MASKS:
+            return (f"fp8 runs head dims {', '.join(map(str, FP8_HEAD_DIMS))} with masks "
+                    f"{', '.join(m.value for m in FP8_MASKS)}")
     if (inst.block_m, inst.block_n) not in TILES:
         return f"tile {inst.block_m}x{inst.block_n} not in {TILES}"
     rows = inst.block_m // inst.consumer_groups
@@ -218,7 +238,7 @@ def problem_reason(inst: FmhaSm90Instance, problem) -> str | None:
         return reason
     if problem.varlen:
         if not inst.runs_varlen:
-            return f"{FAMILY} runs variable lengths on its persistent schedule without a window"
+            return f"{FAMILY} runs variable lengths on its persistent schedule without a window, 16-bit inputs"
         if problem.short_keys:
             return (f"{FAMILY} runs variable lengths where every sequence with queries has keys, and with a "
                     f"causal mask at least as many keys as queries (or where the offsets could not be read: "
@@ -276,8 +296,21 @@ LOCAL_TILE = {d: tile if tile[0] is Schedule.PINGPONG else (Schedule.PINGPONG, 1
 # N <= 1024 only (its padded causal work is 8% lower or more there).
 SHORT_SEQUENCE_TILES = {(64, True): (Schedule.TMA, 64, 64, 1)}
 
+# fp8 (the persistent schedule only) per (head dim, causal): of the tiles timed on the H100
+# (bench/NOTES.md, experiment 90), the fastest at N = 4096 and 16384: d64 the 16-bit tile; d128
+# 128x192 without a mask, 128x128 causal (128x256 behind both); d256 128x128 with 4 stages (the
+# 16-bit default is CUTLASS's cooperative kernel; 128x64 behind it from N = 4096).
+FP8_TILE = {
+    (64, False): (Schedule.PINGPONG, 256, 64, 2), (64, True): (Schedule.PINGPONG, 256, 64, 2),
+    (128, False): (Schedule.PINGPONG, 128, 192, 1), (128, True): (Schedule.PINGPONG, 128, 128, 1),
+    (256, False): (Schedule.PINGPONG, 128, 128, 1), (256, True): (Schedule.PINGPONG, 128, 128, 1),
+}
+
+
 # The tiles the heuristic prefers within its margin, one per (dtype, head dim, mask).
-def _default_tile(inst: FmhaSm90Instance) -> tuple:
+def _default_tile(inst: FmhaSm90Instance) -> tuple | None:
+    if inst.dtype is DType.FP8:
+        return FP8_TILE.get((inst.head_dim, inst.causal))
     return LOCAL_TILE[inst.head_dim] if inst.mask is Mask.LOCAL else DEFAULT_TILE[inst.head_dim, inst.causal]
 
 
@@ -288,7 +321,7 @@ PREFERRED_DEFAULT: tuple[FmhaSm90Instance, ...] = tuple(
 DEFAULT: tuple[FmhaSm90Instance, ...] = PREFERRED_DEFAULT + tuple(
     inst for inst in SPACE
     if (inst.schedule, inst.block_m, inst.block_n, inst.q_buffers) == SHORT_SEQUENCE_TILES.get((inst.head_dim, inst.causal))
-    and inst.lazy_rescale and inst.stages == DEFAULT_STAGES[inst.schedule]
+    and inst.lazy_rescale and inst.stages == DEFAULT_STAGES[inst.schedule] and inst.dtype is not DType.FP8
 )
 
 # Throughput per unit of tile work against fa2_sm80's on the H200 sweep (the heuristic's weight

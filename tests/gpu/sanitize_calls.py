@@ -27,8 +27,24 @@ def rel(x: torch.Tensor, ref: torch.Tensor) -> float:
     return ((x.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
+def attention_fp8(cand) -> str:
+    """An fp8 instance (O in bf16) against the reference of its inputs' values, per-head factors."""
+    d, causal = cand.instance.head_dim, cand.instance.causal
+    q, k, v = (torch.randn(2, 4, n, d, device="cuda").to(torch.float8_e4m3fn) for n in (129, 131, 131))
+    scales = [torch.rand(2, 4, device="cuda") + 0.5 for _ in range(3)]
+    o = gemmgen.fused_attention(q, k, v, causal=causal, instance=cand.name, q_descale=scales[0],
+                                k_descale=scales[1], v_descale=scales[2])
+    ref = attention_reference(*(t.double() * s[:, :, None, None] for t, s in zip((q, k, v), scales)), causal)[0]
+    err = rel(o, ref)
+    if not err <= 0.05:  # tests/gpu/test_fp8_gpu.py's bound
+        raise AssertionError(f"relative error {err:.2e}")
+    return f"rel err {err:.1e}"
+
+
 def attention(cand) -> str:
     inst, p = cand.instance, cand.entry.params
+    if p["dtype"] == "fp8":
+        return attention_fp8(cand)
     d = inst.head_dim or p["max_head_dim"]
     dtype = DTYPES[p["dtype"]]
     if inst.mask is None:

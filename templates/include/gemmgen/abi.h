@@ -85,6 +85,13 @@ typedef struct GemmgenAttnParams {
   // packed tensors; 0 where not set: those families then refuse the call).
   int64_t total_q;
   int64_t total_k;
+
+  // FP8 inputs (read by instances whose inputs are 8-bit; NULL: 1): the factors that turn the
+  // stored q, k, v back into their values, float32 [batch, heads_kv] each (contiguous); the scores
+  // are scale * descale_q * descale_k * q k^T and O is multiplied by descale_v.
+  const float* descale_q;
+  const float* descale_k;
+  const float* descale_v;
 } GemmgenAttnParams;
 
 // Static facts of one compiled instance, for the manifest and the registry.
@@ -104,6 +111,9 @@ typedef struct GemmgenInstanceInfo {
 // The instance reads seqlens_k, block_table and num_splits, and exports
 //   int64_t <symbol>_workspace(const GemmgenAttnParams*);  // bytes of workspace the call needs
 #define GEMMGEN_INFO_KV_CACHE 4
+// The instance needs a workspace (workspace, workspace_bytes in its params) and exports
+//   int64_t <symbol>_workspace(const GemmgenAttnParams*);  // bytes of workspace the call needs
+#define GEMMGEN_INFO_WORKSPACE 16
 
 // Status codes returned by the entry points; a message is written to err as well.
 enum GemmgenStatus {

@@ -28,6 +28,7 @@
 #include "gemmgen/fmha_sm90/cutlass_launch.h"
 #include "gemmgen/fmha_sm90/persistent.h"
 #include "gemmgen/fmha_sm90/softmax.h"
+#include "gemmgen/fmha_sm90/transpose.h"
 #include "gemmgen/fmha_sm90/varlen.h"
 #include "gemmgen/report.h"
 
@@ -51,16 +52,20 @@ template <> struct DispatchOf<Schedule::kCooperative> {
 template <bool Causal, bool Local = false, int BlockM = 0, int BlockN = 0>
 using MaskOf = std::conditional_t<Local, LocalWindow<BlockM, BlockN>,
                                   std::conditional_t<Causal, BottomRightCausal, cutlass::fmha::collective::ResidualFusion>>;
-template <bool Causal, bool Lazy, bool Speculate = false, bool Local = false, int BlockM = 0, int BlockN = 0>
-using FusionOf = std::conditional_t<Lazy, LazyRescale<MaskOf<Causal, Local, BlockM, BlockN>, Speculate>,
+// Descaled (fp8): the softmax takes each row tile's factors (TileFactors, softmax.h).
+template <bool Causal, bool Lazy, bool Speculate = false, bool Local = false, int BlockM = 0, int BlockN = 0,
+          bool Descaled = false>
+using FusionOf = std::conditional_t<Lazy, LazyRescale<MaskOf<Causal, Local, BlockM, BlockN>, Speculate, Descaled>,
                                     MaskOf<Causal, Local, BlockM, BlockN>>;
 
 // Speculate: whether our softmax takes its speculative step (softmax.h), decided per instance by
 // FmhaSm90Instance.speculates (gemmgen/families/fmha_sm90.py) from the registers it needs.
-template <class Element, class TileShape, class Stride, Schedule S, bool Causal, int StagesKV, bool Lazy,
-          int QBuffers, bool Speculate, bool Local>
+template <class Element, class TileShape, class Stride, class StrideV, Schedule S, bool Causal, int StagesKV,
+          bool Lazy, int QBuffers, bool Speculate, bool Local>
 struct KernelOf {  // CUTLASS's own composition of the kernel (the TMA and cooperative schedules)
   static_assert(!Local, "sliding windows run on the persistent schedule");
+  // CUTLASS's epilogue stores O in the input type: 8-bit inputs (O in bf16) need ours.
+  static_assert(sizeof(Element) == 2, "fp8 inputs run on the persistent schedule");
   using type = typename cutlass::fmha::kernel::FmhaBuilder<
       Element, float, float, TileShape, Stride, Stride, Stride,
       FusionOf<Causal, Lazy, Speculate>,
@@ -69,18 +74,21 @@ struct KernelOf {  // CUTLASS's own composition of the kernel (the TMA and coope
   using packed_type = void;  // no packed sequences on these schedules
 };
 
-template <class Element, class TileShape, class Stride, bool Causal, int StagesKV, bool Lazy, int QBuffers,
-          bool Speculate, bool Local>
-struct KernelOf<Element, TileShape, Stride, Schedule::kPingpong, Causal, StagesKV, Lazy, QBuffers, Speculate, Local> {
+template <class Element, class TileShape, class Stride, class StrideV, bool Causal, int StagesKV, bool Lazy,
+          int QBuffers, bool Speculate, bool Local>
+struct KernelOf<Element, TileShape, Stride, StrideV, Schedule::kPingpong, Causal, StagesKV, Lazy, QBuffers, Speculate,
+                Local> {
   // CUTLASS's persistent mainloop in our kernel (persistent.h); 64 rows per consumer warp group;
   // causal row tiles go in pairs.
   using Tag = cutlass::fmha::kernel::Tag;
   template <Tag T, class V> using Opt = cutlass::fmha::kernel::Option<T, V>;
   using Groups = Int<size<0>(TileShape{}) / 64>;
   using StagesQ = Int<Groups::value * QBuffers>;  // Q buffers per consumer group
-  using Fusion = FusionOf<Causal, Lazy, Speculate, Local, size<0>(TileShape{}), size<1>(TileShape{})>;
+  static_assert(sizeof(Element) == 2 || Lazy, "fp8 inputs take their factors in our softmax (lazy_rescale)");
+  using Fusion = FusionOf<Causal, Lazy, Speculate, Local, size<0>(TileShape{}), size<1>(TileShape{}),
+                          sizeof(Element) == 1>;
   using Mainloop = cutlass::fmha::collective::FmhaMainloopTmaWarpSpecialized<
-      Element, float, float, TileShape, Stride, Stride, Stride, Fusion, Opt<Tag::kStagesKV, Int<StagesKV>>,
+      Element, float, float, TileShape, Stride, Stride, StrideV, Fusion, Opt<Tag::kStagesKV, Int<StagesKV>>,
       Opt<Tag::kStagesQ, StagesQ>, Opt<Tag::kIsPersistent, cute::true_type>, Opt<Tag::kLoadsQSeparately, cute::true_type>,
       Opt<Tag::kNumMmaWarpGroups, Groups>>;
   using Fixed = std::conditional_t<Causal, PairedScheduler, cutlass::fmha::kernel::PersistentTileScheduler>;
@@ -89,23 +97,30 @@ struct KernelOf<Element, TileShape, Stride, Schedule::kPingpong, Causal, StagesK
                                 Opt<Tag::kStagesQ, StagesQ>, Opt<Tag::kIsPersistent, cute::true_type>,
                                 Opt<Tag::kLoadsQSeparately, cute::true_type>, Opt<Tag::kNumMmaWarpGroups, Groups>>;
   using type = With<Fixed>;
-  // Packed sequences (varlen.h), on every persistent instance but the sliding windows: a second
-  // kernel, so that the fixed-length one keeps its registers (the packed scheduler and problem cost
-  // the 4-group d64 tile 36 -> 100 bytes of spill in one kernel).
-  using packed_type = std::conditional_t<Local, void, With<VarlenScheduler<Causal, size<0>(TileShape{})>>>;
+  // Packed sequences (varlen.h), on every persistent instance but the sliding windows and fp8: a
+  // second kernel, so that the fixed-length one keeps its registers (the packed scheduler and
+  // problem cost the 4-group d64 tile 36 -> 100 bytes of spill in one kernel).
+  using packed_type = std::conditional_t<Local || sizeof(Element) == 1, void,
+                                         With<VarlenScheduler<Causal, size<0>(TileShape{})>>>;
 };
 
 template <class Element_, int BlockM, int BlockN, int HeadDim, Schedule S, bool Causal, int StagesKV,
           bool Lazy = false, int QBuffers = 1, bool Speculate = false, bool Local = false>
 struct Config {
-  using Element = Element_;
+  using Element = Element_;  // of q, k, v
+  // 8-bit inputs (fp8 e4m3) give O in bf16, and their V is read transposed: wgmma reads 8-bit
+  // operands from shared memory K-major only, and V's K mode (of P V) is the keys.
+  static constexpr bool kFp8 = sizeof(Element) == 1;
+  using ElementO = std::conditional_t<kFp8, cutlass::bfloat16_t, Element>;
   using Stride = cute::tuple<int, _1, cute::tuple<int, int>>;  // (row, 1, (batch, head)) in elements
+  // V as (keys, d, (batch, head)): d contiguous, or (fp8) the keys.
+  using StrideV = std::conditional_t<kFp8, cute::tuple<_1, int, cute::tuple<int, int>>, Stride>;
   using StrideLSE = cute::tuple<_1, cute::tuple<int, int>>;
   using TileShape = Shape<Int<BlockM>, Int<BlockN>, Int<HeadDim>>;
   static_assert(!Speculate || (Lazy && S != Schedule::kTma), "the TMA mainloop and CUTLASS's softmax never speculate");
   // A window's first key tile may hide every key of a row: the speculative step assumes it does not.
   static_assert(!Local || (!Causal && !Speculate && Lazy), "a local instance is lazy, not causal, not speculating");
-  using Kernels = KernelOf<Element, TileShape, Stride, S, Causal, StagesKV, Lazy, QBuffers, Speculate, Local>;
+  using Kernels = KernelOf<Element, TileShape, Stride, StrideV, S, Causal, StagesKV, Lazy, QBuffers, Speculate, Local>;
   using Kernel = typename Kernels::type;
   using PackedKernel = typename Kernels::packed_type;  // void: no packed sequences
   static constexpr int kHeadDim = HeadDim;
@@ -114,7 +129,7 @@ struct Config {
   static constexpr bool kCausal = Causal;
   static constexpr bool kLocal = Local;
   static constexpr bool kPersistent = S == Schedule::kPingpong;
-  static constexpr bool kVarlen = kPersistent && !Local;  // runs packed sequences (varlen.h)
+  static constexpr bool kVarlen = kPersistent && !Local && !kFp8;  // runs packed sequences (varlen.h)
 };
 
 constexpr int64_t kMaxGridYZ = 65535;
@@ -234,6 +249,51 @@ int run_packed(const GemmgenAttnParams* p, cudaStream_t stream, char* err, int e
   }
 }
 
+// Keys a fixed-length call reads: causal rows see none past seqlen_q + causal_offset.
+template <class Cfg>
+int64_t keys_read(const GemmgenAttnParams* p) {
+  return Cfg::kCausal ? int64_t(p->seqlen_q) + p->causal_offset : int64_t(p->seqlen_k);
+}
+
+// Workspace bytes of a call: fp8 instances copy V transposed into it (transpose.h), 0 for others.
+template <class Cfg>
+int64_t workspace(const GemmgenAttnParams* p) {
+  if (!Cfg::kFp8) return 0;
+  if (p == nullptr || p->batch < 0 || p->heads_kv < 0 || p->head_dim < 0) return -1;
+  return int64_t(p->batch) * p->heads_kv * p->head_dim * transposed_pitch(std::max<int64_t>(keys_read<Cfg>(p), 1));
+}
+
+// fp8: V ([B, Hkv, Nk, d] by the call's strides) copied transposed into the workspace, its first
+// `keys` keys. GEMMGEN_OK, or the error reported.
+template <class Cfg>
+int transpose_v_into_workspace(const GemmgenAttnParams* p, int64_t keys, cudaStream_t stream, char* err,
+                               int err_len) {
+  const int64_t need = workspace<Cfg>(p);
+  if (p->workspace == nullptr || p->workspace_bytes < need) {
+    return report(err, err_len, GEMMGEN_INVALID_ARGUMENT,
+                  "fp8 instances copy V transposed into the workspace: it needs %lld bytes, got %lld",
+                  static_cast<long long>(need), static_cast<long long>(p->workspace_bytes));
+  }
+  const bool stepped[] = {p->batch > 1, p->heads_kv > 1, keys > 1};
+  const int64_t strides[] = {p->v_batch_stride, p->v_head_stride, p->v_row_stride};
+  bool aligned = reinterpret_cast<uintptr_t>(p->v) % 16 == 0 && p->head_dim % kTransposeTile == 0;
+  for (int i = 0; i < 3; ++i) aligned = aligned && (!stepped[i] || strides[i] % 16 == 0);
+  if (!aligned) {
+    return report(err, err_len, GEMMGEN_INVALID_ARGUMENT,
+                  "fp8: v needs 16-byte aligned data, strides in multiples of 16 elements and a head dim in "
+                  "multiples of %d (got head_dim %d, strides %lld, %lld, %lld)", kTransposeTile, p->head_dim,
+                  static_cast<long long>(strides[0]), static_cast<long long>(strides[1]),
+                  static_cast<long long>(strides[2]));
+  }
+  cudaError_t e = launch_transpose_v(p->v, p->v_batch_stride, p->v_head_stride, p->v_row_stride, p->batch,
+                                     p->heads_kv, static_cast<int>(keys), p->head_dim, p->workspace, stream);
+  if (e != cudaSuccess) {
+    return report(err, err_len, GEMMGEN_CUDA_ERROR, "V transpose launch: %s (%s)", cudaGetErrorString(e),
+                  cudaGetErrorName(e));
+  }
+  return GEMMGEN_OK;
+}
+
 template <class Cfg>
 int run(const GemmgenAttnParams* p, cudaStream_t stream, char* err, int err_len) {
   using Kernel = typename Cfg::Kernel;
@@ -266,6 +326,9 @@ int run(const GemmgenAttnParams* p, cudaStream_t stream, char* err, int err_len)
   if (p->lse == nullptr) {
     return report(err, err_len, GEMMGEN_INVALID_ARGUMENT, "this family always writes LSE: pass a buffer");
   }
+  if (!Cfg::kFp8 && (p->descale_q != nullptr || p->descale_k != nullptr || p->descale_v != nullptr)) {
+    return report(err, err_len, GEMMGEN_INVALID_ARGUMENT, "descale factors: this instance's inputs are 16-bit");
+  }
   if (p->cu_seqlens_q != nullptr || p->cu_seqlens_k != nullptr) return run_packed<Cfg>(p, stream, err, err_len);
   if (p->align_per_sequence != 0) {
     return report(err, err_len, GEMMGEN_INVALID_ARGUMENT,
@@ -276,15 +339,27 @@ int run(const GemmgenAttnParams* p, cudaStream_t stream, char* err, int err_len)
                   "causal and local masks run offsets in [0, seqlen_k - seqlen_q] (every row sees a key; got "
                   "offset %d, seqlen_q %d, seqlen_k %d)", p->causal_offset, p->seqlen_q, p->seqlen_k);
   }
-  const int64_t b = p->batch, h = p->heads, hkv = p->heads_kv, nq = p->seqlen_q, nk = p->seqlen_k;
-  const int64_t d = p->head_dim;
   // Causal: no row sees a key past nq + offset, so the kernel reads only those, and its mask's
   // offset (its seqlen_k - seqlen_q) is the call's.
-  const int64_t nk_read = Cfg::kCausal ? nq + p->causal_offset : nk;
+  const int64_t nk_read = keys_read<Cfg>(p);
+  GemmgenAttnParams transposed;  // fp8: the call's params, V read from its transposed copy
+  if constexpr (Cfg::kFp8) {
+    if (int status = transpose_v_into_workspace<Cfg>(p, nk_read, stream, err, err_len)) return status;
+    const int64_t pitch = transposed_pitch(nk_read);
+    transposed = *p;
+    transposed.v = p->workspace;
+    transposed.v_row_stride = pitch;  // [B, Hkv, d, pitch]: the head dim's rows
+    transposed.v_head_stride = p->head_dim * pitch;
+    transposed.v_batch_stride = p->heads_kv * p->head_dim * pitch;
+    p = &transposed;
+  }
+  const int64_t b = p->batch, h = p->heads, hkv = p->heads_kv, nq = p->seqlen_q, nk = p->seqlen_k;
+  const int64_t d = p->head_dim;
   const int64_t reach[] = {
       extent(b, h, nq, d, p->q_batch_stride, p->q_head_stride, p->q_row_stride),
       extent(b, hkv, nk, d, p->k_batch_stride, p->k_head_stride, p->k_row_stride),
-      extent(b, hkv, nk, d, p->v_batch_stride, p->v_head_stride, p->v_row_stride),
+      Cfg::kFp8 ? extent(b, hkv, d, nk_read, p->v_batch_stride, p->v_head_stride, p->v_row_stride)  // [B, Hkv, d, Nk]
+                : extent(b, hkv, nk, d, p->v_batch_stride, p->v_head_stride, p->v_row_stride),
       extent(b, h, nq, d, p->o_batch_stride, p->o_head_stride, p->o_row_stride), b * h * nq};
   int device = 0, sm_count = 0;
   if (int status = prepare<Kernel>(reach, &device, &sm_count, err, err_len)) return status;
@@ -296,7 +371,15 @@ int run(const GemmgenAttnParams* p, cudaStream_t stream, char* err, int err_len)
   const auto* q0 = static_cast<const typename Cfg::Element*>(p->q);
   const auto* k0 = static_cast<const typename Cfg::Element*>(p->k);
   const auto* v0 = static_cast<const typename Cfg::Element*>(p->v);
-  auto* o0 = static_cast<typename Cfg::Element*>(p->o);
+  auto* o0 = static_cast<typename Cfg::ElementO*>(p->o);
+  // V's (keys, d, (batch, head)) stride: fp8 reads it transposed (the keys contiguous).
+  auto v_stride = [](int64_t row, int64_t batch, int64_t head) {
+    if constexpr (Cfg::kFp8) {
+      return make_stride(_1{}, int(row), make_stride(int(batch), int(head)));
+    } else {
+      return make_stride(int(row), _1{}, make_stride(int(batch), int(head)));
+    }
+  };
   cutlass::KernelHardwareInfo hw{device, sm_count};
   // GQA: the persistent kernel reads K/V head h / group for query head h itself (kv_group), so one
   // launch runs every query head. CUTLASS's own kernels index K/V heads linearly: one launch per
@@ -327,14 +410,21 @@ int run(const GemmgenAttnParams* p, cudaStream_t stream, char* err, int err_len)
              k0 + b0 * p->k_batch_stride + kvh * p->k_head_stride,
              make_stride(int(p->k_row_stride), _1{}, make_stride(int(p->k_batch_stride), int(k_head_stride))),
              v0 + b0 * p->v_batch_stride + kvh * p->v_head_stride,
-             make_stride(int(p->v_row_stride), _1{}, make_stride(int(p->v_batch_stride), int(v_head_stride)))},
+             v_stride(p->v_row_stride, p->v_batch_stride, v_head_stride)},
             {o0 + b0 * p->o_batch_stride + qh * p->o_head_stride,
              make_stride(int(p->o_row_stride), _1{},
                          make_stride(int(p->o_batch_stride), int(p->o_head_stride * launches))),
              p->lse + (b0 * h + qh) * nq, make_stride(_1{}, make_stride(int(h * nq), int(launches * nq)))},
             hw};
-        e = launch_with_scale<Kernel>(args, scale, kSmem, stream, [packed, p](auto& params) {
+        e = launch_with_scale<Kernel>(args, scale, kSmem, stream, [packed, p, b0, kvh, hkv](auto& params) {
           if constexpr (Cfg::kPersistent) params.kv_group = static_cast<int>(packed);
+          if constexpr (Cfg::kFp8) {  // this chunk's [batch, K/V head] factors
+            const int64_t at = b0 * hkv + kvh;
+            params.descale_q = p->descale_q ? p->descale_q + at : nullptr;
+            params.descale_k = p->descale_k ? p->descale_k + at : nullptr;
+            params.descale_v = p->descale_v ? p->descale_v + at : nullptr;
+            params.descale_batch_stride = static_cast<int>(hkv);
+          }
           if constexpr (Cfg::kLocal) {  // WindowShape's offsets; an unbounded side lies past every key
             constexpr int64_t kUnbounded = int64_t(1) << 30;
             const int64_t lo = p->window_left < 0 ? -kUnbounded : int64_t(p->causal_offset) - p->window_left;
@@ -355,7 +445,7 @@ int run(const GemmgenAttnParams* p, cudaStream_t stream, char* err, int err_len)
 
 template <class Cfg>
 int info(GemmgenInstanceInfo* out) {
-  return cutlass_kernel_info<Cfg>(out, GEMMGEN_INFO_NEEDS_LSE);
+  return cutlass_kernel_info<Cfg>(out, GEMMGEN_INFO_NEEDS_LSE | (Cfg::kFp8 ? GEMMGEN_INFO_WORKSPACE : 0));
 }
 
 }  // namespace gemmgen::fmha_sm90

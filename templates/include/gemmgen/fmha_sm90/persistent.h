@@ -26,6 +26,7 @@
 #include "88_hopper_fmha/kernel/fmha_kernel_tma_warpspecialized.hpp"
 
 #include "gemmgen/fmha_sm90/causal.h"
+#include "gemmgen/fmha_sm90/softmax.h"
 #include "gemmgen/fmha_sm90/varlen.h"
 
 namespace gemmgen::fmha_sm90 {
@@ -235,6 +236,10 @@ struct GroupEpilogue {
   }
 };
 
+// O's type: the inputs', or bf16 for 8-bit (fp8) inputs.
+template <class Element>
+using OutputOf = std::conditional_t<sizeof(Element) == 1, cutlass::bfloat16_t, Element>;
+
 // The kernel: CUTLASS's shared storage, params and launch shape (inherited), with our own loop.
 // The producer warp group's warp 1 loads K and V, warp 2 Q; the consumer groups take the tile
 // scheduler's row tiles in turn, 64 rows each, and order only their first Q K^T per tile (CUTLASS's
@@ -242,8 +247,10 @@ struct GroupEpilogue {
 template <class Mainloop, class Fusion, class Scheduler, class... Options>
 struct PersistentKernel
     : cutlass::fmha::kernel::FmhaKernelTmaWarpSpecialized<
-          Mainloop, GroupEpilogue<typename Mainloop::Element, typename Mainloop::TileShapePV>, Scheduler, Options...> {
-  using Epilogue = GroupEpilogue<typename Mainloop::Element, typename Mainloop::TileShapePV>;
+          Mainloop, GroupEpilogue<OutputOf<typename Mainloop::Element>, typename Mainloop::TileShapePV>, Scheduler,
+          Options...> {
+  using Epilogue = GroupEpilogue<OutputOf<typename Mainloop::Element>, typename Mainloop::TileShapePV>;
+  static constexpr bool kFp8 = sizeof(typename Mainloop::Element) == 1;
   using Base = cutlass::fmha::kernel::FmhaKernelTmaWarpSpecialized<Mainloop, Epilogue, Scheduler, Options...>;
   using typename Base::Arguments;
   using typename Base::SharedStorage;
@@ -253,7 +260,25 @@ struct PersistentKernel
   struct Params : Base::Params {
     int kv_group = 1;
     int window_lo = 0, window_hi = 0;  // a sliding window's offsets (WindowShape), window fusions only
+    // fp8: the factors of q, k, v per (batch, K/V head), float32 at [batch * descale_batch_stride +
+    // K/V head] (NULL: 1).
+    const float* descale_q = nullptr;
+    const float* descale_k = nullptr;
+    const float* descale_v = nullptr;
+    int descale_batch_stride = 0;
   };
+
+  // fp8: the factors of row tile `blk` (TileFactors, softmax.h): q's times k's, and v's. A product
+  // of q's and k's that is not a positive finite number gives NaN rows rather than a wrong softmax
+  // (the mainloop takes the row maximum of the raw scores, which needs a scale >= 0).
+  template <class BlkCoord>
+  CUTLASS_DEVICE static TileFactors factors_of(Params const& params, BlkCoord const& blk) {
+    const int64_t at = int64_t(get<0>(get<2>(blk))) * params.descale_batch_stride +
+                       get<1>(get<2>(blk)) / params.kv_group;
+    float qk = (params.descale_q ? params.descale_q[at] : 1.f) * (params.descale_k ? params.descale_k[at] : 1.f);
+    if (!(qk > 0.f && qk < INFINITY)) qk = NAN;
+    return TileFactors{qk, params.descale_v ? params.descale_v[at] : 1.f};
+  }
   // A sliding window (causal.h's LocalWindow): the Fusion and softmax get a WindowShape, and the K/V
   // loads start at the row tile's first key tile (load_kv below) instead of key tile 0.
   template <class F, class = void> struct IsWindow : cute::false_type {};
@@ -564,6 +589,11 @@ struct PersistentKernel
         skip(blk, problem, pipe_kv, read_kv, pipe_q, read_q, order);
         read_q.advance(kGroups - consumer);
         continue;
+      }
+      if constexpr (kFp8) {  // this warp's slot: set after its last tile's reads, read after this write
+        __syncwarp();
+        if (cute::elect_one_sync()) tile_factors() = factors_of(params, blk);
+        __syncwarp();
       }
       auto result = mainloop.compute(blk, group_blk, params.mainloop, problem, pipe_kv, read_kv, pipe_q, read_q,
                                      pipe_unused, write_unused, storage.tensors.mainloop, order);

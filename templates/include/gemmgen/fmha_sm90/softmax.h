@@ -30,8 +30,24 @@ namespace gemmgen::fmha_sm90 {
 
 // A Fusion: Mask's masking and trip counts; its softmax leaves O and the row sums unscaled while no
 // row maximum of a warp has grown by more than kRescaleAbove (in log2 units of the scaled scores).
-template <class Mask, bool kSpeculate = false>
+template <class Mask, bool kSpeculate = false, bool kDescaled = false>
 struct LazyRescale : Mask {};
+
+// Descaled (fp8) instances: the factors of the row tile a consumer warp is about to compute, q's
+// times k's (of the scores) and v's (of O), in a shared-memory slot per warp. The kernel's consumer
+// warps set theirs before each compute() (one lane writes, __syncwarp), and the softmax reads them
+// where it uses its scale; the next write comes after the epilogue's barrier, which every thread of
+// the group reaches after its last read. (The mainloop hands the softmax its params only; a
+// per-tile copy of those took a stack frame and spilled.) 32 slots: 256 bytes of static shared
+// memory in the fp8 kernels (FmhaSm90Instance.smem_bytes counts them).
+struct TileFactors {
+  float qk;
+  float v;
+};
+CUTLASS_DEVICE TileFactors& tile_factors() {
+  __shared__ TileFactors slots[32];  // by the CTA's warp (a CTA has at most 20)
+  return slots[threadIdx.x / 32];
+}
 
 // Probabilities are taken against a row maximum up to this far below the true one: at most 2^8,
 // which fp32 sums and fp16/bf16 probabilities hold with their full relative precision.
@@ -41,12 +57,27 @@ constexpr float kRescaleAbove = 8.f;
 
 namespace cutlass::fmha::collective {
 
-template <class Mask, bool kSpeculate, class Params>
-struct CollectiveSoftmax<float, gemmgen::fmha_sm90::LazyRescale<Mask, kSpeculate>, Params> {
-  using Fusion = gemmgen::fmha_sm90::LazyRescale<Mask, kSpeculate>;
+template <class Mask, bool kSpeculate, bool kDescaled, class Params>
+struct CollectiveSoftmax<float, gemmgen::fmha_sm90::LazyRescale<Mask, kSpeculate, kDescaled>, Params> {
+  using Fusion = gemmgen::fmha_sm90::LazyRescale<Mask, kSpeculate, kDescaled>;
   static constexpr float kBound = float(1 << int(gemmgen::fmha_sm90::kRescaleAbove));  // 2^kRescaleAbove
+  // The scores' scale (natural and log2) and O's final factor: the params', times the row tile's
+  // factors where descaled, read where used (held in registers through the tile, they made the fp8
+  // d128 tile spill 400 bytes; the params' own values are operands from the constant bank).
   Params const& params;
   CUTLASS_DEVICE CollectiveSoftmax(Params const& p) : params(p) {}
+  CUTLASS_DEVICE float scale_log2() const {
+    if constexpr (kDescaled) return params.scale_softmax_log2 * gemmgen::fmha_sm90::tile_factors().qk;
+    return params.scale_softmax_log2;
+  }
+  CUTLASS_DEVICE float scale() const {
+    if constexpr (kDescaled) return params.scale_softmax * gemmgen::fmha_sm90::tile_factors().qk;
+    return params.scale_softmax;
+  }
+  CUTLASS_DEVICE float o_factor() const {
+    if constexpr (kDescaled) return params.rp_dropout * gemmgen::fmha_sm90::tile_factors().v;
+    return params.rp_dropout;
+  }
 
   // State, per held row: the maximum its probabilities are taken against (a raw score, at most
   // kRescaleAbove below the row's true maximum so far) and the sum of its probabilities.
@@ -86,12 +117,12 @@ struct CollectiveSoftmax<float, gemmgen::fmha_sm90::LazyRescale<Mask, kSpeculate
   // taken relative to 0. p may be s itself.
   template <class AccMN, class RowMax, class P>
   CUTLASS_DEVICE void exponentiate(AccMN const& s, RowMax const& row_max, P& p) const {
-    const float scale = params.scale_softmax_log2;
+    const float k = scale_log2();
     CUTLASS_PRAGMA_UNROLL
     for (int i = 0; i < size<0>(s); ++i) {
-      const float shift = scale * (row_max(i) == -INFINITY ? 0.f : row_max(i));
+      const float shift = k * (row_max(i) == -INFINITY ? 0.f : row_max(i));
       CUTLASS_PRAGMA_UNROLL
-      for (int j = 0; j < size<1>(s); ++j) p(i, j) = ::exp2f(scale * s(i, j) - shift);
+      for (int j = 0; j < size<1>(s); ++j) p(i, j) = ::exp2f(k * s(i, j) - shift);
     }
   }
   template <class AccMN, class RowMax>
@@ -116,14 +147,14 @@ struct CollectiveSoftmax<float, gemmgen::fmha_sm90::LazyRescale<Mask, kSpeculate
     CUTLASS_PRAGMA_UNROLL
     for (int i = 0; i < size(now); ++i) {
       // (-inf) - (-inf) is NaN and compares false: a row still without a key stays at -inf.
-      grown |= (now(i) - row_max(i)) * params.scale_softmax_log2 > gemmgen::fmha_sm90::kRescaleAbove;
+      grown |= (now(i) - row_max(i)) * scale_log2() > gemmgen::fmha_sm90::kRescaleAbove;
     }
     if (!__any_sync(0xffffffffu, grown)) return;
     Tensor o = make_tensor(acc_pv.data(), layout_acc_mn(mma_pv, acc_pv.layout()));
     CUTLASS_PRAGMA_UNROLL
     for (int i = 0; i < size<0>(o); ++i) {
       const float to = now(i) == -INFINITY ? 0.f : now(i);
-      const float factor = ::exp2f((row_max(i) - to) * params.scale_softmax_log2);
+      const float factor = ::exp2f((row_max(i) - to) * scale_log2());
       row_sum(i) *= factor;
       CUTLASS_PRAGMA_UNROLL
       for (int j = 0; j < size<1>(o); ++j) o(i, j) *= factor;
@@ -218,8 +249,8 @@ struct CollectiveSoftmax<float, gemmgen::fmha_sm90::LazyRescale<Mask, kSpeculate
     for (int i = 0; i < size<0>(o); ++i) {
       const float sum = row_sum(i);
       const bool empty = sum == 0.f || sum != sum;
-      lse(i) = empty ? INFINITY : row_max(i) * params.scale_softmax + __logf(sum);
-      const float factor = params.rp_dropout * (empty ? 1.f : __frcp_rn(sum));
+      lse(i) = empty ? INFINITY : row_max(i) * scale() + __logf(sum);
+      const float factor = o_factor() * (empty ? 1.f : __frcp_rn(sum));
       CUTLASS_PRAGMA_UNROLL
       for (int j = 0; j < size<1>(o); ++j) o(i, j) *= factor;
     }
