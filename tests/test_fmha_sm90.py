@@ -28,8 +28,12 @@ def test_space_names_unique_and_stable():
                                                     "fmha_sm90_bf16_d64_none_pingpong_m256n64s5_lr_q2",
                                                     "fmha_sm90_bf16_d64_causal_pingpong_m256n64s5_lr_q2"}
     assert all(inst.lazy_rescale for inst in fam.DEFAULT)  # our softmax (experiment 41)
-    plain = [i for i in fam.SPACE if i.mask is not Mask.LOCAL and i.dtype is not DType.FP8]
+    plain = [i for i in fam.SPACE if i.mask is not Mask.LOCAL and i.dtype is not DType.FP8 and not i.softcap]
     assert len(plain) == 2 * sum(not inst.lazy_rescale for inst in plain)  # both softmaxes per tile
+    capped = [i for i in fam.SPACE if i.softcap]  # our softmax, 16-bit, no window: each a plain tile's twin
+    assert capped and all(i.lazy_rescale and i.dtype is not DType.FP8 and i.mask is not Mask.LOCAL
+                          and i.name.endswith("_sc") for i in capped)
+    assert {dataclasses.replace(i, softcap=False) for i in capped} <= set(fam.SPACE)
     fp8 = [i for i in fam.SPACE if i.dtype is DType.FP8]  # our softmax (it takes the factors), persistent
     assert fp8 and all(i.persistent and i.lazy_rescale and not i.runs_varlen for i in fp8)
     assert {(i.head_dim, i.mask) for i in fp8} == {(d, m) for d in fam.FP8_HEAD_DIMS for m in fam.FP8_MASKS}
@@ -43,11 +47,15 @@ def test_default_covers_every_dtype_head_dim_mask_once():
     """One preferred default tile per (dtype, head dim, mask) (fp8: per head dim and mask it runs);
     the other default tiles are the 16-bit short-sequence tiles, one per dtype for each (head dim,
     mask) that has one."""
-    keys = [(i.dtype, i.head_dim, i.mask) for i in fam.PREFERRED_DEFAULT]
+    keys = [(i.dtype, i.head_dim, i.mask, i.softcap) for i in fam.PREFERRED_DEFAULT]
     assert sorted(keys, key=str) == sorted(set(keys), key=str)
     wide = [dt for dt in fam.DTYPES if dt is not DType.FP8]
-    assert set(keys) == ({(dt, d, m) for dt in wide for d in fam.HEAD_DIMS for m in Mask}
-                         | {(DType.FP8, d, m) for d in fam.FP8_HEAD_DIMS for m in fam.FP8_MASKS})
+    assert set(keys) == ({(dt, d, m, False) for dt in wide for d in fam.HEAD_DIMS for m in Mask}
+                         | {(DType.FP8, d, m, False) for d in fam.FP8_HEAD_DIMS for m in fam.FP8_MASKS}
+                         | {(dt, d, m, True) for dt in wide for d in fam.SOFTCAP_DEFAULT_HEAD_DIMS
+                            for m in (Mask.NONE, Mask.CAUSAL)})
+    capped = [i for i in fam.PREFERRED_DEFAULT if i.softcap]  # the tiles of the plain defaults
+    assert all(dataclasses.replace(i, softcap=False) in fam.PREFERRED_DEFAULT for i in capped)
     extra = [i for i in fam.DEFAULT if i not in fam.PREFERRED_DEFAULT]
     assert len(extra) == len(wide) * len(fam.SHORT_SEQUENCE_TILES)
     assert all((i.schedule, i.block_m, i.block_n, i.q_buffers) == fam.SHORT_SEQUENCE_TILES[i.head_dim, i.causal]
@@ -217,7 +225,7 @@ def test_rendered_text(suffix, lazy):
     assert "Schedule::kPingpong" in text and "/*Causal=*/true, /*StagesKV=*/5," in text
     assert f"/*Lazy=*/{lazy}, /*QBuffers=*/1,\n" in text
     assert f"/*Speculate=*/{lazy},\n" in text  # the d128 128x128 ping-pong tile speculates with our softmax
-    assert "/*Local=*/false>" in text
+    assert "/*Local=*/false,\n" in text and "/*Softcap=*/false>" in text
     assert f"GEMMGEN_EXPORT int {inst.symbol}(const GemmgenAttnParams* params" in text
 
 

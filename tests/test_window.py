@@ -125,7 +125,8 @@ def test_local_instances_and_their_source():
                                                            for d in fmha_sm90.HEAD_DIMS}  # (fp8: no window)
     assert all(i.persistent and not i.speculates for i in sm90_local)
     text = render.render_text(next(i for i in sm90_local if i.head_dim == 128), TC)
-    assert "/*Causal=*/false" in text and "/*Speculate=*/false,\n" in text and "/*Local=*/true>" in text
+    assert "/*Causal=*/false" in text and "/*Speculate=*/false,\n" in text and "/*Local=*/true,\n" in text
+    assert "/*Softcap=*/false>" in text
     coop = dataclasses.replace(sm90_local[0], schedule=fmha_sm90.Schedule.COOPERATIVE, block_m=128, block_n=64)
     assert "persistent schedule" in fmha_sm90.invalid_reason(coop)
 

@@ -234,7 +234,8 @@ def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
 
     softcap > 0 caps the logits (Gemma 2's attn_logit_softcapping): the scaled scores s become
     softcap * tanh(s / softcap) before the mask; 0 (the default) leaves them. Instances built for it
-    run it (fa2_sm80's `_sc` instances at head dims 128 and 256 by default, on every GPU); its backward
+    run it (fa2_sm80's `_sc` instances at head dims 128 and 256 by default, on every GPU, and on
+    Hopper fmha_sm90's at 128 and 256, without a window); its backward
     runs on fa2_bwd_sm80's `_sc` instances (head dims 128 and 256 by default, every GPU) and on Hopper
     fmha_bwd_sm90's (128): at other head dims inputs that require grad raise NoInstanceError at the
     forward.

@@ -21,7 +21,8 @@ import itertools
 import math
 
 from gemmgen.arch import Arch
-from gemmgen.generator.families.base import AttentionInstance, DType, Mask, axis_reason, feature_reason, smem_reason
+from gemmgen.generator.families.base import (ADDED, AttentionInstance, DType, Mask, axis_reason, feature_reason,
+                                             smem_reason)
 
 FAMILY = "fmha_sm90"
 KIND = "attention"
@@ -65,6 +66,10 @@ LAZY_RESCALES = (False, True)
 # Q buffers per consumer warp group of the persistent schedule: with 2 the next row tile's Q loads
 # while the group still works on this one.
 Q_BUFFERS = (1, 2)
+SOFTCAPS = (False, True)
+# Head dims whose default tiles are also built with a logit softcap (`_sc`): Gemma 2's (256, and 128
+# in its largest model), as fa2_sm80 builds them.
+SOFTCAP_DEFAULT_HEAD_DIMS = (128, 256)
 
 # CUTLASS's defaults; an instance with fewer stages exists only when the default does not fit.
 DEFAULT_STAGES = {Schedule.TMA: 4, Schedule.COOPERATIVE: 5, Schedule.PINGPONG: 5}
@@ -95,11 +100,15 @@ class FmhaSm90Instance(AttentionInstance):
     stages: int
     lazy_rescale: bool = False  # our softmax (True) or CUTLASS's
     q_buffers: int = 1  # Q buffers per consumer warp group (2: the persistent schedule only)
+    # A logit softcap (a launch parameter, > 0; our softmax caps the scores before the mask): such an
+    # instance runs softcap calls only, the others none (suffix `_sc`).
+    softcap: bool = dataclasses.field(default=False, metadata={ADDED: True})
 
     @property
     def name(self) -> str:
         return (f"{self.name_stem}_{self.schedule.value}_m{self.block_m}n{self.block_n}s{self.stages}"
-                + ("_lr" if self.lazy_rescale else "") + (f"_q{self.q_buffers}" if self.q_buffers > 1 else ""))
+                + ("_lr" if self.lazy_rescale else "") + (f"_q{self.q_buffers}" if self.q_buffers > 1 else "")
+                + ("_sc" if self.softcap else ""))
 
     @property
     def consumer_groups(self) -> int:
@@ -158,6 +167,7 @@ class FmhaSm90Instance(AttentionInstance):
                 "schedule": self.schedule.value, "block_m": self.block_m, "block_n": self.block_n,
                 "stages": self.stages, **({"lazy_rescale": True} if self.lazy_rescale else {}),
                 **({"q_buffers": self.q_buffers} if self.q_buffers > 1 else {}),
+                **({"softcap": True} if self.softcap else {}),
                 # Derived, and kept here so that the build key changes with the rule that derives it.
                 **({"speculate": True} if self.speculates else {}),
                 **({"varlen": True} if self.runs_varlen else {})}
@@ -165,7 +175,7 @@ class FmhaSm90Instance(AttentionInstance):
     def template_values(self) -> dict:
         return {**super().template_values(), "schedule_cpp": SCHEDULE_CPP[self.schedule], "causal": self.causal,
                 "local": self.mask is Mask.LOCAL, "lazy_rescale": self.lazy_rescale, "q_buffers": self.q_buffers,
-                "speculate": self.speculates}
+                "speculate": self.speculates, "softcap": self.softcap}
 
 
 INSTANCE = FmhaSm90Instance
@@ -187,6 +197,8 @@ def invalid_reason(inst: FmhaSm90Instance, arch: Arch = Arch.SM90) -> str | None
     """The one validity rule of this family: None when valid, else why not."""
     if reason := axis_reason("head_dim", inst.head_dim, HEAD_DIMS):
         return reason
+    if inst.softcap and not (inst.lazy_rescale and inst.mask is not Mask.LOCAL and inst.dtype is not DType.FP8):
+        return "a logit softcap runs in our softmax (lazy_rescale), 16-bit, without a window"
     if (inst.block_m, inst.block_n) in FP8_ONLY_TILES and inst.dtype is not DType.FP8:
         return f"tile {inst.block_m}x{inst.block_n}: an fp8 tile (its 8-bit K/V stages of 256 keys fit five deep)"
     if inst.dtype is DType.FP8:
@@ -259,9 +271,9 @@ SPACE: tuple[FmhaSm90Instance, ...] = tuple(
     inst
     for inst in itertools.starmap(
         FmhaSm90Instance,
-        ((dt, d, mask, sched, bm, bn, st, e, qb)
-         for dt, d, mask, sched, (bm, bn), st, e, qb in itertools.product(DTYPES, HEAD_DIMS, MASKS, SCHEDULES, TILES,
-                                                                           STAGES, LAZY_RESCALES, Q_BUFFERS)))
+        ((dt, d, mask, sched, bm, bn, st, e, qb, sc)
+         for dt, d, mask, sched, (bm, bn), st, e, qb, sc in itertools.product(
+             DTYPES, HEAD_DIMS, MASKS, SCHEDULES, TILES, STAGES, LAZY_RESCALES, Q_BUFFERS, SOFTCAPS)))
     if invalid_reason(inst) is None
 )
 
@@ -317,11 +329,13 @@ def _default_tile(inst: FmhaSm90Instance) -> tuple | None:
 PREFERRED_DEFAULT: tuple[FmhaSm90Instance, ...] = tuple(
     inst for inst in SPACE
     if (inst.schedule, inst.block_m, inst.block_n, inst.q_buffers) == _default_tile(inst) and inst.lazy_rescale
+    and (not inst.softcap or inst.head_dim in SOFTCAP_DEFAULT_HEAD_DIMS)
 )
 DEFAULT: tuple[FmhaSm90Instance, ...] = PREFERRED_DEFAULT + tuple(
     inst for inst in SPACE
     if (inst.schedule, inst.block_m, inst.block_n, inst.q_buffers) == SHORT_SEQUENCE_TILES.get((inst.head_dim, inst.causal))
     and inst.lazy_rescale and inst.stages == DEFAULT_STAGES[inst.schedule] and inst.dtype is not DType.FP8
+    and not inst.softcap
 )
 
 # Throughput per unit of tile work against fa2_sm80's on the H200 sweep (the heuristic's weight

@@ -51,14 +51,15 @@ def attention(cand) -> str:
         masks = [(False, None), (True, None)]
     else:  # a sliding-window instance runs a window of 40 keys left, 7 right
         masks = [(inst.mask.value == "causal", (40, 7) if inst.mask.value == "local" else None)]
+    softcap = 5.0 if p.get("softcap") else 0.0  # `_sc` instances run capped calls only
     worst = 0.0
     for causal, window in masks:
         nk = 129 if causal or window else 127  # some causal (and window) tiles run Nq <= Nk only
         q = torch.randn(2, 2, 129, d, device="cuda", dtype=dtype)
         k, v = (torch.randn(2, 2, nk, d, device="cuda", dtype=dtype) for _ in range(2))
         out = torch.full_like(q, float("nan"))
-        gemmgen.fused_attention(q, k, v, causal=causal, instance=cand.name, out=out, window=window)
-        err = rel(out, attention_reference(q, k, v, causal, window=window)[0])
+        gemmgen.fused_attention(q, k, v, causal=causal, instance=cand.name, out=out, window=window, softcap=softcap)
+        err = rel(out, attention_reference(q, k, v, causal, window=window, softcap=softcap)[0])
         if not err <= TOLERANCE[p["dtype"]]:
             raise AssertionError(f"relative error {err:.2e}")
         worst = max(worst, err)

@@ -52,32 +52,34 @@ template <> struct DispatchOf<Schedule::kCooperative> {
 template <bool Causal, bool Local = false, int BlockM = 0, int BlockN = 0>
 using MaskOf = std::conditional_t<Local, LocalWindow<BlockM, BlockN>,
                                   std::conditional_t<Causal, BottomRightCausal, cutlass::fmha::collective::ResidualFusion>>;
-// Descaled (fp8): the softmax takes each row tile's factors (TileFactors, softmax.h).
+// Descaled (fp8): the softmax takes each row tile's factors (TileFactors, softmax.h). Softcap: it
+// caps the scores first (softmax.h; the launch passes the cap in scale_softmax_log2).
 template <bool Causal, bool Lazy, bool Speculate = false, bool Local = false, int BlockM = 0, int BlockN = 0,
-          bool Descaled = false>
-using FusionOf = std::conditional_t<Lazy, LazyRescale<MaskOf<Causal, Local, BlockM, BlockN>, Speculate, Descaled>,
-                                    MaskOf<Causal, Local, BlockM, BlockN>>;
+          bool Descaled = false, bool Softcap = false>
+using FusionOf =
+    std::conditional_t<Lazy, LazyRescale<MaskOf<Causal, Local, BlockM, BlockN>, Speculate, Descaled, Softcap>,
+                       MaskOf<Causal, Local, BlockM, BlockN>>;
 
 // Speculate: whether our softmax takes its speculative step (softmax.h), decided per instance by
 // FmhaSm90Instance.speculates (gemmgen/families/fmha_sm90.py) from the registers it needs.
 template <class Element, class TileShape, class Stride, class StrideV, Schedule S, bool Causal, int StagesKV,
-          bool Lazy, int QBuffers, bool Speculate, bool Local>
+          bool Lazy, int QBuffers, bool Speculate, bool Local, bool Softcap>
 struct KernelOf {  // CUTLASS's own composition of the kernel (the TMA and cooperative schedules)
   static_assert(!Local, "sliding windows run on the persistent schedule");
   // CUTLASS's epilogue stores O in the input type: 8-bit inputs (O in bf16) need ours.
   static_assert(sizeof(Element) == 2, "fp8 inputs run on the persistent schedule");
   using type = typename cutlass::fmha::kernel::FmhaBuilder<
       Element, float, float, TileShape, Stride, Stride, Stride,
-      FusionOf<Causal, Lazy, Speculate>,
+      FusionOf<Causal, Lazy, Speculate, false, 0, 0, false, Softcap>,
       typename DispatchOf<S>::type,
       cutlass::fmha::kernel::Option<cutlass::fmha::kernel::Tag::kStagesKV, Int<StagesKV>>>::Kernel;
   using packed_type = void;  // no packed sequences on these schedules
 };
 
 template <class Element, class TileShape, class Stride, class StrideV, bool Causal, int StagesKV, bool Lazy,
-          int QBuffers, bool Speculate, bool Local>
+          int QBuffers, bool Speculate, bool Local, bool Softcap>
 struct KernelOf<Element, TileShape, Stride, StrideV, Schedule::kPingpong, Causal, StagesKV, Lazy, QBuffers, Speculate,
-                Local> {
+                Local, Softcap> {
   // CUTLASS's persistent mainloop in our kernel (persistent.h); 64 rows per consumer warp group;
   // causal row tiles go in pairs.
   using Tag = cutlass::fmha::kernel::Tag;
@@ -86,7 +88,7 @@ struct KernelOf<Element, TileShape, Stride, StrideV, Schedule::kPingpong, Causal
   using StagesQ = Int<Groups::value * QBuffers>;  // Q buffers per consumer group
   static_assert(sizeof(Element) == 2 || Lazy, "fp8 inputs take their factors in our softmax (lazy_rescale)");
   using Fusion = FusionOf<Causal, Lazy, Speculate, Local, size<0>(TileShape{}), size<1>(TileShape{}),
-                          sizeof(Element) == 1>;
+                          sizeof(Element) == 1, Softcap>;
   using Mainloop = cutlass::fmha::collective::FmhaMainloopTmaWarpSpecialized<
       Element, float, float, TileShape, Stride, Stride, StrideV, Fusion, Opt<Tag::kStagesKV, Int<StagesKV>>,
       Opt<Tag::kStagesQ, StagesQ>, Opt<Tag::kIsPersistent, cute::true_type>, Opt<Tag::kLoadsQSeparately, cute::true_type>,
@@ -105,7 +107,7 @@ struct KernelOf<Element, TileShape, Stride, StrideV, Schedule::kPingpong, Causal
 };
 
 template <class Element_, int BlockM, int BlockN, int HeadDim, Schedule S, bool Causal, int StagesKV,
-          bool Lazy = false, int QBuffers = 1, bool Speculate = false, bool Local = false>
+          bool Lazy = false, int QBuffers = 1, bool Speculate = false, bool Local = false, bool Softcap = false>
 struct Config {
   using Element = Element_;  // of q, k, v
   // 8-bit inputs (fp8 e4m3) give O in bf16, and their V is read transposed: wgmma reads 8-bit
@@ -120,7 +122,9 @@ struct Config {
   static_assert(!Speculate || (Lazy && S != Schedule::kTma), "the TMA mainloop and CUTLASS's softmax never speculate");
   // A window's first key tile may hide every key of a row: the speculative step assumes it does not.
   static_assert(!Local || (!Causal && !Speculate && Lazy), "a local instance is lazy, not causal, not speculating");
-  using Kernels = KernelOf<Element, TileShape, Stride, StrideV, S, Causal, StagesKV, Lazy, QBuffers, Speculate, Local>;
+  static_assert(!Softcap || (Lazy && !Local && !kFp8), "a softcap runs in our softmax, without a window or fp8");
+  using Kernels =
+      KernelOf<Element, TileShape, Stride, StrideV, S, Causal, StagesKV, Lazy, QBuffers, Speculate, Local, Softcap>;
   using Kernel = typename Kernels::type;
   using PackedKernel = typename Kernels::packed_type;  // void: no packed sequences
   static constexpr int kHeadDim = HeadDim;
@@ -128,6 +132,7 @@ struct Config {
   static constexpr int kBlockN = BlockN;
   static constexpr bool kCausal = Causal;
   static constexpr bool kLocal = Local;
+  static constexpr bool kSoftcap = Softcap;
   static constexpr bool kPersistent = S == Schedule::kPingpong;
   static constexpr bool kVarlen = kPersistent && !Local && !kFp8;  // runs packed sequences (varlen.h)
 };
@@ -237,9 +242,12 @@ int run_packed(const GemmgenAttnParams* p, cudaStream_t stream, char* err, int e
     const Varlen varlen{p->cu_seqlens_q, p->cu_seqlens_k, p->batch, p->seqlen_q, p->seqlen_k,
                         p->align_per_sequence};
     cudaError_t e = launch_with_scale<Kernel>(args, kernel_scale(p->scale), Kernel::SharedStorageSize, stream,
-                                              [group = int(h / hkv), varlen](auto& params) {
+                                              [group = int(h / hkv), varlen, p](auto& params) {
                                                 params.kv_group = group;
                                                 params.tile_scheduler.varlen = varlen;
+                                                if constexpr (Cfg::kSoftcap) {  // (softmax.h's cap)
+                                                  params.mainloop.scale_softmax_log2 = p->softcap;
+                                                }
                                               });
     if (e != cudaSuccess) {
       return report(err, err_len, GEMMGEN_CUDA_ERROR, "kernel launch: %s (%s)", cudaGetErrorString(e),
@@ -325,6 +333,11 @@ int run(const GemmgenAttnParams* p, cudaStream_t stream, char* err, int err_len)
   }
   if (p->lse == nullptr) {
     return report(err, err_len, GEMMGEN_INVALID_ARGUMENT, "this family always writes LSE: pass a buffer");
+  }
+  if (Cfg::kSoftcap ? !(p->softcap > 0.f && p->softcap < INFINITY) : p->softcap != 0.f) {
+    return report(err, err_len, GEMMGEN_INVALID_ARGUMENT,
+                  Cfg::kSoftcap ? "softcap %g: this instance runs a finite logit softcap > 0"
+                                : "softcap %g: this instance runs none (an `_sc` one does)", p->softcap);
   }
   if (!Cfg::kFp8 && (p->descale_q != nullptr || p->descale_k != nullptr || p->descale_v != nullptr)) {
     return report(err, err_len, GEMMGEN_INVALID_ARGUMENT, "descale factors: this instance's inputs are 16-bit");
@@ -418,6 +431,7 @@ int run(const GemmgenAttnParams* p, cudaStream_t stream, char* err, int err_len)
             hw};
         e = launch_with_scale<Kernel>(args, scale, kSmem, stream, [packed, p, b0, kvh, hkv](auto& params) {
           if constexpr (Cfg::kPersistent) params.kv_group = static_cast<int>(packed);
+          if constexpr (Cfg::kSoftcap) params.mainloop.scale_softmax_log2 = p->softcap;  // (softmax.h's cap)
           if constexpr (Cfg::kFp8) {  // this chunk's [batch, K/V head] factors
             const int64_t at = b0 * hkv + kvh;
             params.descale_q = p->descale_q ? p->descale_q + at : nullptr;

@@ -20,6 +20,8 @@
 // and key-tile counts, inherited), and the specialization below is the softmax the mainloops then
 // instantiate: the same interface and online-softmax arithmetic, our code.
 #pragma once
+#include <cmath>
+
 #include "cute/tensor.hpp"
 #include "cutlass/cutlass.h"
 
@@ -30,7 +32,10 @@ namespace gemmgen::fmha_sm90 {
 
 // A Fusion: Mask's masking and trip counts; its softmax leaves O and the row sums unscaled while no
 // row maximum of a warp has grown by more than kRescaleAbove (in log2 units of the scaled scores).
-template <class Mask, bool kSpeculate = false, bool kDescaled = false>
+// kSoftcap: a logit softcap c (Gemma 2's): the scaled scores s become c * tanh(s / c) before the
+// mask (the launcher passes c in the params' scale_softmax_log2, which this softmax then derives
+// from scale_softmax).
+template <class Mask, bool kSpeculate = false, bool kDescaled = false, bool kSoftcap = false>
 struct LazyRescale : Mask {};
 
 // Descaled (fp8) instances: the factors of the row tile a consumer warp is about to compute, q's
@@ -57,9 +62,9 @@ constexpr float kRescaleAbove = 8.f;
 
 namespace cutlass::fmha::collective {
 
-template <class Mask, bool kSpeculate, bool kDescaled, class Params>
-struct CollectiveSoftmax<float, gemmgen::fmha_sm90::LazyRescale<Mask, kSpeculate, kDescaled>, Params> {
-  using Fusion = gemmgen::fmha_sm90::LazyRescale<Mask, kSpeculate, kDescaled>;
+template <class Mask, bool kSpeculate, bool kDescaled, bool kSoftcap, class Params>
+struct CollectiveSoftmax<float, gemmgen::fmha_sm90::LazyRescale<Mask, kSpeculate, kDescaled, kSoftcap>, Params> {
+  using Fusion = gemmgen::fmha_sm90::LazyRescale<Mask, kSpeculate, kDescaled, kSoftcap>;
   static constexpr float kBound = float(1 << int(gemmgen::fmha_sm90::kRescaleAbove));  // 2^kRescaleAbove
   // The scores' scale (natural and log2) and O's final factor: the params', times the row tile's
   // factors where descaled, read where used (held in registers through the tile, they made the fp8
@@ -67,6 +72,7 @@ struct CollectiveSoftmax<float, gemmgen::fmha_sm90::LazyRescale<Mask, kSpeculate
   Params const& params;
   CUTLASS_DEVICE CollectiveSoftmax(Params const& p) : params(p) {}
   CUTLASS_DEVICE float scale_log2() const {
+    if constexpr (kSoftcap) return params.scale_softmax * float(M_LOG2E);  // (scale_softmax_log2 holds c)
     if constexpr (kDescaled) return params.scale_softmax_log2 * gemmgen::fmha_sm90::tile_factors().qk;
     return params.scale_softmax_log2;
   }
@@ -77,6 +83,23 @@ struct CollectiveSoftmax<float, gemmgen::fmha_sm90::LazyRescale<Mask, kSpeculate
   CUTLASS_DEVICE float o_factor() const {
     if constexpr (kDescaled) return params.rp_dropout * gemmgen::fmha_sm90::tile_factors().v;
     return params.rp_dropout;
+  }
+
+  // Softcap: the raw scores s become out * tanh(in * s), in = scale / c and out = c / scale, so that
+  // the scaled ones are c * tanh(scale * s / c); before the mask, whose -inf it would undo. tanh as
+  // 1 - 2 / (e^2x + 1), as the backward (fmha_bwd_sm90) and fa2_sm80 take it: the backward's P,
+  // recomputed from the forward's LSE, then matches. A scale of 0 (run as the smallest normal
+  // float) would overflow `out`: the capped scores are then all 0, which out = 0 gives.
+  template <class AccQK>
+  CUTLASS_DEVICE void cap(AccQK& acc_qk) const {
+    if constexpr (kSoftcap) {
+      const float c = params.scale_softmax_log2, in = params.scale_softmax / c;
+      const float out = ::isfinite(c / params.scale_softmax) ? c / params.scale_softmax : 0.f;
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < size(acc_qk); ++i) {
+        acc_qk(i) = out * (1.f - __fdividef(2.f, __expf(2.f * in * acc_qk(i)) + 1.f));
+      }
+    }
   }
 
   // State, per held row: the maximum its probabilities are taken against (a raw score, at most
@@ -166,6 +189,7 @@ struct CollectiveSoftmax<float, gemmgen::fmha_sm90::LazyRescale<Mask, kSpeculate
   template <class AccQK, class TiledMmaQK, class CountQK, class State, class ProblemShape>
   CUTLASS_DEVICE void step(AccQK& acc_qk, TiledMmaQK const& mma_qk, CountQK const& count_qk, State& state,
                            ProblemShape const& problem_shape) {
+    cap(acc_qk);
     Fusion{}.before_softmax(acc_qk, count_qk, problem_shape);
     Tensor s = make_tensor(acc_qk.data(), layout_acc_mn(mma_qk, acc_qk.layout()));
     auto& row_max = get<0>(state);
@@ -183,6 +207,7 @@ struct CollectiveSoftmax<float, gemmgen::fmha_sm90::LazyRescale<Mask, kSpeculate
             class TiledMmaPV, class ProblemShape>
   CUTLASS_DEVICE void step(AccQK& acc_qk, TiledMmaQK const& mma_qk, CountQK const& count_qk, State& state,
                            AccPV& acc_pv, TiledMmaPV const& mma_pv, ProblemShape const& problem_shape) {
+    cap(acc_qk);
     if constexpr (kUseFusion) Fusion{}.before_softmax(acc_qk, count_qk, problem_shape);
     Tensor s = make_tensor(acc_qk.data(), layout_acc_mn(mma_qk, acc_qk.layout()));
     auto& row_max = get<0>(state);
@@ -221,6 +246,7 @@ struct CollectiveSoftmax<float, gemmgen::fmha_sm90::LazyRescale<Mask, kSpeculate
   CUTLASS_DEVICE void step_interleave_begin(AccQK& acc_qk, TiledMmaQK const& mma_qk, CountQK const& count_qk,
                                             State& state, AccPV& acc_pv, TiledMmaPV const& mma_pv,
                                             ProblemShape const& problem_shape) {
+    cap(acc_qk);
     if constexpr (kUseFusion) Fusion{}.before_softmax(acc_qk, count_qk, problem_shape);
     Tensor s = make_tensor(acc_qk.data(), layout_acc_mn(mma_qk, acc_qk.layout()));
     update_max(s, mma_qk, get<0>(state), get<1>(state), acc_pv, mma_pv);
