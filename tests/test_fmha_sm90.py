@@ -178,15 +178,15 @@ def test_problem_reason(kw, reason):
     assert got is None if reason is None else reason in got
 
 
-def test_varlen_only_on_the_persistent_schedule_without_a_window():
-    """Packed sequences run on the persistent instances but the sliding windows; those carry the
-    `varlen` mark (a build from before lacks it and is refused them by the registry)."""
+def test_varlen_only_on_the_persistent_16_bit_schedule():
+    """Packed sequences run on the persistent 16-bit instances, sliding windows included; those carry
+    the `varlen` mark (a build from before lacks it and is refused them by the registry)."""
     tma = FmhaSm90Instance(DType.BF16, 32, Mask.NONE, Schedule.TMA, 64, 128, 4, lazy_rescale=True)
-    local = dataclasses.replace(CAUSAL_128, mask=Mask.LOCAL)
-    for inst in (tma, local):
-        assert not inst.runs_varlen and "varlen" not in inst.params()
-        assert "persistent schedule without a window" in fam.problem_reason(
-            inst, problem(varlen=True, window=(8, 0) if inst is local else None))
+    assert not tma.runs_varlen and "varlen" not in tma.params()
+    assert "persistent schedule, 16-bit" in fam.problem_reason(tma, problem(varlen=True))
+    local = dataclasses.replace(CAUSAL_128, mask=Mask.LOCAL, lazy_rescale=True)
+    assert local.runs_varlen and local.params()["varlen"] is True
+    assert fam.problem_reason(local, problem(varlen=True, window=(8, 0))) is None
     assert CAUSAL_128.runs_varlen and CAUSAL_128.params()["varlen"] is True
     assert fam.MARKED == ("varlen",)
 

@@ -157,9 +157,12 @@ class FmhaSm90Instance(AttentionInstance):
 
     @property
     def runs_varlen(self) -> bool:
-        """Packed sequences (templates/include/gemmgen/fmha_sm90/varlen.h): the persistent schedule
-        without a sliding window, 16-bit inputs."""
-        return self.persistent and self.mask is not Mask.LOCAL and self.dtype is not DType.FP8
+        """Packed sequences (templates/include/gemmgen/fmha_sm90/varlen.h): the persistent schedule,
+        16-bit inputs, but windows on four-group (256-row) tiles: the d64 local tile ran a mixed
+        packing at 0.66x (256 keys) and 0.90x (1024) fa2_sm80's local instance on an H100, its 256-row
+        tiles mostly past the short sequences' rows (bench/NOTES.md, experiment 92)."""
+        return (self.persistent and self.dtype is not DType.FP8
+                and not (self.mask is Mask.LOCAL and self.consumer_groups == 4))
 
     def params(self) -> dict:
         """The fields, lazy_rescale and q_buffers only where not their defaults, and `speculate`."""
@@ -244,17 +247,17 @@ def invalid_reason(inst: FmhaSm90Instance, arch: Arch = Arch.SM90) -> str | None
 
 def problem_reason(inst: FmhaSm90Instance, problem) -> str | None:
     """What a built instance cannot run (the registry's reason), None when it can: no dropout, bias
-    or key-value cache; packed sequences on the persistent schedule without a window, when every
-    sequence with queries has keys, and with a causal mask at least as many as queries."""
+    or key-value cache; packed sequences on the persistent 16-bit schedule, when every sequence with
+    queries has keys, and with a causal mask or a window at least as many as queries."""
     if reason := feature_reason(FAMILY, problem, ("dropout", "bias", "kv_cache")):
         return reason
     if problem.varlen:
         if not inst.runs_varlen:
-            return f"{FAMILY} runs variable lengths on its persistent schedule without a window, 16-bit inputs"
+            return f"{FAMILY} runs variable lengths on its persistent schedule, 16-bit inputs"
         if problem.short_keys:
             return (f"{FAMILY} runs variable lengths where every sequence with queries has keys, and with a "
-                    f"causal mask at least as many keys as queries (or where the offsets could not be read: "
-                    f"CUDA graph capture)")
+                    f"causal mask or a window at least as many keys as queries (or where the offsets could not "
+                    f"be read: CUDA graph capture)")
     if problem.negative_scale:
         return f"{FAMILY} runs scales >= 0 (its softmax takes the row maximum of the raw scores)"
     if (problem.causal or problem.window is not None) and problem.seqlen_q > problem.seqlen_k and not problem.varlen:

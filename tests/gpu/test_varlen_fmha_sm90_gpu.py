@@ -33,6 +33,38 @@ CASES = [(False, "top_left", LENS_K_NONE), (True, "top_left", LENS_K_CAUSAL), (T
 
 
 
+# Sliding windows on the local instances: every sequence's diagonal holds a key (LENS_K_CAUSAL), in
+# both alignments; sides bounded, unbounded on one side, and a window of the diagonal alone.
+WINDOW_CASES = [("top_left", (40, 7)), ("bottom_right", (100, 0)), ("bottom_right", (-1, 30)), ("top_left", (0, 0))]
+
+
+@pytest.mark.parametrize("name", [n for n in built("fmha_sm90") if "_local_" in n] or ["(none built)"])
+def test_local_instance_on_packed_sequences(name):
+    """A window within each packed sequence, around its own diagonal (bottom-right: len_k - len_q)."""
+    cand = candidate(name)
+    inst = cand.instance
+    if not inst.runs_varlen:
+        pytest.skip(f"{name}: no packed sequences with a window on 256-row tiles")
+    dtype = launch.TORCH_DTYPES[inst.dtype.value]
+    lens = (LENS_Q, LENS_K_CAUSAL)
+    for (alignment, window), (h, hkv, layout) in zip(WINDOW_CASES, [(4, 1, "packed"), (8, 2, "head_major"),
+                                                                   (4, 4, "packed"), (2, 2, "head_major")]):
+        label = f"{name} window={window}/{alignment} {h}:{hkv} {layout}"
+        q, k, v, _ = make(h, hkv, inst.head_dim, dtype, (name, alignment, window, layout), layout, lens=lens)
+        o, lse = forward_into_poison(cand, q, k, v, causal=False, alignment=alignment, window=window, lens=lens)
+        want_o, want_lse = per_sequence(q, k, v, causal=False, alignment=alignment, window=window, lens=lens)
+        assert_close(f"{label} O", o, want_o, dtype)
+        check_lse(label, lse, want_lse)
+    # The public call's pick for such offsets: this family's local instance (where built, it is the default).
+    problem = calls.problem_for_varlen(q, k, v, len(LENS_Q), max(LENS_Q), max(LENS_K_CAUSAL), False,
+                                       causal_alignment="bottom_right", window=(100, 0), short_keys=False)
+    assert selection.select(problem).entry.family == "fmha_sm90"
+    o = gemmgen.fused_attention_varlen(q, k, v, offsets(LENS_Q), offsets(LENS_K_CAUSAL), max(LENS_Q),
+                                       max(LENS_K_CAUSAL), causal_alignment="bottom_right", window=(100, 0))
+    want_o, _ = per_sequence(q, k, v, causal=False, alignment="bottom_right", window=(100, 0), lens=lens)
+    assert_close(f"{name} public call O", o, want_o, dtype)
+
+
 @pytest.mark.parametrize("name", [n for n in built("fmha_sm90") if "_local_" not in n and "_fp8_" not in n] or ["(none built)"])
 def test_instance_on_packed_sequences(name):
     cand = candidate(name)

@@ -99,11 +99,12 @@ struct KernelOf<Element, TileShape, Stride, StrideV, Schedule::kPingpong, Causal
                                 Opt<Tag::kStagesQ, StagesQ>, Opt<Tag::kIsPersistent, cute::true_type>,
                                 Opt<Tag::kLoadsQSeparately, cute::true_type>, Opt<Tag::kNumMmaWarpGroups, Groups>>;
   using type = With<Fixed>;
-  // Packed sequences (varlen.h), on every persistent instance but the sliding windows and fp8: a
-  // second kernel, so that the fixed-length one keeps its registers (the packed scheduler and
-  // problem cost the 4-group d64 tile 36 -> 100 bytes of spill in one kernel).
-  using packed_type = std::conditional_t<Local || sizeof(Element) == 1, void,
-                                         With<VarlenScheduler<Causal, size<0>(TileShape{})>>>;
+  // Packed sequences (varlen.h), on every persistent instance but fp8 and four-group windows
+  // (FmhaSm90Instance.runs_varlen says why): a second kernel, so that the fixed-length one keeps its
+  // registers (the packed scheduler and problem cost the 4-group d64 tile 36 -> 100 bytes of spill
+  // in one kernel).
+  static constexpr bool kPacked = sizeof(Element) == 2 && !(Local && Groups::value == 4);
+  using packed_type = std::conditional_t<kPacked, With<VarlenScheduler<Causal, size<0>(TileShape{}), Local>>, void>;
 };
 
 template <class Element_, int BlockM, int BlockN, int HeadDim, Schedule S, bool Causal, int StagesKV,
@@ -134,7 +135,7 @@ struct Config {
   static constexpr bool kLocal = Local;
   static constexpr bool kSoftcap = Softcap;
   static constexpr bool kPersistent = S == Schedule::kPingpong;
-  static constexpr bool kVarlen = kPersistent && !Local && !kFp8;  // runs packed sequences (varlen.h)
+  static constexpr bool kVarlen = !std::is_void_v<PackedKernel>;  // runs packed sequences (varlen.h)
 };
 
 constexpr int64_t kMaxGridYZ = 65535;
@@ -200,7 +201,8 @@ template <class Cfg>
 int run_packed(const GemmgenAttnParams* p, cudaStream_t stream, char* err, int err_len) {
   if constexpr (!Cfg::kVarlen) {
     return report(err, err_len, GEMMGEN_INVALID_ARGUMENT,
-                  "variable lengths: this instance runs none (the persistent ones without a window do)");
+                  "variable lengths: this instance runs none (the persistent 16-bit ones do, but windows on "
+                  "256-row tiles)");
   } else {
     using Kernel = typename Cfg::PackedKernel;
     if (p->cu_seqlens_q == nullptr || p->cu_seqlens_k == nullptr) {
@@ -211,12 +213,13 @@ int run_packed(const GemmgenAttnParams* p, cudaStream_t stream, char* err, int e
                     "variable lengths: total_q %lld, total_k %lld (the packed tensors' rows, each >= 1)",
                     static_cast<long long>(p->total_q), static_cast<long long>(p->total_k));
     }
-    if (Cfg::kCausal ? p->causal_offset != 0 : p->align_per_sequence != 0) {
+    constexpr bool kMasked = Cfg::kCausal || Cfg::kLocal;
+    if (kMasked ? p->causal_offset != 0 : p->align_per_sequence != 0) {
       return report(err, err_len, GEMMGEN_INVALID_ARGUMENT,
-                    Cfg::kCausal ? "variable lengths: the causal diagonal is top-left (causal_offset 0) or "
-                                   "bottom-right per sequence (align_per_sequence), got causal_offset %d"
-                                 : "variable lengths without a mask: align_per_sequence aligns none (%d)",
-                    Cfg::kCausal ? p->causal_offset : p->align_per_sequence);
+                    kMasked ? "variable lengths: the diagonal is top-left (causal_offset 0) or "
+                              "bottom-right per sequence (align_per_sequence), got causal_offset %d"
+                            : "variable lengths without a mask: align_per_sequence aligns none (%d)",
+                    kMasked ? p->causal_offset : p->align_per_sequence);
     }
     const int64_t h = p->heads, hkv = p->heads_kv, d = p->head_dim, tq = p->total_q, tk = p->total_k;
     const int64_t reach[] = {extent(1, h, tq, d, 0, p->q_head_stride, p->q_row_stride),
@@ -247,6 +250,13 @@ int run_packed(const GemmgenAttnParams* p, cudaStream_t stream, char* err, int e
                                                 params.tile_scheduler.varlen = varlen;
                                                 if constexpr (Cfg::kSoftcap) {  // (softmax.h's cap)
                                                   params.mainloop.scale_softmax_log2 = p->softcap;
+                                                }
+                                                if constexpr (Cfg::kLocal) {  // around offset 0 (persistent.h)
+                                                  constexpr int kUnbounded = 1 << 30;
+                                                  params.window_lo = p->window_left < 0 ? -kUnbounded
+                                                                                        : -p->window_left;
+                                                  params.window_hi = p->window_right < 0 ? kUnbounded
+                                                                                         : p->window_right;
                                                 }
                                               });
     if (e != cudaSuccess) {

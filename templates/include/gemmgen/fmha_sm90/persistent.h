@@ -306,6 +306,21 @@ struct PersistentKernel
     get<3>(ps) = at.keys;
     return ps;
   }
+  // The problem the Fusion and softmax take for a packed sequence's item: its own, and for a window
+  // the window's offsets moved to the sequence's diagonal (bottom-right within each sequence: by
+  // len_k - len_q; the launch sets them around offset 0; an unbounded side stays unbounded).
+  CUTLASS_DEVICE static auto item_fusion_problem(Params const& params, Placed const& at) {
+    if constexpr (kWindow) {
+      constexpr int64_t kUnbounded = int64_t(1) << 30;  // (as the launch's: past every key)
+      const int64_t off = params.tile_scheduler.varlen.align ? at.keys - at.len_q : 0;
+      const int64_t lo = params.window_lo <= -kUnbounded ? -kUnbounded : params.window_lo + off;
+      const int64_t hi = params.window_hi >= kUnbounded ? kUnbounded : params.window_hi + off;
+      return WindowShape{item_problem(params, at), int(lo < -kUnbounded ? -kUnbounded : lo),
+                         int(hi > kUnbounded ? kUnbounded : hi)};
+    } else {
+      return item_problem(params, at);
+    }
+  }
   CUTLASS_DEVICE static auto fusion_problem(Params const& params) {
     if constexpr (kWindow) {
       return WindowShape{params.problem_size, params.window_lo, params.window_hi};
@@ -429,7 +444,9 @@ struct PersistentKernel
                                    make_shape(get<2>(TileShapeQK{}), get<1>(TileShapeQK{})),
                                    typename Mainloop::SmemLayoutV{}, storage.smem_v);
     const int count = Fusion{}.get_trip_count(blk, typename Mainloop::TileShape{}, ps);
-    load_kv_tiles(state_k, state_v, 0, count, params, pipe_kv, write_kv, storage, barrier, first);
+    int start = 0;
+    if constexpr (kWindow) start = Fusion::first_tile(blk, ps);  // a window's first key tile
+    load_kv_tiles(state_k, state_v, start, count, params, pipe_kv, write_kv, storage, barrier, first);
   }
 
   // The Q tiles (one per consumer group) of a packed sequence's row tile `blk`.
@@ -533,20 +550,18 @@ struct PersistentKernel
         for (; scheduler.is_valid(); ++scheduler, first = false) {
           auto kv_blk = scheduler.get_block_coord();
           get<1>(get<2>(kv_blk)) /= params.kv_group;  // this query head's K/V head
-          if constexpr (kWindow) {
+          if constexpr (kVarlen) {
+            auto blk = scheduler.get_block_coord();
+            const Placed at = place_item(params, blk);
+            load_kv_packed(blk, item_fusion_problem(params, at), at, get<1>(get<2>(kv_blk)), params, pipe_kv,
+                           write_kv, storage.tensors.mainloop, storage.load_warp_barrier, first);
+          } else if constexpr (kWindow) {
             load_kv(scheduler.get_block_coord(), kv_blk, params, pipe_kv, write_kv, storage.tensors.mainloop,
                     storage.load_warp_barrier, first);
           } else {
-            if constexpr (kVarlen) {
-              auto blk = scheduler.get_block_coord();
-              const Placed at = place_item(params, blk);
-              load_kv_packed(blk, item_problem(params, at), at, get<1>(get<2>(kv_blk)), params, pipe_kv, write_kv,
-                             storage.tensors.mainloop, storage.load_warp_barrier, first);
-            } else {
-              mainloop.template load_kv_maybe_q<false>(0, kv_blk, params.mainloop, params.problem_size, pipe_kv,
-                                                       write_kv, pipe_q, write_q, storage.tensors.mainloop,
-                                                       storage.load_warp_barrier, first);
-            }
+            mainloop.template load_kv_maybe_q<false>(0, kv_blk, params.mainloop, params.problem_size, pipe_kv,
+                                                     write_kv, pipe_q, write_q, storage.tensors.mainloop,
+                                                     storage.load_warp_barrier, first);
           }
         }
       } else if (warp_in_group == kLoadQ) {
@@ -581,7 +596,8 @@ struct PersistentKernel
       int q_row0 = -1;
       if constexpr (kVarlen) {
         const Placed at = place_item(params, blk);
-        problem = out_problem = item_problem(params, at);
+        problem = item_fusion_problem(params, at);
+        out_problem = item_problem(params, at);
         q_row0 = at.q_row0;
       }
       read_q.advance(consumer);  // Q stages go to the groups in turn, a tile's kGroups at a time

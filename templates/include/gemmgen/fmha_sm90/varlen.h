@@ -9,8 +9,9 @@
 // lengths put it (bottom-right: len_k - len_q; top-left: the keys past len_q are not read).
 //
 // Contract (the caller checks it on the offsets; gemmgen's selection sends other calls to a family
-// that runs them): every sequence with queries has keys, and with a causal mask at least as many
-// keys as queries. A sequence outside it gets no work item: its O rows are left as they were.
+// that runs them): every sequence with queries has keys, and with a causal mask or a sliding window
+// at least as many keys as queries. A sequence outside it gets no work item: its O rows are left as
+// they were. A window's offsets move to each sequence's diagonal (persistent.h).
 #pragma once
 #include "cute/tensor.hpp"
 #include "cutlass/cutlass.h"
@@ -35,7 +36,7 @@ struct Placed {
 
 CUTLASS_DEVICE int clamp_len(int len, int most) { return len < 0 ? 0 : len > most ? most : len; }
 
-template <bool Causal>
+template <bool Causal, bool Local = false>
 CUTLASS_DEVICE Placed place(Varlen const& v, int b) {
   Placed s;
   s.q_row0 = v.cu_q[b];
@@ -43,8 +44,9 @@ CUTLASS_DEVICE Placed place(Varlen const& v, int b) {
   const int len_q = clamp_len(v.cu_q[b + 1] - s.q_row0, v.max_q);
   const int len_k = clamp_len(v.cu_k[b + 1] - s.k_row0, v.max_k);
   s.keys = Causal && !v.align ? len_q : len_k;
-  // Outside the contract: no work item (a causal problem needs keys >= rows, any problem a key).
-  s.len_q = (len_k == 0 || (Causal && len_k < len_q)) ? 0 : len_q;
+  // Outside the contract: no work item (a causal or window problem needs keys >= rows, so that each
+  // row sees its diagonal key; any problem a key).
+  s.len_q = (len_k == 0 || ((Causal || Local) && len_k < len_q)) ? 0 : len_q;
   return s;
 }
 
@@ -52,7 +54,7 @@ CUTLASS_DEVICE Placed place(Varlen const& v, int b) {
 // by sequence and head by head within it (the CTAs running at one time share a few heads' K and V in
 // L2), handed to the CTAs in a static round robin over an SM-sized grid. Causal row tiles go in
 // pairs within a sequence (tile i with tile m - 1 - i, the longer first), as PairedScheduler's.
-template <bool Causal, int BlockM>
+template <bool Causal, int BlockM, bool Local = false>
 struct VarlenScheduler {
   struct Params {
     Varlen varlen;  // set at launch
@@ -78,12 +80,12 @@ struct VarlenScheduler {
 
   static dim3 get_grid_shape(Params const& params) { return dim3(params.sm_count, 1, 1); }
 
-  CUTLASS_DEVICE static Placed place_of(Varlen const& v, int b) { return place<Causal>(v, b); }
+  CUTLASS_DEVICE static Placed place_of(Varlen const& v, int b) { return place<Causal, Local>(v, b); }
 
   // Moves b and base forward to the sequence holding `item` (items only grow).
   CUTLASS_DEVICE void seek() {
     for (; b < p->varlen.batch; ++b) {
-      tiles = cute::ceil_div(place<Causal>(p->varlen, b).len_q, BlockM);
+      tiles = cute::ceil_div(place<Causal, Local>(p->varlen, b).len_q, BlockM);
       per_head = Causal ? (tiles + 1) / 2 : tiles;
       if (item < base + per_head * p->heads) return;
       base += per_head * p->heads;
