@@ -10,8 +10,9 @@ run, so the registry picks another family for those calls.
 
 fp8 instances (`_fp8_`: q, k, v in float8 e4m3, O in bf16) run CUTLASS's mainloop with 8-bit
 operands on the persistent schedule (our epilogue stores O in bf16): V is read transposed
-([B, Hkv, d, Nk], keys contiguous: wgmma reads 8-bit operands K-major only), and each (batch, K/V
-head) may carry factors for q, k and v (gemmgen.ops.fp8 prepares both).
+([B, Hkv, d, Nk], keys contiguous: wgmma reads 8-bit operands K-major only), a copy the instance
+makes in the call's workspace first (templates/include/gemmgen/fmha_sm90/transpose.h), and each
+(batch, K/V head) may carry factors for q, k and v (gemmgen.ops.fp8 prepares them).
 """
 from __future__ import annotations
 
