@@ -168,8 +168,9 @@ def test_descale_on_16_bit_inputs_is_refused():
 
 @pytest.mark.parametrize("value, match", [(0.0, "must be > 0"), (-1.0, "must be > 0"), (math.nan, "must be finite"),
                                           (math.inf, "must be finite"), (True, "must be a float"),
-                                          ("1", "must be a float"), (10**400, "finite float")],
-                         ids=["zero", "negative", "nan", "inf", "bool", "str", "huge-int"])
+                                          ("1", "must be a float"), (10**400, "finite float"),
+                                          (1e39, "a finite float32")],
+                         ids=["zero", "negative", "nan", "inf", "bool", "str", "huge-int", "past-float32"])
 def test_descale_number_checks(value, match):
     with pytest.raises(gemmgen.InputError, match=f"k_descale .*{match}"):
         fp8.descale("k_descale", value, 2, 2, CPU)

@@ -28,6 +28,7 @@ OUT_DTYPE = torch.bfloat16
 ALIGN_ELEMENTS = 16
 ALIGN_BYTES = 16
 INT32_MAX = 2**31 - 1
+FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
 def is_fp8(*tensors: object) -> bool:
@@ -97,8 +98,8 @@ def check_descale(name: str, value: object, batch: int, heads_kv: int) -> None:
                              f"{[batch, heads_kv]}") from None
         return
     factor = check_finite(name, value)
-    if not factor > 0.0:
-        raise InputError(f"{name} must be > 0, got {value}")
+    if not 0.0 < factor <= FLOAT32_MAX:  # (the kernel reads it as a float32)
+        raise InputError(f"{name} must be > 0 and a finite float32, got {value}")
 
 
 def descale(name: str, value: object, batch: int, heads_kv: int, device: torch.device) -> torch.Tensor | None:
