@@ -44,6 +44,8 @@ CURRENT = {
     "bwd_deterministic_h200.md": "The backward with deterministic=True",
     "fp8_h100.md": "FP8 attention (e4m3 q, k, v, O in bf16) against bf16 and torch SDPA's bf16 backends on an H100",
     "fp8_accuracy_h100.md": "FP8 attention's error against the float64 reference of the dequantized inputs, on an H100",
+    "bias_padding_h100.md": "Additive masks: a Hugging Face causal + padding mask against the unmasked call, mea_sm80 and torch SDPA on an H100",
+    "bias_float_h100.md": "Additive masks: a float per-head bias against the unmasked call, mea_sm80 and torch SDPA on an H100",
     "context_parallel_h200x2.md": "Context-parallel ring attention over two GPUs",
     "context_parallel_h200x4.md": "Context-parallel ring attention over four GPUs",
     "fa_short_h200.md": "Short sequences at d64 with the default build, untuned, against torch SDPA",

@@ -28,11 +28,19 @@ def test_space_names_unique_and_stable():
                                                     "fmha_sm90_bf16_d64_none_pingpong_m256n64s5_lr_q2",
                                                     "fmha_sm90_bf16_d64_causal_pingpong_m256n64s5_lr_q2"}
     assert all(inst.lazy_rescale for inst in fam.DEFAULT)  # our softmax (experiment 41)
-    plain = [i for i in fam.SPACE if i.mask is not Mask.LOCAL and i.dtype is not DType.FP8 and not i.softcap]
+    plain = [i for i in fam.SPACE
+             if i.mask is not Mask.LOCAL and i.dtype is not DType.FP8 and not i.softcap and not i.bias]
     assert len(plain) == 2 * sum(not inst.lazy_rescale for inst in plain)  # both softmaxes per tile
+    # An additive mask: our plain step (no speculation) on the persistent schedule, fixed lengths,
+    # 16-bit, no window; each a plain tile's twin.
+    biased = [i for i in fam.SPACE if i.bias]
+    assert biased and all(i.persistent and i.lazy_rescale and not i.speculates and not i.runs_varlen
+                          and i.dtype is not DType.FP8 and i.mask is not Mask.LOCAL and i.name.endswith("_bias")
+                          for i in biased)
+    assert {dataclasses.replace(i, bias=False) for i in biased} <= set(fam.SPACE)
     capped = [i for i in fam.SPACE if i.softcap]  # our softmax, 16-bit, no window: each a plain tile's twin
     assert capped and all(i.lazy_rescale and i.dtype is not DType.FP8 and i.mask is not Mask.LOCAL
-                          and i.name.endswith("_sc") for i in capped)
+                          and "_sc" in i.name for i in capped)
     assert {dataclasses.replace(i, softcap=False) for i in capped} <= set(fam.SPACE)
     fp8 = [i for i in fam.SPACE if i.dtype is DType.FP8]  # our softmax (it takes the factors), persistent
     assert fp8 and all(i.persistent and i.lazy_rescale and not i.runs_varlen for i in fp8)
@@ -47,15 +55,19 @@ def test_default_covers_every_dtype_head_dim_mask_once():
     """One preferred default tile per (dtype, head dim, mask) (fp8: per head dim and mask it runs);
     the other default tiles are the 16-bit short-sequence tiles, one per dtype for each (head dim,
     mask) that has one."""
-    keys = [(i.dtype, i.head_dim, i.mask, i.softcap) for i in fam.PREFERRED_DEFAULT]
+    keys = [(i.dtype, i.head_dim, i.mask, i.softcap, i.bias) for i in fam.PREFERRED_DEFAULT]
     assert sorted(keys, key=str) == sorted(set(keys), key=str)
     wide = [dt for dt in fam.DTYPES if dt is not DType.FP8]
-    assert set(keys) == ({(dt, d, m, False) for dt in wide for d in fam.HEAD_DIMS for m in Mask}
-                         | {(DType.FP8, d, m, False) for d in fam.FP8_HEAD_DIMS for m in fam.FP8_MASKS}
-                         | {(dt, d, m, True) for dt in wide for d in fam.SOFTCAP_DEFAULT_HEAD_DIMS
+    assert set(keys) == ({(dt, d, m, False, False) for dt in wide for d in fam.HEAD_DIMS for m in Mask}
+                         | {(DType.FP8, d, m, False, False) for d in fam.FP8_HEAD_DIMS for m in fam.FP8_MASKS}
+                         | {(dt, d, m, True, False) for dt in wide for d in fam.SOFTCAP_DEFAULT_HEAD_DIMS
+                            for m in (Mask.NONE, Mask.CAUSAL)}
+                         | {(dt, d, m, False, True) for dt in wide for d in fam.BIAS_DEFAULT_HEAD_DIMS
                             for m in (Mask.NONE, Mask.CAUSAL)})
     capped = [i for i in fam.PREFERRED_DEFAULT if i.softcap]  # the tiles of the plain defaults
     assert all(dataclasses.replace(i, softcap=False) in fam.PREFERRED_DEFAULT for i in capped)
+    biased = [i for i in fam.PREFERRED_DEFAULT if i.bias]  # persistent tiles (BIAS_TILE)
+    assert all((i.schedule, i.block_m, i.block_n, i.q_buffers) == fam.BIAS_TILE[i.head_dim] for i in biased)
     extra = [i for i in fam.DEFAULT if i not in fam.PREFERRED_DEFAULT]
     assert len(extra) == len(wide) * len(fam.SHORT_SEQUENCE_TILES)
     assert all((i.schedule, i.block_m, i.block_n, i.q_buffers) == fam.SHORT_SEQUENCE_TILES[i.head_dim, i.causal]
@@ -159,7 +171,7 @@ CAUSAL_128 = FmhaSm90Instance(DType.BF16, 128, Mask.CAUSAL, Schedule.PINGPONG, 1
 @pytest.mark.parametrize("kw, reason", [
     (dict(), None),
     (dict(dropout=True), "no dropout"),
-    (dict(bias=True), "no bias"),
+    (dict(bias=True), "no additive mask (only instances built for one, `_bias`, run it)"),
     (dict(varlen=True), None),  # packed sequences on the persistent schedule
     (dict(varlen=True, short_keys=True), "every sequence with queries has keys"),
     (dict(varlen=True, causal=True, seqlen_q=1100, seqlen_k=1000), None),  # maxima: short_keys decides
@@ -176,6 +188,24 @@ CAUSAL_128 = FmhaSm90Instance(DType.BF16, 128, Mask.CAUSAL, Schedule.PINGPONG, 1
 def test_problem_reason(kw, reason):
     got = fam.problem_reason(CAUSAL_128, problem(**kw))
     assert got is None if reason is None else reason in got
+
+
+def test_additive_masks_only_on_bias_instances():
+    """A `_bias` instance runs calls with an additive mask only, with fixed lengths; the others none."""
+    biased = dataclasses.replace(CAUSAL_128, bias=True)
+    assert biased.name.endswith("_lr_bias") and biased.params()["bias"] is True and "bias" not in CAUSAL_128.params()
+    assert fam.problem_reason(biased, problem(bias=True)) is None
+    assert fam.problem_reason(biased, problem(bias=True, causal=True, causal_alignment="bottom_right",
+                                              seqlen_q=17)) is None
+    assert "has none" in fam.problem_reason(biased, problem())
+    assert "no dropout" in fam.problem_reason(biased, problem(bias=True, dropout=True))
+    assert "fixed lengths" in fam.problem_reason(biased, problem(bias=True, varlen=True))
+    assert not biased.speculates and not biased.runs_varlen
+    assert biased.smem_bytes == CAUSAL_128.smem_bytes + 1024  # the bias slots
+    for bad in (dataclasses.replace(biased, schedule=Schedule.COOPERATIVE),
+                dataclasses.replace(biased, mask=Mask.LOCAL), dataclasses.replace(biased, lazy_rescale=False),
+                dataclasses.replace(biased, dtype=DType.FP8)):
+        assert "additive mask" in (fam.invalid_reason(bad) or "")
 
 
 def test_varlen_only_on_the_persistent_16_bit_schedule():
@@ -225,7 +255,7 @@ def test_rendered_text(suffix, lazy):
     assert "Schedule::kPingpong" in text and "/*Causal=*/true, /*StagesKV=*/5," in text
     assert f"/*Lazy=*/{lazy}, /*QBuffers=*/1,\n" in text
     assert f"/*Speculate=*/{lazy},\n" in text  # the d128 128x128 ping-pong tile speculates with our softmax
-    assert "/*Local=*/false,\n" in text and "/*Softcap=*/false>" in text
+    assert "/*Local=*/false,\n" in text and "/*Softcap=*/false,\n" in text and "/*Bias=*/false>" in text
     assert f"GEMMGEN_EXPORT int {inst.symbol}(const GemmgenAttnParams* params" in text
 
 

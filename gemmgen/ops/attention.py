@@ -169,8 +169,9 @@ def _prepare_mask(attn_mask: torch.Tensor | None, q: torch.Tensor, k: torch.Tens
         return None
     b, h, nq, _ = q.shape
     nk = k.shape[2]
-    if attn_mask.dtype == torch.bool:  # True: take part (torch's convention); broadcasts kept
-        attn_mask = torch.zeros((), dtype=q.dtype, device=q.device).masked_fill(~attn_mask, float("-inf"))
+    if attn_mask.dtype == torch.bool:  # True: take part (torch's convention); broadcasts kept; one kernel
+        attn_mask = torch.where(attn_mask, torch.zeros((), dtype=q.dtype, device=q.device),
+                                torch.full((), float("-inf"), dtype=q.dtype, device=q.device))
     full = attn_mask.expand(b, h, nq, nk)
     # Keep the broadcast over batch and heads (stride 0); materialize what the kernel cannot read.
     compact = full[:1 if full.stride(0) == 0 else b, :1 if full.stride(1) == 0 else h]
@@ -473,13 +474,11 @@ def _check_fp8_explained(q, k, v, *, dropout_p=0.0, attn_mask=None, window=None,
     fp8.check_device(q, k, v, ())
 
 
-def explain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
-            causal_alignment: str = "top_left", instance: str | None = None, dropout_p: float = 0.0,
-            attn_mask: torch.Tensor | None = None, window: tuple[int, int] | None = None,
-            softcap: float = 0.0) -> selection.Decision:
-    """The decision fused_attention makes for these tensors: candidates, rejects with their reasons,
-    winner and its source (decision.report() gives the text `gemmgen explain` prints). A head dim
-    without tiles is explained as the padded call it runs (gemmgen.ops.padding)."""
+def _call_problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, causal_alignment: str,
+                  instance: str | None, dropout_p: float, attn_mask: torch.Tensor | None,
+                  window: tuple[int, int] | None, softcap: float):
+    """The Problem fused_attention selects for with these arguments (checked as it checks them): a
+    head dim without tiles as the padded call it runs (gemmgen.ops.padding)."""
     check_bool("causal", causal)
     check_instance(instance)
     _check_args(causal_alignment, None)
@@ -487,7 +486,7 @@ def explain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool =
     softcap = check_softcap(softcap)
     if fp8.is_fp8(q, k, v):  # the fp8 call: no mask tensor, dropout, window or softcap
         _check_fp8_explained(q, k, v, dropout_p=dropout_p, attn_mask=attn_mask, window=window, softcap=softcap)
-        return selection.decide(calls.problem_for(q, k, causal, v=v, causal_alignment=causal_alignment), instance)
+        return calls.problem_for(q, k, causal, v=v, causal_alignment=causal_alignment)
     if (dp := padding.needs_padding(q, k, v)) is not None:  # the padded call it runs
         q, k, v = (padding.pad(t, dp) for t in (q, k, v))
     _validate(q, k, v, None, device=False)
@@ -495,25 +494,25 @@ def explain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool =
     _check_mask(attn_mask, q, k)
     _check_device(q, k, v, None)
     bias = _prepare_mask(attn_mask, q, k)
-    return selection.decide(calls.problem_for(q, k, causal, v=v, causal_alignment=causal_alignment,
-                                              dropout=dropout_p > 0.0, bias=bias, window=window,
-                                              softcap=softcap > 0), instance)
+    return calls.problem_for(q, k, causal, v=v, causal_alignment=causal_alignment, dropout=dropout_p > 0.0,
+                             bias=bias, window=window, softcap=softcap > 0)
+
+
+def explain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
+            causal_alignment: str = "top_left", instance: str | None = None, dropout_p: float = 0.0,
+            attn_mask: torch.Tensor | None = None, window: tuple[int, int] | None = None,
+            softcap: float = 0.0) -> selection.Decision:
+    """The decision fused_attention makes for these tensors: candidates, rejects with their reasons,
+    winner and its source (decision.report() gives the text `gemmgen explain` prints). A head dim
+    without tiles is explained as the padded call it runs (gemmgen.ops.padding)."""
+    problem = _call_problem(q, k, v, causal, causal_alignment, instance, dropout_p, attn_mask, window, softcap)
+    return selection.decide(problem, instance)
 
 
 def selected_instance(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
-                      causal_alignment: str = "top_left", instance: str | None = None,
-                      window: tuple[int, int] | None = None, softcap: float = 0.0) -> str:
-    """The name of the instance fused_attention would run for these tensors."""
-    check_bool("causal", causal)
-    check_instance(instance)
-    _check_args(causal_alignment, None)
-    causal, window = check_window(window, causal)
-    softcap = check_softcap(softcap)
-    if fp8.is_fp8(q, k, v):
-        _check_fp8_explained(q, k, v, window=window, softcap=softcap)
-        return selection.select(calls.problem_for(q, k, causal, v=v, causal_alignment=causal_alignment), instance).name
-    if (dp := padding.needs_padding(q, k, v)) is not None:  # the padded call it runs
-        q, k, v = (padding.pad(t, dp) for t in (q, k, v))
-    _validate(q, k, v, None)
-    return selection.select(calls.problem_for(q, k, causal, causal_alignment=causal_alignment, window=window,
-                                              softcap=softcap > 0), instance).name
+                      causal_alignment: str = "top_left", instance: str | None = None, dropout_p: float = 0.0,
+                      attn_mask: torch.Tensor | None = None, window: tuple[int, int] | None = None,
+                      softcap: float = 0.0) -> str:
+    """The name of the instance fused_attention would run for these tensors and arguments."""
+    problem = _call_problem(q, k, v, causal, causal_alignment, instance, dropout_p, attn_mask, window, softcap)
+    return selection.select(problem, instance).name

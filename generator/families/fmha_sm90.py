@@ -13,6 +13,10 @@ operands on the persistent schedule (our epilogue stores O in bf16): V is read t
 ([B, Hkv, d, Nk], keys contiguous: wgmma reads 8-bit operands K-major only), a copy the instance
 makes in the call's workspace first (templates/include/gemmgen/fmha_sm90/transpose.h), and each
 (batch, K/V head) may carry factors for q, k and v (gemmgen.ops.fp8 prepares them).
+
+Additive-mask instances (`_bias`: attn_mask, bool masks as 0 / -inf) add the mask to the scaled
+scores in our softmax, each thread loading its scores' mask values one key tile ahead; fixed
+lengths, no mask or causal, on the persistent schedule.
 """
 from __future__ import annotations
 
@@ -68,6 +72,10 @@ LAZY_RESCALES = (False, True)
 # while the group still works on this one.
 Q_BUFFERS = (1, 2)
 SOFTCAPS = (False, True)
+BIASES = (False, True)
+# Head dims whose default tiles are also built with an additive mask (`_bias`): the models that pass
+# padding masks most (GPT-2-style d64, Llama-style d128, Gemma-style d256).
+BIAS_DEFAULT_HEAD_DIMS = (64, 128, 256)
 # Head dims whose default tiles are also built with a logit softcap (`_sc`): Gemma 2's (256, and 128
 # in its largest model), as fa2_sm80 builds them.
 SOFTCAP_DEFAULT_HEAD_DIMS = (128, 256)
@@ -104,12 +112,15 @@ class FmhaSm90Instance(AttentionInstance):
     # A logit softcap (a launch parameter, > 0; our softmax caps the scores before the mask): such an
     # instance runs softcap calls only, the others none (suffix `_sc`).
     softcap: bool = dataclasses.field(default=False, metadata={ADDED: True})
+    # An additive mask (attn_mask; a launch parameter, the bias tensor): such an instance runs calls
+    # with one only, the others none (suffix `_bias`).
+    bias: bool = dataclasses.field(default=False, metadata={ADDED: True})
 
     @property
     def name(self) -> str:
         return (f"{self.name_stem}_{self.schedule.value}_m{self.block_m}n{self.block_n}s{self.stages}"
                 + ("_lr" if self.lazy_rescale else "") + (f"_q{self.q_buffers}" if self.q_buffers > 1 else "")
-                + ("_sc" if self.softcap else ""))
+                + ("_sc" if self.softcap else "") + ("_bias" if self.bias else ""))
 
     @property
     def consumer_groups(self) -> int:
@@ -128,8 +139,12 @@ class FmhaSm90Instance(AttentionInstance):
         (bench/NOTES.md, experiment 44): d128 128x128 (2 groups) no spill, +2-10%; d64 256x64
         (4 groups) a 40-byte spill, +7-14%; d64 192x128 (3 groups) a 280-byte spill and a loss.
         Head dims above 128 were not measured, so they keep the plain step."""
-        if not self.lazy_rescale or self.schedule is Schedule.TMA or self.head_dim > 128 or self.mask is Mask.LOCAL:
-            return False  # (a window's first key tile may hide all of a row's keys: no speculation)
+        if (not self.lazy_rescale or self.schedule is Schedule.TMA or self.head_dim > 128 or self.mask is Mask.LOCAL
+                or self.bias):
+            # (a window's first key tile or a bias may hide all of a row's keys; a bias instance also
+            # holds the next key tile's bias in registers: with speculation the d128 tile spilled and
+            # ran 14% slower, bench/NOTES.md, experiment 93)
+            return False
         return self.block_n + self.head_dim // 2 + 16 <= CONSUMER_REGS[self.consumer_groups]
 
     @property
@@ -147,9 +162,9 @@ class FmhaSm90Instance(AttentionInstance):
         rows_q = self.block_m // self.consumer_groups
         q = self.q_buffers * self.consumer_groups * rows_q * self.head_dim * e
         kv = self.stages * self.block_n * self.head_dim * e
-        if self.persistent:  # O's buffers hold the output type (fp8's is bf16); fp8's factor slots
+        if self.persistent:  # O's buffers hold the output type (fp8's is bf16); the factor or bias slots
             return (q + kv + self.consumer_groups * rows_q * self.head_dim * max(e, 2) + 1536
-                    + (256 if self.dtype is DType.FP8 else 0))
+                    + (256 if self.dtype is DType.FP8 else 0) + (1024 if self.bias else 0))
         return q + kv + 512
 
     @property
@@ -162,7 +177,7 @@ class FmhaSm90Instance(AttentionInstance):
         16-bit inputs, but windows on four-group (256-row) tiles: the d64 local tile ran a mixed
         packing at 0.66x (256 keys) and 0.90x (1024) fa2_sm80's local instance on an H100, its 256-row
         tiles mostly past the short sequences' rows (bench/NOTES.md, experiment 92)."""
-        return (self.persistent and self.dtype is not DType.FP8
+        return (self.persistent and self.dtype is not DType.FP8 and not self.bias
                 and not (self.mask is Mask.LOCAL and self.consumer_groups == 4))
 
     def params(self) -> dict:
@@ -172,6 +187,7 @@ class FmhaSm90Instance(AttentionInstance):
                 "stages": self.stages, **({"lazy_rescale": True} if self.lazy_rescale else {}),
                 **({"q_buffers": self.q_buffers} if self.q_buffers > 1 else {}),
                 **({"softcap": True} if self.softcap else {}),
+                **({"bias": True} if self.bias else {}),
                 # Derived, and kept here so that the build key changes with the rule that derives it.
                 **({"speculate": True} if self.speculates else {}),
                 **({"varlen": True} if self.runs_varlen else {})}
@@ -179,7 +195,7 @@ class FmhaSm90Instance(AttentionInstance):
     def template_values(self) -> dict:
         return {**super().template_values(), "schedule_cpp": SCHEDULE_CPP[self.schedule], "causal": self.causal,
                 "local": self.mask is Mask.LOCAL, "lazy_rescale": self.lazy_rescale, "q_buffers": self.q_buffers,
-                "speculate": self.speculates, "softcap": self.softcap}
+                "speculate": self.speculates, "softcap": self.softcap, "bias": self.bias}
 
 
 INSTANCE = FmhaSm90Instance
@@ -203,6 +219,10 @@ def invalid_reason(inst: FmhaSm90Instance, arch: Arch = Arch.SM90) -> str | None
         return reason
     if inst.softcap and not (inst.lazy_rescale and inst.mask is not Mask.LOCAL and inst.dtype is not DType.FP8):
         return "a logit softcap runs in our softmax (lazy_rescale), 16-bit, without a window"
+    if inst.bias and not (inst.lazy_rescale and inst.persistent and inst.mask is not Mask.LOCAL
+                          and inst.dtype is not DType.FP8):
+        return ("an additive mask runs in our softmax (lazy_rescale) on the persistent schedule, 16-bit, "
+                "without a window")
     if (inst.block_m, inst.block_n) in FP8_ONLY_TILES and inst.dtype is not DType.FP8:
         return f"tile {inst.block_m}x{inst.block_n}: an fp8 tile (its 8-bit K/V stages of 256 keys fit five deep)"
     if inst.dtype is DType.FP8:
@@ -247,11 +267,17 @@ def invalid_reason(inst: FmhaSm90Instance, arch: Arch = Arch.SM90) -> str | None
 
 
 def problem_reason(inst: FmhaSm90Instance, problem) -> str | None:
-    """What a built instance cannot run (the registry's reason), None when it can: no dropout, bias
-    or key-value cache; packed sequences on the persistent 16-bit schedule, when every sequence with
+    """What a built instance cannot run (the registry's reason), None when it can: no dropout or
+    key-value cache; an additive mask (bias) on `_bias` instances only, which run nothing else, with
+    fixed lengths; packed sequences on the persistent 16-bit schedule, when every sequence with
     queries has keys, and with a causal mask or a window at least as many as queries."""
-    if reason := feature_reason(FAMILY, problem, ("dropout", "bias", "kv_cache")):
+    if reason := feature_reason(FAMILY, problem, ("dropout", "kv_cache")):
         return reason
+    if bool(problem.bias) != inst.bias:
+        return ("built for an additive mask; the problem has none" if inst.bias else
+                f"{inst.name} has no additive mask (only instances built for one, `_bias`, run it)")
+    if inst.bias and problem.varlen:
+        return f"{FAMILY} runs additive masks with fixed lengths"
     if problem.varlen:
         if not inst.runs_varlen:
             return f"{FAMILY} runs variable lengths on its persistent schedule, 16-bit inputs"
@@ -275,9 +301,9 @@ SPACE: tuple[FmhaSm90Instance, ...] = tuple(
     inst
     for inst in itertools.starmap(
         FmhaSm90Instance,
-        ((dt, d, mask, sched, bm, bn, st, e, qb, sc)
-         for dt, d, mask, sched, (bm, bn), st, e, qb, sc in itertools.product(
-             DTYPES, HEAD_DIMS, MASKS, SCHEDULES, TILES, STAGES, LAZY_RESCALES, Q_BUFFERS, SOFTCAPS)))
+        ((dt, d, mask, sched, bm, bn, st, e, qb, sc, bias)
+         for dt, d, mask, sched, (bm, bn), st, e, qb, sc, bias in itertools.product(
+             DTYPES, HEAD_DIMS, MASKS, SCHEDULES, TILES, STAGES, LAZY_RESCALES, Q_BUFFERS, SOFTCAPS, BIASES)))
     if invalid_reason(inst) is None
 )
 
@@ -323,23 +349,34 @@ FP8_TILE = {
 }
 
 
+# Additive masks (the persistent schedule only): the local tiles, but at d64 the two-group 128x128
+# tile (the bias loads held a key tile ahead spilled 402 bytes in the four-group 256x64 tile's 112
+# registers per consumer thread, none here).
+BIAS_TILE = {**LOCAL_TILE, 64: (Schedule.PINGPONG, 128, 128, 1)}
+
+
 # The tiles the heuristic prefers within its margin, one per (dtype, head dim, mask).
 def _default_tile(inst: FmhaSm90Instance) -> tuple | None:
     if inst.dtype is DType.FP8:
         return FP8_TILE.get((inst.head_dim, inst.causal))
-    return LOCAL_TILE[inst.head_dim] if inst.mask is Mask.LOCAL else DEFAULT_TILE[inst.head_dim, inst.causal]
+    if inst.bias:
+        return BIAS_TILE[inst.head_dim]
+    if inst.mask is Mask.LOCAL:
+        return LOCAL_TILE[inst.head_dim]
+    return DEFAULT_TILE[inst.head_dim, inst.causal]
 
 
 PREFERRED_DEFAULT: tuple[FmhaSm90Instance, ...] = tuple(
     inst for inst in SPACE
     if (inst.schedule, inst.block_m, inst.block_n, inst.q_buffers) == _default_tile(inst) and inst.lazy_rescale
     and (not inst.softcap or inst.head_dim in SOFTCAP_DEFAULT_HEAD_DIMS)
+    and (not inst.bias or (inst.head_dim in BIAS_DEFAULT_HEAD_DIMS and not inst.softcap))
 )
 DEFAULT: tuple[FmhaSm90Instance, ...] = PREFERRED_DEFAULT + tuple(
     inst for inst in SPACE
     if (inst.schedule, inst.block_m, inst.block_n, inst.q_buffers) == SHORT_SEQUENCE_TILES.get((inst.head_dim, inst.causal))
     and inst.lazy_rescale and inst.stages == DEFAULT_STAGES[inst.schedule] and inst.dtype is not DType.FP8
-    and not inst.softcap
+    and not inst.softcap and not inst.bias
 )
 
 # Throughput per unit of tile work against fa2_sm80's on the H200 sweep (the heuristic's weight

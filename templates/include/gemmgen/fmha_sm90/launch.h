@@ -24,6 +24,7 @@
 #include "88_hopper_fmha/kernel/fmha_kernel_builder.hpp"
 
 #include "gemmgen/abi.h"
+#include "gemmgen/fmha_sm90/bias.h"
 #include "gemmgen/fmha_sm90/causal.h"
 #include "gemmgen/fmha_sm90/cutlass_launch.h"
 #include "gemmgen/fmha_sm90/persistent.h"
@@ -54,18 +55,20 @@ using MaskOf = std::conditional_t<Local, LocalWindow<BlockM, BlockN>,
                                   std::conditional_t<Causal, BottomRightCausal, cutlass::fmha::collective::ResidualFusion>>;
 // Descaled (fp8): the softmax takes each row tile's factors (TileFactors, softmax.h). Softcap: it
 // caps the scores first (softmax.h; the launch passes the cap in scale_softmax_log2).
+// BiasElement: an additive mask in that type (void: none; the persistent schedule only).
 template <bool Causal, bool Lazy, bool Speculate = false, bool Local = false, int BlockM = 0, int BlockN = 0,
-          bool Descaled = false, bool Softcap = false>
+          bool Descaled = false, bool Softcap = false, class BiasElement = void>
 using FusionOf =
-    std::conditional_t<Lazy, LazyRescale<MaskOf<Causal, Local, BlockM, BlockN>, Speculate, Descaled, Softcap>,
+    std::conditional_t<Lazy, LazyRescale<MaskOf<Causal, Local, BlockM, BlockN>, Speculate, Descaled, Softcap,
+                                         BiasElement, BlockN>,
                        MaskOf<Causal, Local, BlockM, BlockN>>;
 
 // Speculate: whether our softmax takes its speculative step (softmax.h), decided per instance by
 // FmhaSm90Instance.speculates (gemmgen/families/fmha_sm90.py) from the registers it needs.
 template <class Element, class TileShape, class Stride, class StrideV, Schedule S, bool Causal, int StagesKV,
-          bool Lazy, int QBuffers, bool Speculate, bool Local, bool Softcap>
+          bool Lazy, int QBuffers, bool Speculate, bool Local, bool Softcap, bool Bias>
 struct KernelOf {  // CUTLASS's own composition of the kernel (the TMA and cooperative schedules)
-  static_assert(!Local, "sliding windows run on the persistent schedule");
+  static_assert(!Local && !Bias, "sliding windows and additive masks run on the persistent schedule");
   // CUTLASS's epilogue stores O in the input type: 8-bit inputs (O in bf16) need ours.
   static_assert(sizeof(Element) == 2, "fp8 inputs run on the persistent schedule");
   using type = typename cutlass::fmha::kernel::FmhaBuilder<
@@ -77,9 +80,9 @@ struct KernelOf {  // CUTLASS's own composition of the kernel (the TMA and coope
 };
 
 template <class Element, class TileShape, class Stride, class StrideV, bool Causal, int StagesKV, bool Lazy,
-          int QBuffers, bool Speculate, bool Local, bool Softcap>
+          int QBuffers, bool Speculate, bool Local, bool Softcap, bool Bias>
 struct KernelOf<Element, TileShape, Stride, StrideV, Schedule::kPingpong, Causal, StagesKV, Lazy, QBuffers, Speculate,
-                Local, Softcap> {
+                Local, Softcap, Bias> {
   // CUTLASS's persistent mainloop in our kernel (persistent.h); 64 rows per consumer warp group;
   // causal row tiles go in pairs.
   using Tag = cutlass::fmha::kernel::Tag;
@@ -88,7 +91,7 @@ struct KernelOf<Element, TileShape, Stride, StrideV, Schedule::kPingpong, Causal
   using StagesQ = Int<Groups::value * QBuffers>;  // Q buffers per consumer group
   static_assert(sizeof(Element) == 2 || Lazy, "fp8 inputs take their factors in our softmax (lazy_rescale)");
   using Fusion = FusionOf<Causal, Lazy, Speculate, Local, size<0>(TileShape{}), size<1>(TileShape{}),
-                          sizeof(Element) == 1, Softcap>;
+                          sizeof(Element) == 1, Softcap, std::conditional_t<Bias, Element, void>>;
   using Mainloop = cutlass::fmha::collective::FmhaMainloopTmaWarpSpecialized<
       Element, float, float, TileShape, Stride, Stride, StrideV, Fusion, Opt<Tag::kStagesKV, Int<StagesKV>>,
       Opt<Tag::kStagesQ, StagesQ>, Opt<Tag::kIsPersistent, cute::true_type>, Opt<Tag::kLoadsQSeparately, cute::true_type>,
@@ -100,15 +103,16 @@ struct KernelOf<Element, TileShape, Stride, StrideV, Schedule::kPingpong, Causal
                                 Opt<Tag::kLoadsQSeparately, cute::true_type>, Opt<Tag::kNumMmaWarpGroups, Groups>>;
   using type = With<Fixed>;
   // Packed sequences (varlen.h), on every persistent instance but fp8 and four-group windows
-  // (FmhaSm90Instance.runs_varlen says why): a second kernel, so that the fixed-length one keeps its
+  // (FmhaSm90Instance.runs_varlen says why; additive masks run fixed lengths): a second kernel, so that the fixed-length one keeps its
   // registers (the packed scheduler and problem cost the 4-group d64 tile 36 -> 100 bytes of spill
   // in one kernel).
-  static constexpr bool kPacked = sizeof(Element) == 2 && !(Local && Groups::value == 4);
+  static constexpr bool kPacked = sizeof(Element) == 2 && !(Local && Groups::value == 4) && !Bias;
   using packed_type = std::conditional_t<kPacked, With<VarlenScheduler<Causal, size<0>(TileShape{}), Local>>, void>;
 };
 
 template <class Element_, int BlockM, int BlockN, int HeadDim, Schedule S, bool Causal, int StagesKV,
-          bool Lazy = false, int QBuffers = 1, bool Speculate = false, bool Local = false, bool Softcap = false>
+          bool Lazy = false, int QBuffers = 1, bool Speculate = false, bool Local = false, bool Softcap = false,
+          bool Bias = false>
 struct Config {
   using Element = Element_;  // of q, k, v
   // 8-bit inputs (fp8 e4m3) give O in bf16, and their V is read transposed: wgmma reads 8-bit
@@ -124,8 +128,12 @@ struct Config {
   // A window's first key tile may hide every key of a row: the speculative step assumes it does not.
   static_assert(!Local || (!Causal && !Speculate && Lazy), "a local instance is lazy, not causal, not speculating");
   static_assert(!Softcap || (Lazy && !Local && !kFp8), "a softcap runs in our softmax, without a window or fp8");
-  using Kernels =
-      KernelOf<Element, TileShape, Stride, StrideV, S, Causal, StagesKV, Lazy, QBuffers, Speculate, Local, Softcap>;
+  // An additive mask (attn_mask, in the inputs' type) runs in our softmax on the persistent schedule,
+  // fixed lengths, no window.
+  static_assert(!Bias || (Lazy && !Speculate && !Local && !kFp8 && S == Schedule::kPingpong),
+                "an additive mask runs in our plain step on the persistent schedule, 16-bit, without a window");
+  using Kernels = KernelOf<Element, TileShape, Stride, StrideV, S, Causal, StagesKV, Lazy, QBuffers, Speculate,
+                           Local, Softcap, Bias>;
   using Kernel = typename Kernels::type;
   using PackedKernel = typename Kernels::packed_type;  // void: no packed sequences
   static constexpr int kHeadDim = HeadDim;
@@ -134,6 +142,7 @@ struct Config {
   static constexpr bool kCausal = Causal;
   static constexpr bool kLocal = Local;
   static constexpr bool kSoftcap = Softcap;
+  static constexpr bool kBias = Bias;
   static constexpr bool kPersistent = S == Schedule::kPingpong;
   static constexpr bool kVarlen = !std::is_void_v<PackedKernel>;  // runs packed sequences (varlen.h)
 };
@@ -273,11 +282,30 @@ int64_t keys_read(const GemmgenAttnParams* p) {
   return Cfg::kCausal ? int64_t(p->seqlen_q) + p->causal_offset : int64_t(p->seqlen_k);
 }
 
-// Workspace bytes of a call: fp8 instances copy V transposed into it (transpose.h), 0 for others.
+// A bias's tiles are sorted (bias.h) where several heads or batch entries read it; the sort's
+// batch entries and heads (1 where the bias broadcasts).
+template <class Cfg>
+bool sorts_bias(const GemmgenAttnParams* p) {
+  return Cfg::kBias && p->bias != nullptr &&
+         classifies(p->batch, p->heads, p->bias_batch_stride, p->bias_head_stride);
+}
+inline int bias_batch(const GemmgenAttnParams* p) { return p->bias_batch_stride == 0 ? 1 : p->batch; }
+inline int bias_heads(const GemmgenAttnParams* p) { return p->bias_head_stride == 0 ? 1 : p->heads; }
+
+// Workspace bytes of a call: fp8 instances copy V transposed into it (transpose.h), bias instances
+// sort the bias's tiles into it (bias.h) where several heads or batch entries read it; 0 for others.
 template <class Cfg>
 int64_t workspace(const GemmgenAttnParams* p) {
-  if (!Cfg::kFp8) return 0;
-  if (p == nullptr || p->batch < 0 || p->heads_kv < 0 || p->head_dim < 0) return -1;
+  if (!Cfg::kFp8 && !Cfg::kBias) return 0;
+  if (p == nullptr || p->batch < 0 || p->heads < 0 || p->heads_kv < 0 || p->head_dim < 0 || p->seqlen_q < 0 ||
+      p->seqlen_k < 0) {
+    return -1;
+  }
+  if (Cfg::kBias) {
+    if (!sorts_bias<Cfg>(p)) return 0;
+    return bias_classes_bytes(bias_batch(p), bias_heads(p), p->seqlen_q, std::max<int64_t>(keys_read<Cfg>(p), 1),
+                              Cfg::kBlockN);
+  }
   return int64_t(p->batch) * p->heads_kv * p->head_dim * transposed_pitch(std::max<int64_t>(keys_read<Cfg>(p), 1));
 }
 
@@ -326,8 +354,27 @@ int run(const GemmgenAttnParams* p, cudaStream_t stream, char* err, int err_len)
                   "bad sizes: batch %d heads %d heads_kv %d seqlen_q %d seqlen_k %d", p->batch, p->heads,
                   p->heads_kv, p->seqlen_q, p->seqlen_k);
   }
-  if (p->bias != nullptr || p->dropout_p != 0.f || p->seqlens_k != nullptr || p->block_table != nullptr) {
-    return report(err, err_len, GEMMGEN_INVALID_ARGUMENT, "this family runs no bias, dropout or key-value cache");
+  if (p->dropout_p != 0.f || p->seqlens_k != nullptr || p->block_table != nullptr) {
+    return report(err, err_len, GEMMGEN_INVALID_ARGUMENT, "this family runs no dropout or key-value cache");
+  }
+  if (Cfg::kBias != (p->bias != nullptr)) {
+    return report(err, err_len, GEMMGEN_INVALID_ARGUMENT,
+                  Cfg::kBias ? "this instance runs additive masks only (params.bias is NULL)"
+                             : "an additive mask (params.bias): this instance runs none (a `_bias` one does)");
+  }
+  if (Cfg::kBias) {  // pairs of adjacent keys are read as 4-byte words
+    const int64_t strides[] = {p->bias_batch_stride, p->bias_head_stride, p->bias_row_stride};
+    bool aligned = reinterpret_cast<uintptr_t>(p->bias) % 4 == 0;
+    for (int64_t s : strides) aligned = aligned && s % 2 == 0 && s >= 0;
+    if (!aligned) {
+      return report(err, err_len, GEMMGEN_INVALID_ARGUMENT,
+                    "bias: 4-byte aligned data and even, non-negative strides (got %lld, %lld, %lld)",
+                    static_cast<long long>(strides[0]), static_cast<long long>(strides[1]),
+                    static_cast<long long>(strides[2]));
+    }
+    if (p->cu_seqlens_q != nullptr || p->cu_seqlens_k != nullptr) {
+      return report(err, err_len, GEMMGEN_INVALID_ARGUMENT, "additive masks: fixed lengths only (cu_seqlens set)");
+    }
   }
   if (Cfg::kLocal != (p->local != 0)) {
     return report(err, err_len, GEMMGEN_INVALID_ARGUMENT,
@@ -375,6 +422,25 @@ int run(const GemmgenAttnParams* p, cudaStream_t stream, char* err, int err_len)
     transposed.v_head_stride = p->head_dim * pitch;
     transposed.v_batch_stride = p->heads_kv * p->head_dim * pitch;
     p = &transposed;
+  }
+  // Bias instances: the bias's tiles sorted into the workspace first (bias.h), where they are.
+  const uint8_t* classes = nullptr;
+  if (sorts_bias<Cfg>(p)) {
+    const int64_t need = workspace<Cfg>(p);
+    if (p->workspace == nullptr || p->workspace_bytes < need) {
+      return report(err, err_len, GEMMGEN_INVALID_ARGUMENT,
+                    "bias instances sort a shared bias's tiles into the workspace: it needs %lld bytes, got %lld",
+                    static_cast<long long>(need), static_cast<long long>(p->workspace_bytes));
+    }
+    classes = static_cast<const uint8_t*>(p->workspace);
+    cudaError_t e = launch_classify<typename Cfg::Element>(
+        p->bias, p->bias_batch_stride, p->bias_head_stride, p->bias_row_stride, bias_batch(p), bias_heads(p),
+        p->seqlen_q, static_cast<int>(nk_read), Cfg::kBlockN, Cfg::kCausal, static_cast<int>(nk_read - p->seqlen_q),
+        static_cast<uint8_t*>(p->workspace), stream);
+    if (e != cudaSuccess) {
+      return report(err, err_len, GEMMGEN_CUDA_ERROR, "bias sort launch: %s (%s)", cudaGetErrorString(e),
+                    cudaGetErrorName(e));
+    }
   }
   const int64_t b = p->batch, h = p->heads, hkv = p->heads_kv, nq = p->seqlen_q, nk = p->seqlen_k;
   const int64_t d = p->head_dim;
@@ -439,9 +505,25 @@ int run(const GemmgenAttnParams* p, cudaStream_t stream, char* err, int err_len)
                          make_stride(int(p->o_batch_stride), int(p->o_head_stride * launches))),
              p->lse + (b0 * h + qh) * nq, make_stride(_1{}, make_stride(int(h * nq), int(launches * nq)))},
             hw};
-        e = launch_with_scale<Kernel>(args, scale, kSmem, stream, [packed, p, b0, kvh, hkv](auto& params) {
+        e = launch_with_scale<Kernel>(args, scale, kSmem, stream,
+                                      [packed, p, b0, qh, kvh, hkv, classes, nk_read, nq](auto& params) {
           if constexpr (Cfg::kPersistent) params.kv_group = static_cast<int>(packed);
           if constexpr (Cfg::kSoftcap) params.mainloop.scale_softmax_log2 = p->softcap;  // (softmax.h's cap)
+          if constexpr (Cfg::kBias) {  // this chunk's first batch entry and query head
+            params.bias = static_cast<const typename Cfg::Element*>(p->bias) + b0 * p->bias_batch_stride +
+                          qh * p->bias_head_stride;
+            params.bias_batch_stride = p->bias_batch_stride;
+            params.bias_head_stride = p->bias_head_stride;
+            params.bias_row_stride = p->bias_row_stride;
+            if (classes != nullptr) {  // [bias batch][bias head][row group][key tile]
+              const int64_t tiles = (nk_read + Cfg::kBlockN - 1) / Cfg::kBlockN;
+              const int64_t per_head = (nq + kClassRows - 1) / kClassRows * tiles;
+              params.classes_head_stride = p->bias_head_stride == 0 ? 0 : per_head;
+              params.classes_batch_stride = p->bias_batch_stride == 0 ? 0 : per_head * bias_heads(p);
+              params.bias_classes = classes + b0 * params.classes_batch_stride + qh * params.classes_head_stride;
+              params.key_tiles = static_cast<int>(tiles);
+            }
+          }
           if constexpr (Cfg::kFp8) {  // this chunk's [batch, K/V head] factors
             const int64_t at = b0 * hkv + kvh;
             params.descale_q = p->descale_q ? p->descale_q + at : nullptr;
@@ -469,7 +551,8 @@ int run(const GemmgenAttnParams* p, cudaStream_t stream, char* err, int err_len)
 
 template <class Cfg>
 int info(GemmgenInstanceInfo* out) {
-  return cutlass_kernel_info<Cfg>(out, GEMMGEN_INFO_NEEDS_LSE | (Cfg::kFp8 ? GEMMGEN_INFO_WORKSPACE : 0));
+  return cutlass_kernel_info<Cfg>(out,
+                                 GEMMGEN_INFO_NEEDS_LSE | (Cfg::kFp8 || Cfg::kBias ? GEMMGEN_INFO_WORKSPACE : 0));
 }
 
 }  // namespace gemmgen::fmha_sm90

@@ -25,6 +25,7 @@
 #include "88_hopper_fmha/collective/fmha_common.hpp"
 #include "88_hopper_fmha/kernel/fmha_kernel_tma_warpspecialized.hpp"
 
+#include "gemmgen/fmha_sm90/bias.h"
 #include "gemmgen/fmha_sm90/causal.h"
 #include "gemmgen/fmha_sm90/softmax.h"
 #include "gemmgen/fmha_sm90/varlen.h"
@@ -266,7 +267,35 @@ struct PersistentKernel
     const float* descale_k = nullptr;
     const float* descale_v = nullptr;
     int descale_batch_stride = 0;
+    // An additive mask (bias instances): [batch, head, row, key] of this launch's first batch entry
+    // and head, by the strides in elements (0 where it broadcasts), and its tiles' classes (bias.h;
+    // NULL: all mixed) by (batch, head) strides in bytes, key_tiles per 64-row group.
+    const void* bias = nullptr;
+    int64_t bias_batch_stride = 0, bias_head_stride = 0, bias_row_stride = 0;
+    const uint8_t* bias_classes = nullptr;
+    int64_t classes_batch_stride = 0, classes_head_stride = 0;
+    int key_tiles = 0;
   };
+
+  // Bias instances (the softmax's LazyRescale has a BiasElement): each row tile's bias rows reach the
+  // softmax through TileBias (softmax.h).
+  template <class F> struct BiasOf { using type = void; };
+  template <class M, bool S, bool D, bool C, class B, int N> struct BiasOf<LazyRescale<M, S, D, C, B, N>> {
+    using type = B;
+  };
+  using BiasElement = typename BiasOf<Fusion>::type;
+  static constexpr bool kBias = !std::is_void_v<BiasElement>;
+  // The slot of the consumer group with rows `group_blk` (its 64-row group, batch and head).
+  template <class BlkCoord>
+  CUTLASS_DEVICE static TileBias bias_of(Params const& params, BlkCoord const& group_blk) {
+    const int64_t b = get<0>(get<2>(group_blk)), h = get<1>(get<2>(group_blk));
+    const uint8_t* classes = params.bias_classes == nullptr ? nullptr
+        : params.bias_classes + b * params.classes_batch_stride + h * params.classes_head_stride +
+              int64_t(get<0>(group_blk)) * params.key_tiles;
+    return TileBias{static_cast<BiasElement const*>(params.bias) + b * params.bias_batch_stride +
+                        h * params.bias_head_stride,
+                    params.bias_row_stride, classes, params.key_tiles};
+  }
 
   // fp8: the factors of row tile `blk` (TileFactors, softmax.h): q's times k's, and v's. A product
   // of q's and k's that is not a positive finite number gives NaN rows rather than a wrong softmax
@@ -609,6 +638,11 @@ struct PersistentKernel
       if constexpr (kFp8) {  // this warp's slot: set after its last tile's reads, read after this write
         __syncwarp();
         if (cute::elect_one_sync()) tile_factors() = factors_of(params, blk);
+        __syncwarp();
+      }
+      if constexpr (kBias) {  // (as the factors' slot)
+        __syncwarp();
+        if (cute::elect_one_sync()) tile_bias() = bias_of(params, group_blk);
         __syncwarp();
       }
       auto result = mainloop.compute(blk, group_blk, params.mainloop, problem, pipe_kv, read_kv, pipe_q, read_q,

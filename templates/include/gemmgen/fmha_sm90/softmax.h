@@ -21,6 +21,9 @@
 // instantiate: the same interface and online-softmax arithmetic, our code.
 #pragma once
 #include <cmath>
+#include <cstdint>
+#include <type_traits>
+
 
 #include "cute/tensor.hpp"
 #include "cutlass/cutlass.h"
@@ -28,14 +31,18 @@
 #include "88_hopper_fmha/collective/fmha_collective_softmax.hpp"
 #include "88_hopper_fmha/collective/fmha_common.hpp"
 
+#include "gemmgen/fmha_sm90/bias.h"
+
 namespace gemmgen::fmha_sm90 {
 
 // A Fusion: Mask's masking and trip counts; its softmax leaves O and the row sums unscaled while no
 // row maximum of a warp has grown by more than kRescaleAbove (in log2 units of the scaled scores).
 // kSoftcap: a logit softcap c (Gemma 2's): the scaled scores s become c * tanh(s / c) before the
 // mask (the launcher passes c in the params' scale_softmax_log2, which this softmax then derives
-// from scale_softmax).
-template <class Mask, bool kSpeculate = false, bool kDescaled = false, bool kSoftcap = false>
+// from scale_softmax). BiasElement: an additive mask (attn_mask) in the inputs' type, added to the
+// scaled (and capped) scores before the mask (void: none); kBlockN the key tile's width.
+template <class Mask, bool kSpeculate = false, bool kDescaled = false, bool kSoftcap = false,
+          class BiasElement = void, int kBlockN = 0>
 struct LazyRescale : Mask {};
 
 // Descaled (fp8) instances: the factors of the row tile a consumer warp is about to compute, q's
@@ -62,21 +69,38 @@ constexpr float kRescaleAbove = 8.f;
 
 namespace cutlass::fmha::collective {
 
-template <class Mask, bool kSpeculate, bool kDescaled, bool kSoftcap, class Params>
-struct CollectiveSoftmax<float, gemmgen::fmha_sm90::LazyRescale<Mask, kSpeculate, kDescaled, kSoftcap>, Params> {
-  using Fusion = gemmgen::fmha_sm90::LazyRescale<Mask, kSpeculate, kDescaled, kSoftcap>;
+template <class Mask, bool kSpeculate, bool kDescaled, bool kSoftcap, class BiasElement, int kBlockN, class Params>
+struct CollectiveSoftmax<float,
+                         gemmgen::fmha_sm90::LazyRescale<Mask, kSpeculate, kDescaled, kSoftcap, BiasElement, kBlockN>,
+                         Params> {
+  using Fusion = gemmgen::fmha_sm90::LazyRescale<Mask, kSpeculate, kDescaled, kSoftcap, BiasElement, kBlockN>;
   static constexpr float kBound = float(1 << int(gemmgen::fmha_sm90::kRescaleAbove));  // 2^kRescaleAbove
+  // Bias instances hold the scores in scaled units (scale * s + bias: the bias is in those units)
+  // and take the softmax with scale 1. The speculative step assumes every row sees key 0, which a
+  // bias may hide (a left-padded row's first keys); with the bias registers held ahead it also
+  // spilled (d128 128x128: 100 bytes, 14% slower on the H100: bench/NOTES.md, experiment 93).
+  static constexpr bool kBias = !std::is_void_v<BiasElement>;
+  static_assert(!kBias || (!kSpeculate && !kDescaled && kBlockN % 8 == 0), "a bias runs the plain 16-bit step");
+  // The next key tile's bias pairs of this thread (a 64-row group's tile of kBlockN keys holds
+  // kBlockN / 2 scores per thread, in pairs of adjacent keys), loaded one key tile ahead: a load
+  // where it is added waited for memory after every Q K^T.
+  static constexpr int kPairs = kBias ? kBlockN / 4 : 1;
+  uint32_t bias_ahead[kPairs];
+  int next_class = gemmgen::fmha_sm90::kMixed;   // of the key tile after the current one
+  int after_class = gemmgen::fmha_sm90::kMixed;  // of the one after that
   // The scores' scale (natural and log2) and O's final factor: the params', times the row tile's
   // factors where descaled, read where used (held in registers through the tile, they made the fp8
   // d128 tile spill 400 bytes; the params' own values are operands from the constant bank).
   Params const& params;
   CUTLASS_DEVICE CollectiveSoftmax(Params const& p) : params(p) {}
   CUTLASS_DEVICE float scale_log2() const {
+    if constexpr (kBias) return float(M_LOG2E);  // (scores already scaled: add_bias)
     if constexpr (kSoftcap) return params.scale_softmax * float(M_LOG2E);  // (scale_softmax_log2 holds c)
     if constexpr (kDescaled) return params.scale_softmax_log2 * gemmgen::fmha_sm90::tile_factors().qk;
     return params.scale_softmax_log2;
   }
   CUTLASS_DEVICE float scale() const {
+    if constexpr (kBias) return 1.f;
     if constexpr (kDescaled) return params.scale_softmax * gemmgen::fmha_sm90::tile_factors().qk;
     return params.scale_softmax;
   }
@@ -99,6 +123,88 @@ struct CollectiveSoftmax<float, gemmgen::fmha_sm90::LazyRescale<Mask, kSpeculate
       for (int i = 0; i < size(acc_qk); ++i) {
         acc_qk(i) = out * (1.f - __fdividef(2.f, __expf(2.f * in * acc_qk(i)) + 1.f));
       }
+    }
+  }
+
+  // The bias of the key tile whose scores `count` indexes (key `shift` tiles on), into bias_ahead:
+  // a pair of adjacent keys per load, 0 for rows and keys past the problem's (a row's last key
+  // alone where the key count is odd, so no load reaches past a row's last element).
+  template <class CountQK, class ProblemShape>
+  CUTLASS_DEVICE void load_bias(CountQK const& count, ProblemShape const& ps, int shift) {
+    if constexpr (kBias) {
+      gemmgen::fmha_sm90::TileBias const& slot = gemmgen::fmha_sm90::tile_bias();
+      auto const* rows = static_cast<uint16_t const*>(slot.ptr);
+      const int64_t row_stride = slot.row_stride;
+      const int nq = int(get<2>(ps)), nk = int(get<3>(ps));
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < kPairs; ++i) {
+        auto pos = count(2 * i);  // (row, key); element 2i + 1 is key + 1 of the same row
+        const int row = int(get<0>(pos)), key = int(get<1>(pos)) + shift;
+        uint16_t const* at = rows + row * row_stride + key;
+        uint32_t v = 0;
+        if (row < nq && key + 1 < nk) {
+          v = __ldg(reinterpret_cast<uint32_t const*>(at));
+        } else if (row < nq && key < nk) {
+          v = __ldg(reinterpret_cast<unsigned short const*>(at));
+        }
+        bias_ahead[i] = v;
+      }
+    }
+  }
+
+  // The class (bias.h) of this warp group's key tile `tile` (mixed where none were sorted; visible
+  // past the row's last tile, where nothing is loaded).
+  CUTLASS_DEVICE static int class_of(int tile) {
+    gemmgen::fmha_sm90::TileBias const& slot = gemmgen::fmha_sm90::tile_bias();
+    if (slot.classes == nullptr) return gemmgen::fmha_sm90::kMixed;
+    return tile < slot.key_tiles ? int(__ldg(slot.classes + tile)) : int(gemmgen::fmha_sm90::kVisible);
+  }
+
+  // The scores of a key tile made ready for the softmax: capped where a softcap applies; in bias
+  // instances, in scaled units plus the tile's bias (mixed tiles; visible ones are scaled only), the
+  // next key tile's bias requested when it is mixed and the class of the one after that. The
+  // classes run ahead so that no load waits: the next tile's bias is in flight through this tile's
+  // P V and the next Q K^T, its class was requested a tile before. Returns whether the tile is
+  // hidden (every score -inf: the caller skips its softmax). `first`: a row tile's first key tile,
+  // whose class and bias are loaded here.
+  template <class AccQK, class CountQK, class ProblemShape>
+  CUTLASS_DEVICE bool prepare(AccQK& acc_qk, CountQK const& count, ProblemShape const& ps, bool first) {
+    if constexpr (kBias) {
+      static_assert(decltype(size(acc_qk))::value == 2 * kPairs, "a 64-row group's tile of kBlockN keys");
+      const int tile = int(get<1>(count(0))) / kBlockN;
+      int now;
+      if (first) {
+        now = class_of(tile);
+        next_class = class_of(tile + 1);
+        after_class = class_of(tile + 2);
+        if (now == gemmgen::fmha_sm90::kMixed) load_bias(count, ps, 0);
+      } else {
+        now = next_class;
+        next_class = after_class;
+        after_class = class_of(tile + 2);
+      }
+      if (now == gemmgen::fmha_sm90::kHidden) {
+        if (next_class == gemmgen::fmha_sm90::kMixed) load_bias(count, ps, kBlockN);
+        return true;
+      }
+      cap(acc_qk);
+      if (now == gemmgen::fmha_sm90::kMixed) {
+        const float k = kSoftcap ? 1.f : params.scale_softmax;  // (the cap's output is scaled already)
+        CUTLASS_PRAGMA_UNROLL
+        for (int i = 0; i < kPairs; ++i) {
+          const float2 b = gemmgen::fmha_sm90::bias_pair(bias_ahead[i], static_cast<BiasElement const*>(nullptr));
+          acc_qk(2 * i) = fmaf(acc_qk(2 * i), k, b.x);
+          acc_qk(2 * i + 1) = fmaf(acc_qk(2 * i + 1), k, b.y);
+        }
+      } else if constexpr (!kSoftcap) {
+        CUTLASS_PRAGMA_UNROLL
+        for (int i = 0; i < size(acc_qk); ++i) acc_qk(i) *= params.scale_softmax;
+      }
+      if (next_class == gemmgen::fmha_sm90::kMixed) load_bias(count, ps, kBlockN);
+      return false;
+    } else {
+      cap(acc_qk);
+      return false;
     }
   }
 
@@ -189,12 +295,16 @@ struct CollectiveSoftmax<float, gemmgen::fmha_sm90::LazyRescale<Mask, kSpeculate
   template <class AccQK, class TiledMmaQK, class CountQK, class State, class ProblemShape>
   CUTLASS_DEVICE void step(AccQK& acc_qk, TiledMmaQK const& mma_qk, CountQK const& count_qk, State& state,
                            ProblemShape const& problem_shape) {
-    cap(acc_qk);
-    Fusion{}.before_softmax(acc_qk, count_qk, problem_shape);
-    Tensor s = make_tensor(acc_qk.data(), layout_acc_mn(mma_qk, acc_qk.layout()));
     auto& row_max = get<0>(state);
     auto& row_sum = get<1>(state);
     fill(row_max, -INFINITY);
+    if (prepare(acc_qk, count_qk, problem_shape, /*first=*/true)) {  // a hidden tile: P = 0
+      fill(row_sum, 0.f);
+      fill(acc_qk, 0.f);
+      return;
+    }
+    Fusion{}.before_softmax(acc_qk, count_qk, problem_shape);
+    Tensor s = make_tensor(acc_qk.data(), layout_acc_mn(mma_qk, acc_qk.layout()));
     take_max(s, mma_qk, row_max);
     exponentiate(s, row_max);
     CUTLASS_PRAGMA_UNROLL
@@ -207,7 +317,10 @@ struct CollectiveSoftmax<float, gemmgen::fmha_sm90::LazyRescale<Mask, kSpeculate
             class TiledMmaPV, class ProblemShape>
   CUTLASS_DEVICE void step(AccQK& acc_qk, TiledMmaQK const& mma_qk, CountQK const& count_qk, State& state,
                            AccPV& acc_pv, TiledMmaPV const& mma_pv, ProblemShape const& problem_shape) {
-    cap(acc_qk);
+    if (prepare(acc_qk, count_qk, problem_shape, /*first=*/false)) {  // a hidden tile: P = 0
+      fill(acc_qk, 0.f);
+      return;
+    }
     if constexpr (kUseFusion) Fusion{}.before_softmax(acc_qk, count_qk, problem_shape);
     Tensor s = make_tensor(acc_qk.data(), layout_acc_mn(mma_qk, acc_qk.layout()));
     auto& row_max = get<0>(state);
@@ -246,7 +359,7 @@ struct CollectiveSoftmax<float, gemmgen::fmha_sm90::LazyRescale<Mask, kSpeculate
   CUTLASS_DEVICE void step_interleave_begin(AccQK& acc_qk, TiledMmaQK const& mma_qk, CountQK const& count_qk,
                                             State& state, AccPV& acc_pv, TiledMmaPV const& mma_pv,
                                             ProblemShape const& problem_shape) {
-    cap(acc_qk);
+    prepare(acc_qk, count_qk, problem_shape, /*first=*/false);
     if constexpr (kUseFusion) Fusion{}.before_softmax(acc_qk, count_qk, problem_shape);
     Tensor s = make_tensor(acc_qk.data(), layout_acc_mn(mma_qk, acc_qk.layout()));
     update_max(s, mma_qk, get<0>(state), get<1>(state), acc_pv, mma_pv);
@@ -263,7 +376,7 @@ struct CollectiveSoftmax<float, gemmgen::fmha_sm90::LazyRescale<Mask, kSpeculate
   }
 
   // After the last key tile: whole-row sums, O normalized, LSE (+inf for a row with no weight, as
-  // CUTLASS's softmax gives it).
+  // CUTLASS's softmax gives it; -inf, gemmgen's convention, where a bias may hide a row's keys).
   template <class State, class AccPV, class TiledMmaPV>
   CUTLASS_DEVICE auto tail(State& state, AccPV& acc_pv, TiledMmaPV const& mma_pv) {
     auto& row_max = get<0>(state);
@@ -275,7 +388,7 @@ struct CollectiveSoftmax<float, gemmgen::fmha_sm90::LazyRescale<Mask, kSpeculate
     for (int i = 0; i < size<0>(o); ++i) {
       const float sum = row_sum(i);
       const bool empty = sum == 0.f || sum != sum;
-      lse(i) = empty ? INFINITY : row_max(i) * scale() + __logf(sum);
+      lse(i) = empty ? (kBias ? -INFINITY : INFINITY) : row_max(i) * scale() + __logf(sum);
       const float factor = o_factor() * (empty ? 1.f : __frcp_rn(sum));
       CUTLASS_PRAGMA_UNROLL
       for (int j = 0; j < size<1>(o); ++j) o(i, j) *= factor;
