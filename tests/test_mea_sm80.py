@@ -107,11 +107,17 @@ def test_the_family_serves_what_its_instances_serve():
 
 
 def test_registry_routes_features_to_this_family():
-    """fa2_sm80 rejects dropout / bias / varlen; on-demand builds pick the smallest fitting bound."""
+    """fa2_sm80 rejects dropout / bias / varlen; on-demand builds pick the smallest fitting bound. On
+    Hopper an additive mask without dropout goes to fmha_sm90's `_bias` instances instead."""
     arch, inst = registry.build_target(problem(head_dim=96, dropout=True))
     assert arch is Arch.SM80 and inst.family == "mea_sm80" and inst.max_head_dim == 128
-    arch, inst = registry.build_target(problem(dtype="bf16", head_dim=32, bias=True, causal=True))
+    ampere = device.synthetic((8, 0), 108)
+    arch, inst = registry.build_target(problem(dtype="bf16", head_dim=32, bias=True, causal=True, device=ampere))
     assert inst.name == "mea_sm80_bf16_k64_q64k64_aligned"  # the family's DEFAULT tile comes first
+    arch, inst = registry.build_target(problem(dtype="bf16", head_dim=32, bias=True, causal=True))
+    assert arch is Arch.SM90 and inst.family == "fmha_sm90" and inst.bias
+    arch, inst = registry.build_target(problem(dtype="bf16", head_dim=32, bias=True, dropout=True))
+    assert inst.family == "mea_sm80"
 
 
 # Argument checks that need no GPU (they run before the device check).

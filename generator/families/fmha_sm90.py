@@ -14,9 +14,11 @@ operands on the persistent schedule (our epilogue stores O in bf16): V is read t
 makes in the call's workspace first (templates/include/gemmgen/fmha_sm90/transpose.h), and each
 (batch, K/V head) may carry factors for q, k and v (gemmgen.ops.fp8 prepares them).
 
-Additive-mask instances (`_bias`: attn_mask, bool masks as 0 / -inf) add the mask to the scaled
-scores in our softmax, each thread loading its scores' mask values one key tile ahead; fixed
-lengths, no mask or causal, on the persistent schedule.
+Additive-mask instances (`_bias`: attn_mask, bool masks as 0 / -inf) add the mask to the scores in
+our softmax, each thread loading its scores' mask values one key tile ahead; a mask shared by heads
+or batch entries has its tiles sorted and listed first by kernels of the instance's own, so that
+hidden key tiles are skipped and only mixed ones read (templates/include/gemmgen/fmha_sm90/bias.h);
+fixed lengths, no mask or causal, on the persistent schedule.
 """
 from __future__ import annotations
 

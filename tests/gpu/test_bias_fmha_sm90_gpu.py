@@ -1,6 +1,7 @@
 """Additive masks on fmha_sm90 (`_bias` instances: fused_attention(attn_mask=...) on Hopper) against
 the float64 reference: every built `_bias` instance forced by name over odd lengths with Nq != Nk,
-both causal alignments, GQA and MQA, scales default, 0.3 and 0, every mask form (float masks with
+both causal alignments, GQA and MQA, scales default, 0.3, 1e-6 and 0 (the bias added to raw scores, or to scaled ones below 2^-16), a
+logit softcap where the instance runs one, every mask form (float masks with
 -inf entries, bool padding masks, broadcasts over batch, heads and rows, [Nq, Nk] masks, strided
 views), rows that see no key (O = 0, LSE = -inf), the registry's picks, the gradients (the backward
 of another family on the forward's O and LSE), torch.compile and a CUDA graph. Outputs are poisoned
@@ -55,16 +56,17 @@ def masks(b, h, nq, nk, dtype, key):
             ("bool-row-broadcast", padding.expand(b, 1, nq, nk)), ("bool-causal-padding", causal & padding)]
 
 
-def check_bias(q, k, v, mask, *, causal, alignment, scale, instance=None):
-    """O (into a NaN-poisoned out=) and LSE against the float64 reference of the mask as a bias."""
+def check_bias(q, k, v, mask, *, causal, alignment, scale, instance=None, softcap=0.0):
+    """O (into a NaN-poisoned out=) and LSE against the float64 reference of the mask as a bias (and
+    of the logit softcap, where given)."""
     out = torch.full_like(q, float("nan"))
     o, lse = gemmgen.fused_attention(q, k, v, attn_mask=mask, causal=causal, causal_alignment=alignment,
-                                     scale=scale, return_lse=True, out=out, instance=instance)
+                                     scale=scale, return_lse=True, out=out, instance=instance, softcap=softcap)
     torch.cuda.synchronize()
     assert o.data_ptr() == out.data_ptr()
     bias = (torch.zeros((), dtype=torch.float64, device="cuda").masked_fill(~mask, float("-inf"))
             if mask.dtype == torch.bool else mask.double())
-    ref_o, ref_lse = attention_reference(q, k, v, causal, alignment, scale, bias=bias)
+    ref_o, ref_lse = attention_reference(q, k, v, causal, alignment, scale, bias=bias, softcap=softcap)
     assert not torch.isnan(o).any(), "unwritten or NaN output elements"
     ref_norm = ref_o.norm().item()
     err = (o.double() - ref_o).norm().item() / ref_norm if ref_norm else o.double().norm().item()
@@ -88,21 +90,26 @@ def test_every_bias_instance(name):
     dtype = torch.float16 if "_fp16_" in name else torch.bfloat16
     d = int(name.split("_d")[1].split("_")[0])
     causal = "_causal_" in name
+    softcap = 30.0 if "_sc_" in name else 0.0  # (a `_sc_bias` instance runs capped calls only)
     ran = 0
     for nq, nk in LENGTHS:
         long = max(nq, nk) > 1000
         b, h, hkv = (1, 2, 1) if long else (2, 4, 2)
         for alignment in ALIGNMENTS:
-            for scale in (None, 0.3, 0.0):
+            for scale in (None, 0.3, 1e-6, 0.0):
                 q, k, v = make_qkv(b, h, hkv, nq, nk, d, dtype, (name, nq, nk, alignment, scale))
-                problem = calls.problem_for(q, k, causal, v=v, causal_alignment=alignment, scale=scale, bias=True)
+                if softcap:
+                    q, k = q * 3, k * 3  # scores past the cap
+                problem = calls.problem_for(q, k, causal, v=v, causal_alignment=alignment, scale=scale, bias=True,
+                                            softcap=bool(softcap))
                 if registry.functional_reason(family, cand.instance, problem) is not None:
                     continue
                 for form, mask in masks(b, h, nq, nk, dtype, (name, nq, nk)):
                     if long and form not in ("float", "bool-padding", "bool-causal-padding"):
                         continue
                     try:
-                        check_bias(q, k, v, mask, causal=causal, alignment=alignment, scale=scale, instance=name)
+                        check_bias(q, k, v, mask, causal=causal, alignment=alignment, scale=scale, instance=name,
+                                   softcap=softcap)
                     except AssertionError as e:
                         raise AssertionError(f"{form} nq={nq} nk={nk} {alignment} scale={scale}: {e}") from None
                     ran += 1
@@ -111,7 +118,8 @@ def test_every_bias_instance(name):
 
 def test_rows_without_keys_are_zero():
     """A row whose mask hides every key gives O = 0 and LSE = -inf (a bool row of False, a float
-    row of -inf), also where the first key tiles of a row are hidden and later ones are not."""
+    row of -inf, whole row tiles), also where the first key tiles of a row are hidden and later ones
+    are not."""
     if not bias_instances():
         pytest.fail("no fmha_sm90 `_bias` instance is built for this GPU")
     q, k, v = make_qkv(2, 4, 4, 300, 700, 128, torch.bfloat16, "empty-rows")
@@ -120,6 +128,8 @@ def test_rows_without_keys_are_zero():
     keep[:, :, 6, :600] = False  # keys in the last tiles only
     keep[1, :, 7, 1:] = False  # key 0 only
     keep[:, :, 64:128, :256] = False  # a row group's first key tiles hidden, the later ones seen
+    keep[:, :, 128:256] = False  # whole row tiles without a key (their key tiles skipped)
+    keep[0, :, 256:, 300:] = False  # the last key tiles hidden to the last rows (listed, not seen)
     name = gemmgen.selected_instance(q, k, v, attn_mask=keep)
     assert name.startswith("fmha_sm90_") and name.endswith("_bias"), name
     check_bias(q, k, v, keep, causal=False, alignment="top_left", scale=None)

@@ -39,7 +39,8 @@ typedef struct GemmgenAttnParams {
   // Features only some families have. An instance of a family without one rejects params that
   // ask for it (the registry never sends it such a call).
   const void* bias;  // additive mask in the input dtype, [batch, heads, seqlen_q, seqlen_k] by the
-                     // strides below (0 broadcasts; the last dim is contiguous); NULL: none
+                     // strides below (0 broadcasts; the last dim is contiguous; 16-byte aligned rows,
+                     // readable up to the next multiple of 8 elements); NULL: none
   int64_t bias_batch_stride, bias_head_stride, bias_row_stride;
   float dropout_p;  // probability of zeroing an attention weight (kept ones scale by 1/(1-p)); 0: none
   uint64_t dropout_seed;    // Philox seed and offset: the same pair gives the same mask

@@ -282,8 +282,8 @@ int64_t keys_read(const GemmgenAttnParams* p) {
   return Cfg::kCausal ? int64_t(p->seqlen_q) + p->causal_offset : int64_t(p->seqlen_k);
 }
 
-// A bias's tiles are sorted (bias.h) where several heads or batch entries read it; the sort's
-// batch entries and heads (1 where the bias broadcasts).
+// A bias's tiles are sorted and listed (bias.h) where several heads or batch entries read it; the
+// sort's batch entries and heads (1 where the bias broadcasts), and its workspace layout.
 template <class Cfg>
 bool sorts_bias(const GemmgenAttnParams* p) {
   return Cfg::kBias && p->bias != nullptr &&
@@ -291,9 +291,14 @@ bool sorts_bias(const GemmgenAttnParams* p) {
 }
 inline int bias_batch(const GemmgenAttnParams* p) { return p->bias_batch_stride == 0 ? 1 : p->batch; }
 inline int bias_heads(const GemmgenAttnParams* p) { return p->bias_head_stride == 0 ? 1 : p->heads; }
+template <class Cfg>
+BiasSortLayout sort_layout(const GemmgenAttnParams* p) {
+  return bias_sort_layout(int64_t(bias_batch(p)) * bias_heads(p), p->seqlen_q,
+                          std::max<int64_t>(keys_read<Cfg>(p), 1), Cfg::kBlockM, Cfg::kBlockN);
+}
 
 // Workspace bytes of a call: fp8 instances copy V transposed into it (transpose.h), bias instances
-// sort the bias's tiles into it (bias.h) where several heads or batch entries read it; 0 for others.
+// sort and list a shared bias's tiles in it (bias.h); 0 for others.
 template <class Cfg>
 int64_t workspace(const GemmgenAttnParams* p) {
   if (!Cfg::kFp8 && !Cfg::kBias) return 0;
@@ -301,11 +306,7 @@ int64_t workspace(const GemmgenAttnParams* p) {
       p->seqlen_k < 0) {
     return -1;
   }
-  if (Cfg::kBias) {
-    if (!sorts_bias<Cfg>(p)) return 0;
-    return bias_classes_bytes(bias_batch(p), bias_heads(p), p->seqlen_q, std::max<int64_t>(keys_read<Cfg>(p), 1),
-                              Cfg::kBlockN);
-  }
+  if (Cfg::kBias) return sorts_bias<Cfg>(p) ? sort_layout<Cfg>(p).bytes() : 0;
   return int64_t(p->batch) * p->heads_kv * p->head_dim * transposed_pitch(std::max<int64_t>(keys_read<Cfg>(p), 1));
 }
 
@@ -362,13 +363,13 @@ int run(const GemmgenAttnParams* p, cudaStream_t stream, char* err, int err_len)
                   Cfg::kBias ? "this instance runs additive masks only (params.bias is NULL)"
                              : "an additive mask (params.bias): this instance runs none (a `_bias` one does)");
   }
-  if (Cfg::kBias) {  // pairs of adjacent keys are read as 4-byte words
+  if (Cfg::kBias) {  // pairs of adjacent keys are read as 4-byte words, rows to their padded end
     const int64_t strides[] = {p->bias_batch_stride, p->bias_head_stride, p->bias_row_stride};
-    bool aligned = reinterpret_cast<uintptr_t>(p->bias) % 4 == 0;
-    for (int64_t s : strides) aligned = aligned && s % 2 == 0 && s >= 0;
+    bool aligned = reinterpret_cast<uintptr_t>(p->bias) % 16 == 0;
+    for (int64_t s : strides) aligned = aligned && s % 8 == 0 && s >= 0;
     if (!aligned) {
       return report(err, err_len, GEMMGEN_INVALID_ARGUMENT,
-                    "bias: 4-byte aligned data and even, non-negative strides (got %lld, %lld, %lld)",
+                    "bias: 16-byte aligned rows, strides non-negative multiples of 8 (got %lld, %lld, %lld)",
                     static_cast<long long>(strides[0]), static_cast<long long>(strides[1]),
                     static_cast<long long>(strides[2]));
     }
@@ -423,23 +424,33 @@ int run(const GemmgenAttnParams* p, cudaStream_t stream, char* err, int err_len)
     transposed.v_batch_stride = p->heads_kv * p->head_dim * pitch;
     p = &transposed;
   }
-  // Bias instances: the bias's tiles sorted into the workspace first (bias.h), where they are.
-  const uint8_t* classes = nullptr;
-  if (sorts_bias<Cfg>(p)) {
-    const int64_t need = workspace<Cfg>(p);
-    if (p->workspace == nullptr || p->workspace_bytes < need) {
+  // Bias instances: a shared bias's tiles sorted and listed into the workspace first (bias.h).
+  const uint32_t* lists = nullptr;
+  if constexpr (Cfg::kBias) {
+    if ((nk_read + Cfg::kBlockN - 1) / Cfg::kBlockN > 0xffff) {  // (list entries hold 16-bit key tiles)
       return report(err, err_len, GEMMGEN_INVALID_ARGUMENT,
-                    "bias instances sort a shared bias's tiles into the workspace: it needs %lld bytes, got %lld",
-                    static_cast<long long>(need), static_cast<long long>(p->workspace_bytes));
+                    "additive masks: at most %d keys per call on this instance, got %lld", 0xffff * Cfg::kBlockN,
+                    static_cast<long long>(nk_read));
     }
-    classes = static_cast<const uint8_t*>(p->workspace);
-    cudaError_t e = launch_classify<typename Cfg::Element>(
-        p->bias, p->bias_batch_stride, p->bias_head_stride, p->bias_row_stride, bias_batch(p), bias_heads(p),
-        p->seqlen_q, static_cast<int>(nk_read), Cfg::kBlockN, Cfg::kCausal, static_cast<int>(nk_read - p->seqlen_q),
-        static_cast<uint8_t*>(p->workspace), stream);
-    if (e != cudaSuccess) {
-      return report(err, err_len, GEMMGEN_CUDA_ERROR, "bias sort launch: %s (%s)", cudaGetErrorString(e),
-                    cudaGetErrorName(e));
+    if (sorts_bias<Cfg>(p)) {
+      const int64_t need = workspace<Cfg>(p);
+      if (p->workspace == nullptr || p->workspace_bytes < need) {
+        return report(err, err_len, GEMMGEN_INVALID_ARGUMENT,
+                      "bias instances sort a shared bias's tiles in the workspace: it needs %lld bytes, got %lld",
+                      static_cast<long long>(need), static_cast<long long>(p->workspace_bytes));
+      }
+      using Mask = MaskOf<Cfg::kCausal, false, Cfg::kBlockM, Cfg::kBlockN>;
+      auto* ws = static_cast<uint8_t*>(p->workspace);
+      const auto ps = make_shape(int(p->batch), int(p->heads), int(p->seqlen_q), int(nk_read), int(p->head_dim));
+      cudaError_t e = launch_sort<typename Cfg::Element, Mask, Cfg::kBlockM / kClassRows,
+                                  typename Cfg::TileShape>(p->bias, p->bias_batch_stride, p->bias_head_stride,
+                                                           p->bias_row_stride, bias_batch(p), bias_heads(p), ps,
+                                                           Cfg::kCausal, ws, stream);
+      if (e != cudaSuccess) {
+        return report(err, err_len, GEMMGEN_CUDA_ERROR, "bias sort launch: %s (%s)", cudaGetErrorString(e),
+                      cudaGetErrorName(e));
+      }
+      lists = reinterpret_cast<const uint32_t*>(ws + sort_layout<Cfg>(p).classes_bytes());
     }
   }
   const int64_t b = p->batch, h = p->heads, hkv = p->heads_kv, nq = p->seqlen_q, nk = p->seqlen_k;
@@ -506,7 +517,7 @@ int run(const GemmgenAttnParams* p, cudaStream_t stream, char* err, int err_len)
              p->lse + (b0 * h + qh) * nq, make_stride(_1{}, make_stride(int(h * nq), int(launches * nq)))},
             hw};
         e = launch_with_scale<Kernel>(args, scale, kSmem, stream,
-                                      [packed, p, b0, qh, kvh, hkv, classes, nk_read, nq](auto& params) {
+                                      [packed, p, b0, qh, kvh, hkv, lists](auto& params) {
           if constexpr (Cfg::kPersistent) params.kv_group = static_cast<int>(packed);
           if constexpr (Cfg::kSoftcap) params.mainloop.scale_softmax_log2 = p->softcap;  // (softmax.h's cap)
           if constexpr (Cfg::kBias) {  // this chunk's first batch entry and query head
@@ -515,13 +526,13 @@ int run(const GemmgenAttnParams* p, cudaStream_t stream, char* err, int err_len)
             params.bias_batch_stride = p->bias_batch_stride;
             params.bias_head_stride = p->bias_head_stride;
             params.bias_row_stride = p->bias_row_stride;
-            if (classes != nullptr) {  // [bias batch][bias head][row group][key tile]
-              const int64_t tiles = (nk_read + Cfg::kBlockN - 1) / Cfg::kBlockN;
-              const int64_t per_head = (nq + kClassRows - 1) / kClassRows * tiles;
-              params.classes_head_stride = p->bias_head_stride == 0 ? 0 : per_head;
-              params.classes_batch_stride = p->bias_batch_stride == 0 ? 0 : per_head * bias_heads(p);
-              params.bias_classes = classes + b0 * params.classes_batch_stride + qh * params.classes_head_stride;
-              params.key_tiles = static_cast<int>(tiles);
+            if (lists != nullptr) {  // [bias batch][bias head][row tile][list_stride]
+              const BiasSortLayout layout = sort_layout<Cfg>(p);
+              const int64_t per_head = layout.row_tiles * layout.list_stride();
+              params.lists_head_stride = p->bias_head_stride == 0 ? 0 : per_head;
+              params.lists_batch_stride = p->bias_batch_stride == 0 ? 0 : per_head * bias_heads(p);
+              params.bias_lists = lists + b0 * params.lists_batch_stride + qh * params.lists_head_stride;
+              params.list_stride = static_cast<int>(layout.list_stride());
             }
           }
           if constexpr (Cfg::kFp8) {  // this chunk's [batch, K/V head] factors

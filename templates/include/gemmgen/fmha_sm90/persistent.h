@@ -268,13 +268,14 @@ struct PersistentKernel
     const float* descale_v = nullptr;
     int descale_batch_stride = 0;
     // An additive mask (bias instances): [batch, head, row, key] of this launch's first batch entry
-    // and head, by the strides in elements (0 where it broadcasts), and its tiles' classes (bias.h;
-    // NULL: all mixed) by (batch, head) strides in bytes, key_tiles per 64-row group.
+    // and head, by the strides in elements (0 where it broadcasts), and its row tiles' lists of key
+    // tiles (bias.h; NULL: every key tile, mixed), list_stride apart, by (batch, head) strides in
+    // list entries.
     const void* bias = nullptr;
     int64_t bias_batch_stride = 0, bias_head_stride = 0, bias_row_stride = 0;
-    const uint8_t* bias_classes = nullptr;
-    int64_t classes_batch_stride = 0, classes_head_stride = 0;
-    int key_tiles = 0;
+    const uint32_t* bias_lists = nullptr;
+    int64_t lists_batch_stride = 0, lists_head_stride = 0;
+    int list_stride = 0;
   };
 
   // Bias instances (the softmax's LazyRescale has a BiasElement): each row tile's bias rows reach the
@@ -285,16 +286,25 @@ struct PersistentKernel
   };
   using BiasElement = typename BiasOf<Fusion>::type;
   static constexpr bool kBias = !std::is_void_v<BiasElement>;
-  // The slot of the consumer group with rows `group_blk` (its 64-row group, batch and head).
+  // The slot of row tile `blk` for its consumer group `group` (the producer's: group 0).
   template <class BlkCoord>
-  CUTLASS_DEVICE static TileBias bias_of(Params const& params, BlkCoord const& group_blk) {
-    const int64_t b = get<0>(get<2>(group_blk)), h = get<1>(get<2>(group_blk));
-    const uint8_t* classes = params.bias_classes == nullptr ? nullptr
-        : params.bias_classes + b * params.classes_batch_stride + h * params.classes_head_stride +
-              int64_t(get<0>(group_blk)) * params.key_tiles;
+  CUTLASS_DEVICE static TileBias bias_of(Params const& params, BlkCoord const& blk, int group) {
+    const int64_t b = get<0>(get<2>(blk)), h = get<1>(get<2>(blk));
+    const uint32_t* list = params.bias_lists == nullptr ? nullptr
+        : params.bias_lists + b * params.lists_batch_stride + h * params.lists_head_stride +
+              int64_t(get<0>(blk)) * params.list_stride;
     return TileBias{static_cast<BiasElement const*>(params.bias) + b * params.bias_batch_stride +
                         h * params.bias_head_stride,
-                    params.bias_row_stride, classes, params.key_tiles};
+                    params.bias_row_stride, list, group};
+  }
+  // Sets this warp's slot (as the factors' slot: after its last reads of the previous tile's).
+  template <class BlkCoord>
+  CUTLASS_DEVICE static void set_bias_slot(Params const& params, BlkCoord const& blk, int group) {
+    if constexpr (kBias) {
+      __syncwarp();
+      if (cute::elect_one_sync()) tile_bias() = bias_of(params, blk, group);
+      __syncwarp();
+    }
   }
 
   // fp8: the factors of row tile `blk` (TileFactors, softmax.h): q's times k's, and v's. A product
@@ -398,11 +408,12 @@ struct PersistentKernel
   template <class StateK, class StateV, class State, class Storage, class Barrier>
   CUTLASS_DEVICE static void load_kv_tiles(StateK const& state_k, StateV const& state_v, int start, int count,
                                            Params const& params, PipeKV& pipe_kv, State& write_kv,
-                                           Storage& storage, Barrier& barrier, bool first) {
+                                           Storage& storage, Barrier& barrier, bool first,
+                                           uint32_t const* listed = nullptr) {
     const int lane = cute::elect_one_sync();
     typename Mainloop::LoadK load_k{params.mainloop.tma_load_k, pipe_kv, storage.smem_k};
     typename Mainloop::LoadV load_v{params.mainloop.tma_load_v, pipe_kv, storage.smem_v};
-    TileIndex tile{start};
+    TileIndex tile{start, listed};
     int steps = 2 * count;  // one K and one V step per key tile
     load_k.template step<false>(tile, state_k, write_kv, lane, steps);
     if (first) {
@@ -416,13 +427,15 @@ struct PersistentKernel
     }
   }
 
-  struct TileIndex {  // what CollectiveLoadTma::step reads of an iterator
+  struct TileIndex {  // what CollectiveLoadTma::step reads of an iterator: tile i, or a list's i-th
     int i;
-    CUTLASS_DEVICE int operator*() const { return i; }
+    uint32_t const* listed = nullptr;  // a sorted bias's list entries (bias.h)
+    CUTLASS_DEVICE int operator*() const { return listed ? tile_of(__ldg(listed + i)) : i; }
     CUTLASS_DEVICE void operator++() { ++i; }
   };
 
-  // A sliding window's row tile `blk` (K/V head in kv_blk): its key tiles from the first it sees.
+  // A sliding window's row tile `blk` (K/V head in kv_blk): its key tiles from the first it sees; a
+  // sorted bias's: its listed key tiles (the warp's bias slot is set).
   template <class BlkCoord, class State, class Storage, class Barrier>
   CUTLASS_DEVICE static void load_kv(BlkCoord const& blk, BlkCoord const& kv_blk, Params const& params,
                                      PipeKV& pipe_kv, State& write_kv, Storage& storage, Barrier& barrier,
@@ -434,8 +447,14 @@ struct PersistentKernel
     typename Mainloop::LoadV load_v{params.mainloop.tma_load_v, pipe_kv, storage.smem_v};
     auto state_k = load_k.init_state(_0{}, params.problem_size, typename Mainloop::TileShapeQK{}, kv_blk, count);
     auto state_v = load_v.init_state(_0{}, params.problem_size, typename Mainloop::TileShapePV{}, kv_blk, count);
-    load_kv_tiles(state_k, state_v, Fusion::first_tile(blk, problem), count, params, pipe_kv, write_kv, storage,
-                  barrier, first);
+    if constexpr (kWindow) {
+      load_kv_tiles(state_k, state_v, Fusion::first_tile(blk, problem), count, params, pipe_kv, write_kv, storage,
+                    barrier, first);
+    } else {
+      uint32_t const* list = tile_bias().list;
+      load_kv_tiles(state_k, state_v, 0, count, params, pipe_kv, write_kv, storage, barrier, first,
+                    list == nullptr ? nullptr : list + 2);
+    }
   }
 
   // A packed sequence's tiles of one head: a (rows, cols, tiles) view of the packed tensor `m` from
@@ -584,7 +603,8 @@ struct PersistentKernel
             const Placed at = place_item(params, blk);
             load_kv_packed(blk, item_fusion_problem(params, at), at, get<1>(get<2>(kv_blk)), params, pipe_kv,
                            write_kv, storage.tensors.mainloop, storage.load_warp_barrier, first);
-          } else if constexpr (kWindow) {
+          } else if constexpr (kWindow || kBias) {
+            set_bias_slot(params, scheduler.get_block_coord(), 0);  // a sorted bias's listed key tiles
             load_kv(scheduler.get_block_coord(), kv_blk, params, pipe_kv, write_kv, storage.tensors.mainloop,
                     storage.load_warp_barrier, first);
           } else {
@@ -629,6 +649,7 @@ struct PersistentKernel
         out_problem = item_problem(params, at);
         q_row0 = at.q_row0;
       }
+      set_bias_slot(params, blk, consumer);  // (the trip counts of a sorted bias read it)
       read_q.advance(consumer);  // Q stages go to the groups in turn, a tile's kGroups at a time
       if (get<0>(group_blk) * kGroupRows >= get<2>(out_problem)) {
         skip(blk, problem, pipe_kv, read_kv, pipe_q, read_q, order);
@@ -638,11 +659,6 @@ struct PersistentKernel
       if constexpr (kFp8) {  // this warp's slot: set after its last tile's reads, read after this write
         __syncwarp();
         if (cute::elect_one_sync()) tile_factors() = factors_of(params, blk);
-        __syncwarp();
-      }
-      if constexpr (kBias) {  // (as the factors' slot)
-        __syncwarp();
-        if (cute::elect_one_sync()) tile_bias() = bias_of(params, group_blk);
         __syncwarp();
       }
       auto result = mainloop.compute(blk, group_blk, params.mainloop, problem, pipe_kv, read_kv, pipe_q, read_q,

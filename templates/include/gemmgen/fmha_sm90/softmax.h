@@ -41,9 +41,30 @@ namespace gemmgen::fmha_sm90 {
 // mask (the launcher passes c in the params' scale_softmax_log2, which this softmax then derives
 // from scale_softmax). BiasElement: an additive mask (attn_mask) in the inputs' type, added to the
 // scaled (and capped) scores before the mask (void: none); kBlockN the key tile's width.
+// With a sorted bias a row tile runs its listed key tiles only (bias.h): the trip counts of the
+// tiles before the mask's masked ones are the list's, which the warp's TileBias slot holds.
 template <class Mask, bool kSpeculate = false, bool kDescaled = false, bool kSoftcap = false,
           class BiasElement = void, int kBlockN = 0>
-struct LazyRescale : Mask {};
+struct LazyRescale : Mask {
+  CUTLASS_DEVICE static uint32_t const* list() {
+    if constexpr (std::is_void_v<BiasElement>) {
+      return nullptr;
+    } else {
+      return tile_bias().list;
+    }
+  }
+  template <class BlkCoord, class TileShape, class ProblemShape>
+  CUTLASS_DEVICE int get_trip_count(BlkCoord const& blk, TileShape const& tile, ProblemShape const& ps) {
+    if (uint32_t const* l = list()) return int(l[0]);
+    return Mask::get_trip_count(blk, tile, ps);
+  }
+  template <class BlkCoord, class TileShape, class ProblemShape>
+  CUTLASS_DEVICE int get_unmasked_trip_count(BlkCoord const& blk, TileShape const& tile, ProblemShape const& ps) {
+    if (uint32_t const* l = list()) return int(l[1]);
+    return Mask::get_unmasked_trip_count(blk, tile, ps);
+  }
+  // (The tiles the mask masks are always listed, so their count stays the mask's own.)
+};
 
 // Descaled (fp8) instances: the factors of the row tile a consumer warp is about to compute, q's
 // times k's (of the scores) and v's (of O), in a shared-memory slot per warp. The kernel's consumer
@@ -75,8 +96,8 @@ struct CollectiveSoftmax<float,
                          Params> {
   using Fusion = gemmgen::fmha_sm90::LazyRescale<Mask, kSpeculate, kDescaled, kSoftcap, BiasElement, kBlockN>;
   static constexpr float kBound = float(1 << int(gemmgen::fmha_sm90::kRescaleAbove));  // 2^kRescaleAbove
-  // Bias instances hold the scores in scaled units (scale * s + bias: the bias is in those units)
-  // and take the softmax with scale 1. The speculative step assumes every row sees key 0, which a
+  // Bias instances add the bias where the scores are made ready (prepare). The speculative step
+  // assumes every row sees key 0, which a
   // bias may hide (a left-padded row's first keys); with the bias registers held ahead it also
   // spilled (d128 128x128: 100 bytes, 14% slower on the H100: bench/NOTES.md, experiment 93).
   static constexpr bool kBias = !std::is_void_v<BiasElement>;
@@ -86,21 +107,29 @@ struct CollectiveSoftmax<float,
   // where it is added waited for memory after every Q K^T.
   static constexpr int kPairs = kBias ? kBlockN / 4 : 1;
   uint32_t bias_ahead[kPairs];
-  int next_class = gemmgen::fmha_sm90::kMixed;   // of the key tile after the current one
-  int after_class = gemmgen::fmha_sm90::kMixed;  // of the one after that
+  uint32_t next_entry = 0;  // the list entry (bias.h) of the key tile after the current one
   // The scores' scale (natural and log2) and O's final factor: the params', times the row tile's
   // factors where descaled, read where used (held in registers through the tile, they made the fp8
   // d128 tile spill 400 bytes; the params' own values are operands from the constant bank).
   Params const& params;
   CUTLASS_DEVICE CollectiveSoftmax(Params const& p) : params(p) {}
+  // Bias instances hold the scores raw (s + bias / scale) where the scale is at least kRawScale,
+  // so that a visible tile's scores need no operation; below it (a scale of 0 runs as FLT_MIN),
+  // bias / scale could overflow, and they hold them scaled (scale * s + bias).
+  static constexpr float kRawScale = 1.f / 65536.f;
+  CUTLASS_DEVICE bool raw() const { return !kBias || params.scale_softmax >= kRawScale; }
   CUTLASS_DEVICE float scale_log2() const {
-    if constexpr (kBias) return float(M_LOG2E);  // (scores already scaled: add_bias)
+    if constexpr (kBias) {
+      if (!raw()) return float(M_LOG2E);
+    }
     if constexpr (kSoftcap) return params.scale_softmax * float(M_LOG2E);  // (scale_softmax_log2 holds c)
     if constexpr (kDescaled) return params.scale_softmax_log2 * gemmgen::fmha_sm90::tile_factors().qk;
     return params.scale_softmax_log2;
   }
   CUTLASS_DEVICE float scale() const {
-    if constexpr (kBias) return 1.f;
+    if constexpr (kBias) {
+      if (!raw()) return 1.f;
+    }
     if constexpr (kDescaled) return params.scale_softmax * gemmgen::fmha_sm90::tile_factors().qk;
     return params.scale_softmax;
   }
@@ -113,12 +142,13 @@ struct CollectiveSoftmax<float,
   // the scaled ones are c * tanh(scale * s / c); before the mask, whose -inf it would undo. tanh as
   // 1 - 2 / (e^2x + 1), as the backward (fmha_bwd_sm90) and fa2_sm80 take it: the backward's P,
   // recomputed from the forward's LSE, then matches. A scale of 0 (run as the smallest normal
-  // float) would overflow `out`: the capped scores are then all 0, which out = 0 gives.
+  // float) would overflow `out`: the capped scores are then all 0, which out = 0 gives. Bias
+  // instances holding scaled scores (raw() false) take them capped in scaled units: out = c.
   template <class AccQK>
   CUTLASS_DEVICE void cap(AccQK& acc_qk) const {
     if constexpr (kSoftcap) {
       const float c = params.scale_softmax_log2, in = params.scale_softmax / c;
-      const float out = ::isfinite(c / params.scale_softmax) ? c / params.scale_softmax : 0.f;
+      const float out = !raw() ? c : ::isfinite(c / params.scale_softmax) ? c / params.scale_softmax : 0.f;
       CUTLASS_PRAGMA_UNROLL
       for (int i = 0; i < size(acc_qk); ++i) {
         acc_qk(i) = out * (1.f - __fdividef(2.f, __expf(2.f * in * acc_qk(i)) + 1.f));
@@ -126,86 +156,89 @@ struct CollectiveSoftmax<float,
     }
   }
 
-  // The bias of the key tile whose scores `count` indexes (key `shift` tiles on), into bias_ahead:
-  // a pair of adjacent keys per load, 0 for rows and keys past the problem's (a row's last key
-  // alone where the key count is odd, so no load reaches past a row's last element).
+  // The bias of the key tile whose scores `count` indexes moved `shift` keys on, into bias_ahead:
+  // a pair of adjacent keys per load. Rows past the problem's read its last row and keys past a
+  // row's end (rounded up to 8: the ABI's rows are readable that far) its last pair: their scores
+  // are dropped or masked, and the loads need no predicates.
   template <class CountQK, class ProblemShape>
   CUTLASS_DEVICE void load_bias(CountQK const& count, ProblemShape const& ps, int shift) {
     if constexpr (kBias) {
       gemmgen::fmha_sm90::TileBias const& slot = gemmgen::fmha_sm90::tile_bias();
       auto const* rows = static_cast<uint16_t const*>(slot.ptr);
       const int64_t row_stride = slot.row_stride;
-      const int nq = int(get<2>(ps)), nk = int(get<3>(ps));
+      const int last_row = int(get<2>(ps)) - 1, last_pair = (int(get<3>(ps)) + 7) / 8 * 8 - 2;
       CUTLASS_PRAGMA_UNROLL
       for (int i = 0; i < kPairs; ++i) {
         auto pos = count(2 * i);  // (row, key); element 2i + 1 is key + 1 of the same row
-        const int row = int(get<0>(pos)), key = int(get<1>(pos)) + shift;
-        uint16_t const* at = rows + row * row_stride + key;
-        uint32_t v = 0;
-        if (row < nq && key + 1 < nk) {
-          v = __ldg(reinterpret_cast<uint32_t const*>(at));
-        } else if (row < nq && key < nk) {
-          v = __ldg(reinterpret_cast<unsigned short const*>(at));
-        }
-        bias_ahead[i] = v;
+        const int row = min(int(get<0>(pos)), last_row), key = min(int(get<1>(pos)) + shift, last_pair);
+        bias_ahead[i] = __ldg(reinterpret_cast<uint32_t const*>(rows + row * row_stride + key));
       }
     }
   }
 
-  // The class (bias.h) of this warp group's key tile `tile` (mixed where none were sorted; visible
-  // past the row's last tile, where nothing is loaded).
-  CUTLASS_DEVICE static int class_of(int tile) {
+  // The list entry (bias.h) of the row tile's i-th key tile: the list's, or key tile i, mixed,
+  // where the tiles were not sorted; past the list's end a visible tile (nothing is loaded for it).
+  CUTLASS_DEVICE static uint32_t entry(int i) {
     gemmgen::fmha_sm90::TileBias const& slot = gemmgen::fmha_sm90::tile_bias();
-    if (slot.classes == nullptr) return gemmgen::fmha_sm90::kMixed;
-    return tile < slot.key_tiles ? int(__ldg(slot.classes + tile)) : int(gemmgen::fmha_sm90::kVisible);
+    if (slot.list == nullptr) return uint32_t(i) | gemmgen::fmha_sm90::kAllMixed;
+    return i < int(slot.list[0]) ? __ldg(slot.list + 2 + i) : 0u;
   }
 
-  // The scores of a key tile made ready for the softmax: capped where a softcap applies; in bias
-  // instances, in scaled units plus the tile's bias (mixed tiles; visible ones are scaled only), the
-  // next key tile's bias requested when it is mixed and the class of the one after that. The
-  // classes run ahead so that no load waits: the next tile's bias is in flight through this tile's
-  // P V and the next Q K^T, its class was requested a tile before. Returns whether the tile is
-  // hidden (every score -inf: the caller skips its softmax). `first`: a row tile's first key tile,
-  // whose class and bias are loaded here.
+  // The scores of the mainloop's i-th key tile made ready for the softmax: capped where a softcap
+  // applies; in bias instances, plus the bias of the key tile the list names (mixed tiles; raw or
+  // scaled units: raw()), that tile's offset from tile i in keys into `shift`
+  // (the mask's coordinates move by it), the next listed tile's bias requested when it is mixed and
+  // the entry after that. Entries run ahead so that no load waits: the next tile's bias is in
+  // flight through this tile's P V and the next Q K^T, its entry was requested a tile before.
+  // Returns whether the tile is hidden to this warp group (the caller skips its softmax: P = 0).
+  // `first`: a row tile's first key tile, whose entries and bias are loaded here.
   template <class AccQK, class CountQK, class ProblemShape>
-  CUTLASS_DEVICE bool prepare(AccQK& acc_qk, CountQK const& count, ProblemShape const& ps, bool first) {
+  CUTLASS_DEVICE bool prepare(AccQK& acc_qk, CountQK const& count, ProblemShape const& ps, bool first, int& shift) {
     if constexpr (kBias) {
       static_assert(decltype(size(acc_qk))::value == 2 * kPairs, "a 64-row group's tile of kBlockN keys");
-      const int tile = int(get<1>(count(0))) / kBlockN;
-      int now;
-      if (first) {
-        now = class_of(tile);
-        next_class = class_of(tile + 1);
-        after_class = class_of(tile + 2);
-        if (now == gemmgen::fmha_sm90::kMixed) load_bias(count, ps, 0);
-      } else {
-        now = next_class;
-        next_class = after_class;
-        after_class = class_of(tile + 2);
-      }
-      if (now == gemmgen::fmha_sm90::kHidden) {
-        if (next_class == gemmgen::fmha_sm90::kMixed) load_bias(count, ps, kBlockN);
-        return true;
-      }
-      cap(acc_qk);
-      if (now == gemmgen::fmha_sm90::kMixed) {
-        const float k = kSoftcap ? 1.f : params.scale_softmax;  // (the cap's output is scaled already)
-        CUTLASS_PRAGMA_UNROLL
-        for (int i = 0; i < kPairs; ++i) {
-          const float2 b = gemmgen::fmha_sm90::bias_pair(bias_ahead[i], static_cast<BiasElement const*>(nullptr));
-          acc_qk(2 * i) = fmaf(acc_qk(2 * i), k, b.x);
-          acc_qk(2 * i + 1) = fmaf(acc_qk(2 * i + 1), k, b.y);
+      using namespace gemmgen::fmha_sm90;
+      const int i = int(get<1>(count(0))) / kBlockN;  // the mainloop's key tile
+      const int group = tile_bias().group;
+      const uint32_t now = first ? entry(i) : next_entry;
+      next_entry = entry(i + 1);  // (first used after this tile's scores are ready)
+      shift = (tile_of(now) - i) * kBlockN;
+      const int cls = class_of(now, group);
+      if (first && cls == kMixed) load_bias(count, ps, shift);
+      const bool hidden = cls == kHidden;
+      if (!hidden) {
+        cap(acc_qk);
+        const bool raw_units = raw();
+        if (cls == kMixed) {  // raw: s + b / scale; scaled: scale * s + b (a cap's output is scaled already)
+          const float f = raw_units ? __frcp_rn(params.scale_softmax) : 1.f;
+          const float k = raw_units || kSoftcap ? 1.f : params.scale_softmax;
+          CUTLASS_PRAGMA_UNROLL
+          for (int j = 0; j < kPairs; ++j) {
+            const float2 b = bias_pair(bias_ahead[j], static_cast<BiasElement const*>(nullptr));
+            acc_qk(2 * j) = fmaf(acc_qk(2 * j), k, b.x * f);
+            acc_qk(2 * j + 1) = fmaf(acc_qk(2 * j + 1), k, b.y * f);
+          }
+        } else if (!raw_units && !kSoftcap) {
+          CUTLASS_PRAGMA_UNROLL
+          for (int j = 0; j < size(acc_qk); ++j) acc_qk(j) *= params.scale_softmax;
         }
-      } else if constexpr (!kSoftcap) {
-        CUTLASS_PRAGMA_UNROLL
-        for (int i = 0; i < size(acc_qk); ++i) acc_qk(i) *= params.scale_softmax;
       }
-      if (next_class == gemmgen::fmha_sm90::kMixed) load_bias(count, ps, kBlockN);
-      return false;
+      if (class_of(next_entry, group) == kMixed) load_bias(count, ps, (tile_of(next_entry) - i) * kBlockN);
+      return hidden;
     } else {
+      shift = 0;
       cap(acc_qk);
       return false;
     }
+  }
+
+  // The problem the mask takes for scores whose coordinates lie `shift` keys before the keys they
+  // hold: the causal and residual masks compare a score's key with seqlen_k (and seqlen_q) only, so
+  // seqlen_k less `shift` masks the moved keys as the keys themselves (cheaper in registers than
+  // moved coordinates, which spilled).
+  template <class ProblemShape>
+  CUTLASS_DEVICE static ProblemShape moved(ProblemShape ps, int shift) {
+    if constexpr (kBias) get<3>(ps) -= shift;
+    return ps;
   }
 
   // State, per held row: the maximum its probabilities are taken against (a raw score, at most
@@ -298,12 +331,13 @@ struct CollectiveSoftmax<float,
     auto& row_max = get<0>(state);
     auto& row_sum = get<1>(state);
     fill(row_max, -INFINITY);
-    if (prepare(acc_qk, count_qk, problem_shape, /*first=*/true)) {  // a hidden tile: P = 0
+    int shift;
+    if (prepare(acc_qk, count_qk, problem_shape, /*first=*/true, shift)) {  // a hidden tile: P = 0
       fill(row_sum, 0.f);
       fill(acc_qk, 0.f);
       return;
     }
-    Fusion{}.before_softmax(acc_qk, count_qk, problem_shape);
+    Fusion{}.before_softmax(acc_qk, count_qk, moved(problem_shape, shift));
     Tensor s = make_tensor(acc_qk.data(), layout_acc_mn(mma_qk, acc_qk.layout()));
     take_max(s, mma_qk, row_max);
     exponentiate(s, row_max);
@@ -317,11 +351,12 @@ struct CollectiveSoftmax<float,
             class TiledMmaPV, class ProblemShape>
   CUTLASS_DEVICE void step(AccQK& acc_qk, TiledMmaQK const& mma_qk, CountQK const& count_qk, State& state,
                            AccPV& acc_pv, TiledMmaPV const& mma_pv, ProblemShape const& problem_shape) {
-    if (prepare(acc_qk, count_qk, problem_shape, /*first=*/false)) {  // a hidden tile: P = 0
+    int shift;
+    if (prepare(acc_qk, count_qk, problem_shape, /*first=*/false, shift)) {  // a hidden tile: P = 0
       fill(acc_qk, 0.f);
       return;
     }
-    if constexpr (kUseFusion) Fusion{}.before_softmax(acc_qk, count_qk, problem_shape);
+    if constexpr (kUseFusion) Fusion{}.before_softmax(acc_qk, count_qk, moved(problem_shape, shift));
     Tensor s = make_tensor(acc_qk.data(), layout_acc_mn(mma_qk, acc_qk.layout()));
     auto& row_max = get<0>(state);
     auto& row_sum = get<1>(state);
@@ -359,7 +394,8 @@ struct CollectiveSoftmax<float,
   CUTLASS_DEVICE void step_interleave_begin(AccQK& acc_qk, TiledMmaQK const& mma_qk, CountQK const& count_qk,
                                             State& state, AccPV& acc_pv, TiledMmaPV const& mma_pv,
                                             ProblemShape const& problem_shape) {
-    prepare(acc_qk, count_qk, problem_shape, /*first=*/false);
+    int shift;
+    prepare(acc_qk, count_qk, problem_shape, /*first=*/false, shift);  // (no bias on the TMA mainloop)
     if constexpr (kUseFusion) Fusion{}.before_softmax(acc_qk, count_qk, problem_shape);
     Tensor s = make_tensor(acc_qk.data(), layout_acc_mn(mma_qk, acc_qk.layout()));
     update_max(s, mma_qk, get<0>(state), get<1>(state), acc_pv, mma_pv);
