@@ -16,7 +16,7 @@ import gemmgen
 from gemmgen.ops.reference import attention_reference
 from gemmgen.select import calls, registry
 
-from test_fused_attention import LSE_TOLERANCE, TOLERANCE, make_qkv
+from test_fused_attention import TOLERANCE, check, make_qkv
 
 pytestmark = pytest.mark.gpu
 
@@ -59,23 +59,7 @@ def masks(b, h, nq, nk, dtype, key):
 def check_bias(q, k, v, mask, *, causal, alignment, scale, instance=None, softcap=0.0):
     """O (into a NaN-poisoned out=) and LSE against the float64 reference of the mask as a bias (and
     of the logit softcap, where given)."""
-    out = torch.full_like(q, float("nan"))
-    o, lse = gemmgen.fused_attention(q, k, v, attn_mask=mask, causal=causal, causal_alignment=alignment,
-                                     scale=scale, return_lse=True, out=out, instance=instance, softcap=softcap)
-    torch.cuda.synchronize()
-    assert o.data_ptr() == out.data_ptr()
-    bias = (torch.zeros((), dtype=torch.float64, device="cuda").masked_fill(~mask, float("-inf"))
-            if mask.dtype == torch.bool else mask.double())
-    ref_o, ref_lse = attention_reference(q, k, v, causal, alignment, scale, bias=bias, softcap=softcap)
-    assert not torch.isnan(o).any(), "unwritten or NaN output elements"
-    ref_norm = ref_o.norm().item()
-    err = (o.double() - ref_o).norm().item() / ref_norm if ref_norm else o.double().norm().item()
-    assert err <= TOLERANCE[q.dtype], f"relative error {err:.3e}"
-    empty = torch.isneginf(ref_lse)
-    assert torch.equal(torch.isneginf(lse), empty), "LSE must be -inf exactly where no key is seen"
-    assert torch.equal(o[empty], torch.zeros_like(o[empty])), "rows that see no key must be 0"
-    lse_err = ((lse.double() - ref_lse).abs() / ref_lse.abs().clamp_min(1.0))[~empty]
-    assert lse_err.numel() == 0 or lse_err.max().item() <= LSE_TOLERANCE
+    check(q, k, v, causal=causal, alignment=alignment, scale=scale, softcap=softcap, attn_mask=mask, instance=instance)
 
 
 @pytest.mark.parametrize("name", bias_instances() or ["(none built)"])

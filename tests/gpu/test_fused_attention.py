@@ -36,16 +36,20 @@ def make_qkv(b, h, hkv, nq, nk, d, dtype, key):
             randn((b, hkv, nk, d), dtype, (key, "v")))
 
 
-def check(q, k, v, *, causal=False, alignment="top_left", scale=None, window=None, softcap=0.0, **kwargs):
+def check(q, k, v, *, causal=False, alignment="top_left", scale=None, window=None, softcap=0.0, attn_mask=None,
+          **kwargs):
     """Run with a NaN-poisoned out= buffer and compare O and LSE with the float64 reference (of the
-    sliding window and the logit softcap too, where given)."""
+    sliding window, the logit softcap and the attention mask too, where given)."""
     out = torch.full_like(q, float("nan"))
     o, lse = gemmgen.fused_attention(q, k, v, causal=causal, causal_alignment=alignment, scale=scale,
-                                     return_lse=True, out=out, window=window, softcap=softcap, **kwargs)
+                                     return_lse=True, out=out, window=window, softcap=softcap, attn_mask=attn_mask,
+                                     **kwargs)
     torch.cuda.synchronize()
     assert o.data_ptr() == out.data_ptr()
     assert lse.dtype == torch.float32 and lse.shape == q.shape[:3] and lse.is_contiguous()
-    ref_o, ref_lse = attention_reference(q, k, v, causal, alignment, scale, window=window, softcap=softcap)
+    bias = None if attn_mask is None else attn_mask.double() if attn_mask.dtype != torch.bool else \
+        torch.zeros((), dtype=torch.float64, device=q.device).masked_fill(~attn_mask, float("-inf"))
+    ref_o, ref_lse = attention_reference(q, k, v, causal, alignment, scale, window=window, softcap=softcap, bias=bias)
     assert not torch.isnan(o).any(), "unwritten or NaN output elements"
     ref_norm = ref_o.norm().item()
     err = (o.double() - ref_o).norm().item() / ref_norm if ref_norm else o.double().norm().item()
