@@ -1,12 +1,12 @@
 """Additive masks on fmha_sm90 (`_bias` instances: fused_attention(attn_mask=...) on Hopper) against
 the float64 reference: every built `_bias` instance forced by name over odd lengths with Nq != Nk,
-both causal alignments, GQA and MQA, scales default, 0.3, 1e-6 and 0 (the bias added to raw scores, or to scaled ones below 2^-16), a
-logit softcap where the instance runs one, every mask form (float masks with
--inf entries, bool padding masks, broadcasts over batch, heads and rows, [Nq, Nk] masks, strided
-views), rows that see no key (O = 0, LSE = -inf), the registry's picks, the gradients (the backward
-of another family on the forward's O and LSE), torch.compile and a CUDA graph. Outputs are poisoned
-with NaN first. Needs the `_bias` instances built (`gemmgen generate --arch sm90` builds those of
-head dims 64, 128 and 256)."""
+both causal alignments, GQA and MQA, scales default, 0.3, 1e-6 and 0 (the bias added to raw scores,
+or to scaled ones below 2^-16), a logit softcap where the instance runs one, every mask form (float
+masks with -inf entries, bool padding masks, broadcasts over batch, heads and rows, [Nq, Nk] masks,
+strided views), rows that see no key (O = 0, LSE = -inf), the registry's picks, the gradients (the
+backward of another family on the forward's O and LSE), torch.compile and a CUDA graph. Outputs are
+poisoned with NaN first. Needs the `_bias` instances built (`gemmgen generate --arch sm90` builds
+those of head dims 64, 128 and 256)."""
 from __future__ import annotations
 
 import pytest

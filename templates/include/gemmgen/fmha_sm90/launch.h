@@ -102,10 +102,10 @@ struct KernelOf<Element, TileShape, Stride, StrideV, Schedule::kPingpong, Causal
                                 Opt<Tag::kStagesQ, StagesQ>, Opt<Tag::kIsPersistent, cute::true_type>,
                                 Opt<Tag::kLoadsQSeparately, cute::true_type>, Opt<Tag::kNumMmaWarpGroups, Groups>>;
   using type = With<Fixed>;
-  // Packed sequences (varlen.h), on every persistent instance but fp8 and four-group windows
-  // (FmhaSm90Instance.runs_varlen says why; additive masks run fixed lengths): a second kernel, so that the fixed-length one keeps its
-  // registers (the packed scheduler and problem cost the 4-group d64 tile 36 -> 100 bytes of spill
-  // in one kernel).
+  // Packed sequences (varlen.h), on every persistent instance but fp8, four-group windows and
+  // additive masks (FmhaSm90Instance.runs_varlen says why): a second kernel, so that the
+  // fixed-length one keeps its registers (the packed scheduler and problem cost the 4-group d64 tile
+  // 36 -> 100 bytes of spill in one kernel).
   static constexpr bool kPacked = sizeof(Element) == 2 && !(Local && Groups::value == 4) && !Bias;
   using packed_type = std::conditional_t<kPacked, With<VarlenScheduler<Causal, size<0>(TileShape{}), Local>>, void>;
 };

@@ -24,7 +24,6 @@
 #include <cstdint>
 #include <type_traits>
 
-
 #include "cute/tensor.hpp"
 #include "cutlass/cutlass.h"
 
@@ -96,10 +95,10 @@ struct CollectiveSoftmax<float,
                          Params> {
   using Fusion = gemmgen::fmha_sm90::LazyRescale<Mask, kSpeculate, kDescaled, kSoftcap, BiasElement, kBlockN>;
   static constexpr float kBound = float(1 << int(gemmgen::fmha_sm90::kRescaleAbove));  // 2^kRescaleAbove
-  // Bias instances add the bias where the scores are made ready (prepare). The speculative step
-  // assumes every row sees key 0, which a
-  // bias may hide (a left-padded row's first keys); with the bias registers held ahead it also
-  // spilled (d128 128x128: 100 bytes, 14% slower on the H100: bench/NOTES.md, experiment 93).
+  // Bias instances add the bias where the scores are made ready (prepare), without the speculative
+  // step: it assumes every row sees key 0, which a bias may hide (a left-padded row's first keys),
+  // and with the bias registers held ahead it spilled (d128 128x128: 100 bytes, 14% slower on the
+  // H100: bench/NOTES.md, experiment 93).
   static constexpr bool kBias = !std::is_void_v<BiasElement>;
   static_assert(!kBias || (!kSpeculate && !kDescaled && kBlockN % 8 == 0), "a bias runs the plain 16-bit step");
   // The next key tile's bias pairs of this thread (a 64-row group's tile of kBlockN keys holds
@@ -186,12 +185,12 @@ struct CollectiveSoftmax<float,
 
   // The scores of the mainloop's i-th key tile made ready for the softmax: capped where a softcap
   // applies; in bias instances, plus the bias of the key tile the list names (mixed tiles; raw or
-  // scaled units: raw()), that tile's offset from tile i in keys into `shift`
-  // (the mask's coordinates move by it), the next listed tile's bias requested when it is mixed and
-  // the entry after that. Entries run ahead so that no load waits: the next tile's bias is in
-  // flight through this tile's P V and the next Q K^T, its entry was requested a tile before.
-  // Returns whether the tile is hidden to this warp group (the caller skips its softmax: P = 0).
-  // `first`: a row tile's first key tile, whose entries and bias are loaded here.
+  // scaled units: raw()), that tile's offset from tile i in keys into `shift` (the mask's
+  // coordinates move by it); then the next listed tile's entry, and its bias when it is mixed: in
+  // flight through this tile's softmax and P V and the next Q K^T. Returns whether the tile is
+  // hidden to this warp group (the caller skips its softmax: P = 0). `first`: a row tile's first
+  // key tile, whose entry and bias are loaded here. A mixed bias entry past FLT_MAX * scale
+  // overflows the raw score to +inf: its row comes out NaN, not wrong.
   template <class AccQK, class CountQK, class ProblemShape>
   CUTLASS_DEVICE bool prepare(AccQK& acc_qk, CountQK const& count, ProblemShape const& ps, bool first, int& shift) {
     if constexpr (kBias) {
@@ -200,7 +199,7 @@ struct CollectiveSoftmax<float,
       const int i = int(get<1>(count(0))) / kBlockN;  // the mainloop's key tile
       const int group = tile_bias().group;
       const uint32_t now = first ? entry(i) : next_entry;
-      next_entry = entry(i + 1);  // (first used after this tile's scores are ready)
+      next_entry = entry(i + 1);  // (used below, after this tile's scores are ready)
       shift = (tile_of(now) - i) * kBlockN;
       const int cls = class_of(now, group);
       if (first && cls == kMixed) load_bias(count, ps, shift);
@@ -233,8 +232,7 @@ struct CollectiveSoftmax<float,
 
   // The problem the mask takes for scores whose coordinates lie `shift` keys before the keys they
   // hold: the causal and residual masks compare a score's key with seqlen_k (and seqlen_q) only, so
-  // seqlen_k less `shift` masks the moved keys as the keys themselves (cheaper in registers than
-  // moved coordinates, which spilled).
+  // seqlen_k less `shift` masks the moved keys as the keys themselves.
   template <class ProblemShape>
   CUTLASS_DEVICE static ProblemShape moved(ProblemShape ps, int shift) {
     if constexpr (kBias) get<3>(ps) -= shift;
