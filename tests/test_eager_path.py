@@ -182,7 +182,7 @@ def launches(monkeypatch):
                         lambda key, problem_of, *rest: torch_op._kernels.setdefault(key, torch_op._Plan(kernel, 3)))
     monkeypatch.setattr(torch.Tensor, "get_device", lambda self: 0)
     recorded = []
-    monkeypatch.setattr(launch, "launch", lambda k, p, index, ws=None: recorded.append((p, ws)))
+    monkeypatch.setattr(launch, "launch", lambda k, p, index, ws=None, owned=False: recorded.append((p, ws)))
     return kernel, recorded
 
 

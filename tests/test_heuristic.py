@@ -119,12 +119,11 @@ def test_bottom_right_causal_counts_the_keys_each_row_tile_sees():
     assert est.time == pytest.approx(est.waves * 128 * (cols / 8 + heuristic.PROLOGUE_COLS) / 0.5)
 
 
-def test_split_count_fills_the_waves():
-    # Full grids need no split; few row CTAs on long keys split up to the caps.
+def test_split_count_fills_one_wave_at_two_ctas_per_sm():
+    # Full grids need no split; few row CTAs on long keys split until 2 CTAs per SM (264 slots).
     assert heuristic.num_splits(400, 1000, 3, 132) == 1
-    assert heuristic.num_splits(32, 1024, 3, 132) == 11  # 352 of 396 slots
-    assert heuristic.num_splits(8, 2048, 3, 132) == 43
-    assert heuristic.num_splits(8, 24, 3, 132) == 3  # at least eight key tiles per split
-    assert heuristic.num_splits(8, 128, 3, 132) == 14  # 112 of 396 slots; 16 would fill 128
-    # One row CTA: at most MAX_SPLITS (128 fill 128 of 396 slots); the fewest within 85% of that.
-    assert heuristic.num_splits(1, 10**6, 3, 132) == 109 and heuristic.MAX_SPLITS == 128
+    assert heuristic.num_splits(32, 1024, 3, 132) == 8  # 256 of 264 slots
+    assert heuristic.num_splits(8, 2048, 3, 132) == 33
+    assert heuristic.num_splits(8, 24, 3, 132) == 24  # one key tile each
+    assert heuristic.num_splits(8, 128, 3, 132) == 32  # 33 would split 128 tiles as 32 do
+    assert heuristic.num_splits(1, 10**6, 3, 132) == heuristic.MAX_SPLITS == 128

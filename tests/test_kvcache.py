@@ -402,50 +402,58 @@ A100 = device.synthetic((8, 0), 108, "NVIDIA A100")
 
 def splits_by_the_rule(row_ctas, key_tiles, per_sm, sm_count):
     """num_splits' docstring, restated as a search over every count."""
-    slots = sm_count * per_sm
-    limit = min(heuristic.MAX_SPLITS, key_tiles // heuristic.MIN_TILES_PER_SPLIT)
-    if row_ctas <= 0 or limit <= 1 or row_ctas >= slots:
-        return 1
-    fills = {s: row_ctas * s / (math.ceil(row_ctas * s / slots) * slots) for s in range(1, limit + 1)}
-    best = max(fills.values())
-    return min(s for s, f in fills.items() if f >= heuristic.SPLIT_WAVE_FILL * best)
+    slots = sm_count * min(per_sm, heuristic.SPLIT_CTAS_PER_SM)
+    fits = [s for s in range(1, min(heuristic.MAX_SPLITS, max(key_tiles, 1)) + 1) if row_ctas * s <= slots]
+    most = max(fits, default=1)
+    tiles_each = math.ceil(key_tiles / most) if key_tiles else 1
+    return min(s for s in range(1, most + 1) if math.ceil(key_tiles / s) == tiles_each) if key_tiles else 1
 
 
-def test_num_splits_is_one_when_the_grid_is_full_or_keys_are_few():
+def test_num_splits_is_one_when_the_grid_is_half_full_or_keys_are_few():
     assert heuristic.num_splits(264, 10_000, 2, 132) == 1  # row tiles fill every slot
     assert heuristic.num_splits(5000, 10_000, 2, 132) == 1
-    assert heuristic.num_splits(263, 10_000, 2, 132) == 1  # 263 of 264 slots: one wave at 99.6%
-    assert heuristic.num_splits(1, 15, 2, 132) == 1  # 15 key tiles: no two splits of 8 tiles or more
+    assert heuristic.num_splits(133, 10_000, 2, 132) == 1  # two splits each would overflow one wave
+    assert heuristic.num_splits(132, 10_000, 2, 132) == 2
     assert heuristic.num_splits(1, 1, 2, 132) == 1
     assert heuristic.num_splits(0, 1000, 2, 132) == 1
-    assert heuristic.num_splits(1, 16, 2, 132) == 2  # two splits of 8 tiles
+
+
+def test_num_splits_measured_shapes():
+    # The H100 shapes of bench/NOTES.md, experiment 94 (3 CTAs fit per SM; 2 are filled), and the
+    # count that ran fastest on each: about 256 CTAs, no split without a key tile.
+    for row_ctas, key_tiles, best in ((8, 16, 16), (64, 16, 4), (8, 128, 32), (32, 64, 8), (8, 64, 32),
+                                      (256, 64, 1), (32, 1024, 8), (128, 128, 2), (8, 1024, 32)):
+        assert heuristic.num_splits(row_ctas, key_tiles, 3, 132) == best, (row_ctas, key_tiles)
 
 
 def test_num_splits_grows_for_few_row_ctas():
-    assert heuristic.num_splits(100, 1000, 2, 132) == 5  # 500 of 528 slots (94.7%) in 2 waves
-    assert heuristic.num_splits(32, 260, 2, 132) == 7  # 224 of 264 (84.8%): the fewest within 85% of 24's 97%
+    assert heuristic.num_splits(100, 1000, 2, 132) == 2  # 200 of 264 slots
+    assert heuristic.num_splits(1, 15, 2, 132) == 15  # one key tile each
+    assert heuristic.num_splits(1, 20, 1, 132) == 20
     few = [heuristic.num_splits(r, 10_000, 1, 132) for r in (1, 2, 4, 8, 16, 33, 66, 132)]
     assert few[-1] == 1 and all(s > 1 for s in few[:-1])
     assert few == sorted(few, reverse=True)  # fewer row tiles, more splits
 
 
-def test_num_splits_caps():
-    assert heuristic.MAX_SPLITS == 128 and heuristic.MIN_TILES_PER_SPLIT == 8
-    # Plenty of keys and slots: MAX_SPLITS caps, and the fewest within SPLIT_WAVE_FILL of 128 wins.
-    assert heuristic.num_splits(1, 10**6, 1, 10**4) == math.ceil(heuristic.SPLIT_WAVE_FILL * heuristic.MAX_SPLITS)
+def test_num_splits_caps_and_leaves_no_split_empty():
+    assert heuristic.MAX_SPLITS == 128 and heuristic.SPLIT_CTAS_PER_SM == 2
+    assert heuristic.num_splits(1, 10**6, 1, 10**4) == heuristic.MAX_SPLITS
     assert all(heuristic.num_splits(1, 10**6, per_sm, sms) <= heuristic.MAX_SPLITS
                for per_sm in (1, 2, 8) for sms in (108, 132, 10**4))
-    # key_tiles // MIN_TILES_PER_SPLIT caps: 80 tiles, at most 10 splits (9: within 85% of 10's fill).
-    assert heuristic.num_splits(1, 80, 2, 132) == 9
-    assert heuristic.num_splits(1, 87, 2, 132) == 9
-    for tiles in range(2, 1200, 7):
-        assert heuristic.num_splits(1, tiles, 2, 132) <= max(1, tiles // heuristic.MIN_TILES_PER_SPLIT)
+    # 33 splits of 80 tiles would leave 3 tiles to each of 26 and none to the rest: 27 splits.
+    assert heuristic.num_splits(8, 80, 2, 132) == 27
+    for tiles in range(1, 1200, 7):
+        for row_ctas in (1, 5, 8, 40):
+            s = heuristic.num_splits(row_ctas, tiles, 2, 132)
+            per = math.ceil(tiles / s)
+            assert s <= tiles and (s - 1) * per < tiles  # the kernel's last split has a tile
+            assert row_ctas * s <= 264
 
 
 def test_num_splits_follows_its_docstring():
     for row_ctas in (1, 3, 7, 32, 50, 100, 131, 200, 263, 264, 1000):
         for key_tiles in (1, 2, 3, 4, 9, 65, 257, 1025, 5000):
-            for per_sm, sms in ((1, 132), (2, 132), (2, 108), (4, 84)):
+            for per_sm, sms in ((1, 132), (2, 132), (3, 132), (2, 108), (4, 84)):
                 assert heuristic.num_splits(row_ctas, key_tiles, per_sm, sms) == \
                     splits_by_the_rule(row_ctas, key_tiles, per_sm, sms), (row_ctas, key_tiles, per_sm, sms)
 
@@ -755,7 +763,7 @@ def test_a_long_chunk_runs_sequence_by_sequence_as_dense_calls(recording, monkey
         assert all(shape[2] == nq and alignment == "bottom_right" and causal for shape, _, causal, alignment in dense)
     # Under CUDA graph capture the lengths cannot be read: the decode kernel runs the chunk.
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    monkeypatch.setattr(launch, "launch", lambda kernel, p, index, workspace=None: kernel.run(p, 0))
+    monkeypatch.setattr(launch, "launch", lambda kernel, p, index, workspace=None, owned=False: kernel.run(p, 0))
     torch_op._fused_attention_with_kvcache(args["q"], args["k_cache"], args["v_cache"], args["cache_seqlens"],
                                            args["block_table"], None, None, True, None, False, None)
     assert len(recording.runs) == 1

@@ -255,7 +255,7 @@ def bwd_workspace(kernel: Any, p: abi.AttnBwdParams, index: int) -> torch.Tensor
 def _set_workspace(p: Any, size: int, index: int) -> torch.Tensor:
     """`size` bytes from torch's caching allocator on device `index`, 256-byte aligned, set as
     p.workspace / p.workspace_bytes; the caller holds the returned tensor while `p` is launched."""
-    workspace = torch.empty(max(size, 1) + 256, dtype=torch.uint8, device=f"cuda:{index}")
+    workspace = torch.empty(max(size, 1) + 256, dtype=torch.uint8, device=device(index))
     base = workspace.data_ptr()
     p.workspace, p.workspace_bytes = base + (-base % 256), size
     return workspace
@@ -284,22 +284,68 @@ def draw_seed(index: int, draws: int) -> tuple[int, int]:
     return gen.initial_seed(), base
 
 
-def launch(kernel: Any, p: abi.AttnParams, index: int, workspace_bytes: int | None = None) -> None:
+# Eager forward calls reuse one workspace per (device, stream), as torch keeps one cuBLAS workspace
+# per handle and stream: the calls of one stream run in order, so a call's kernels start after the
+# previous call's are done with it (a split decode call spent about 5 us of its host path on the
+# allocation, bench/NOTES.md, experiment 95). Under CUDA-graph capture, and above this size, each
+# call gets its own from torch's caching allocator (the graph's pool keeps a captured one).
+STREAM_WORKSPACE_BYTES = 16 << 20
+_stream_workspaces: dict[tuple[int, int], torch.Tensor] = {}
+_devices: dict[int, torch.device] = {}
+_capturing = torch._C._cuda_isCurrentStreamCapturing if hasattr(torch._C, "_cuda_isCurrentStreamCapturing") \
+    else torch.cuda.is_current_stream_capturing
+_current_device = torch._C._cuda_getDevice if hasattr(torch._C, "_cuda_getDevice") else torch.cuda.current_device
+
+
+def device(index: int) -> torch.device:
+    """torch.device("cuda", index), made once per index."""
+    dev = _devices.get(index)
+    if dev is None:
+        dev = _devices[index] = torch.device("cuda", index)
+    return dev
+
+
+def _stream_workspace(p: Any, size: int, index: int, stream: int) -> None:
+    """Set p.workspace to `size` bytes (256-byte aligned) of the workspace kept for this device and
+    stream, grown to the next power of two when it is short."""
+    buf = _stream_workspaces.get((index, stream))
+    if buf is None or buf.numel() < size + 256:
+        _stream_workspaces.pop((index, stream), None)  # the old buffer goes back to the allocator first
+        buf = torch.empty(max(1 << (size + 255).bit_length(), 1 << 16), dtype=torch.uint8, device=device(index))
+        _stream_workspaces[(index, stream)] = buf
+    base = buf.data_ptr()
+    p.workspace, p.workspace_bytes = base + (-base % 256), size
+
+
+def release_stream_workspaces() -> None:
+    """Hand the workspaces kept per (device, stream) back to torch's caching allocator."""
+    _stream_workspaces.clear()
+
+
+def launch(kernel: Any, p: abi.AttnParams, index: int, workspace_bytes: int | None = None, *,
+           owned: bool = False) -> None:
     """Run `kernel` with `p` on CUDA device `index` and its current stream. A kernel that always
     writes LSE (its info flags say so) gets a scratch buffer when the caller wants none; the call
-    then runs on a copy of `p`, so a caller that launches the same params again (the tuner) never
-    hands the kernel this call's buffer after it is freed. `workspace_bytes`: what the kernel's
-    workspace entry point says for `p` (asked when None)."""
+    then runs on a copy of `p` unless `owned` (the caller made `p` for this call only), so a caller
+    that launches the same params again (the tuner) never hands the kernel this call's buffer after
+    it is freed. `workspace_bytes`: what the kernel's workspace entry point says for `p` (asked when
+    None); outside CUDA-graph capture it comes from the stream's kept workspace."""
     if not p.lse and kernel.needs_lse:
-        scratch = torch.empty(p.batch * p.heads * p.seqlen_q, dtype=torch.float32, device=f"cuda:{index}")
-        p = type(p).from_buffer_copy(p)
+        scratch = torch.empty(p.batch * p.heads * p.seqlen_q, dtype=torch.float32, device=device(index))
+        if not owned:
+            p = type(p).from_buffer_copy(p)
+            owned = True
         p.lse = scratch.data_ptr()  # the caching allocator reuses it only after this stream's work
     if workspace_bytes is None:
         workspace_bytes = kernel.workspace_bytes(p)
-    if workspace_bytes > 0:  # split-KV partial rows: allocated per call, freed after this stream's work
-        p = type(p).from_buffer_copy(p)
-        workspace = _set_workspace(p, workspace_bytes, index)  # noqa: F841 (alive until the launch)
-    if torch.cuda.current_device() == index:
+    if workspace_bytes > 0:  # split-KV partial rows, a mask's tile lists
+        if not owned:
+            p = type(p).from_buffer_copy(p)
+        if workspace_bytes <= STREAM_WORKSPACE_BYTES and not _capturing():
+            _stream_workspace(p, workspace_bytes, index, _raw_stream(index))
+        else:  # freed after this stream's work
+            workspace = _set_workspace(p, workspace_bytes, index)  # noqa: F841 (alive until the launch)
+    if _current_device() == index:
         kernel.run(p, _raw_stream(index))
     else:
         with torch.cuda.device(index):

@@ -222,7 +222,7 @@ def _run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse
     if dropout_p > 0.0:
         p.dropout_seed, p.dropout_offset = _dropout_seed(index, dropout_p, seed, offset,
                                                          q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2])
-    launch.launch(plan.kernel, p, index, plan.workspace)
+    launch.launch(plan.kernel, p, index, plan.workspace, owned=True)
 
 
 def _sign(scale: float | None) -> int | None:
@@ -254,7 +254,7 @@ def _run_varlen(q, k, v, o, lse, cu_q, cu_k, max_q, max_k, causal, scale, instan
     if dropout_p > 0.0:
         p.dropout_seed, p.dropout_offset = _dropout_seed(index, dropout_p, seed, offset,
                                                          batch * q.shape[1] * max_q * max_k)
-    launch.launch(plan.kernel, p, index, plan.workspace)
+    launch.launch(plan.kernel, p, index, plan.workspace, owned=True)
 
 
 def _lse_like(q: torch.Tensor, return_lse: bool) -> torch.Tensor:
@@ -789,7 +789,7 @@ def _fused_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_tabl
         p.lse = lse.data_ptr()
     if block_table is not None:
         p.block_table = block_table.data_ptr()
-    launch.launch(plan.kernel, p, index, plan.workspace)
+    launch.launch(plan.kernel, p, index, plan.workspace, owned=True)
     return o, lse
 
 
@@ -878,7 +878,7 @@ def _fused_attention_fp8(q, k, v, q_descale=None, k_descale=None, v_descale=None
         p.lse = lse.data_ptr()
     p.descale_q, p.descale_k, p.descale_v = (None if t is None else t.data_ptr() for t in (q_descale, k_descale,
                                                                                           v_descale))
-    launch.launch(plan.kernel, p, index, plan.workspace)
+    launch.launch(plan.kernel, p, index, plan.workspace, owned=True)
     return o, lse
 
 
@@ -941,8 +941,10 @@ fused_attention_fp8_op = torch.ops.gemmgen.fused_attention_fp8.default
 
 
 def clear_cache() -> None:
-    """Forget the kernels chosen per call key (the registry's refresh() calls this)."""
+    """Forget the kernels chosen per call key and the workspaces kept per stream (the registry's
+    refresh() calls this)."""
     _kernels.clear()
+    launch.release_stream_workspaces()
 
 
 registry.on_refresh(clear_cache)

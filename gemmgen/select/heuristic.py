@@ -98,14 +98,15 @@ def ctas_per_sm(smem_bytes: int, threads: int, problem: Problem, regs_per_thread
     return max(1, min(by_smem, by_regs, by_threads))
 
 
-# Split-KV: at most this many splits, and no split shorter than MIN_TILES_PER_SPLIT key tiles (the
-# combine reads and writes each split's fp32 rows; a split's first loads are exposed: at B = 1,
-# Hkv = 8, Nk = 8192 on the H200, 16 splits of 8 tiles ran 1.2x faster than 42 of 3, bench/NOTES.md,
-# experiment 58).
+# Split-KV: at most this many splits (the kernel's limit is 256; the combine reads every split's fp32
+# rows, 3 us at 16 splits and 9 at 128 on an H100).
 MAX_SPLITS = 128
-MIN_TILES_PER_SPLIT = 8
-# Among split counts whose last wave is at least this full relative to the best one, the fewest.
-SPLIT_WAVE_FILL = 0.85
+# The split CTAs of a call fill at most this many per SM, in one wave: on an H100, over nine decode
+# shapes (B 1-32, Hkv 8-32, Nk 1k-128k, d 64 and 128), the fastest split count was every time the
+# one that made about 256 CTAs (2 per SM), though 3 fit: fewer, longer CTAs spend less on each one's
+# Q load, pipeline fill and merge, and a second wave's tail costs more than it fills
+# (bench/NOTES.md, experiment 94).
+SPLIT_CTAS_PER_SM = 2
 # Split-KV tiles: the row count below which a tile's MMAs stop being what its key columns cost (the
 # K and V bytes are), so a 16-row tile wins one KV group of up to 16 rows, and two such tiles, which
 # read K and V twice, no longer beat one 64-row tile for 32 rows.
@@ -113,21 +114,16 @@ STREAM_ROWS = 32
 
 
 def num_splits(row_ctas: int, key_tiles: int, ctas_per_sm_: int, sm_count: int) -> int:
-    """How many CTAs share one row tile's keys: 1 when the row tiles (`row_ctas` of them, B * Hkv *
-    row tiles per KV head) already fill the GPU's `sm_count` * `ctas_per_sm_` slots; else the count,
-    up to MAX_SPLITS and key_tiles / MIN_TILES_PER_SPLIT, whose waves are fullest (the fraction of
-    slots busy over all waves), the fewest splits among those within SPLIT_WAVE_FILL of the best."""
-    slots = max(1, sm_count * ctas_per_sm_)
-    limit = min(MAX_SPLITS, key_tiles // MIN_TILES_PER_SPLIT)
-    if row_ctas <= 0 or limit <= 1 or row_ctas >= slots:
+    """How many CTAs share one row tile's keys: as many as keep every row tile's splits in one
+    wave of min(ctas_per_sm_, SPLIT_CTAS_PER_SM) CTAs per SM (`sm_count` SMs), at most MAX_SPLITS
+    and one key tile each, then the fewest that split the `key_tiles` as evenly (no split left
+    empty); 1 when `row_ctas` (B * Hkv * row tiles per KV head) fill half those slots or more."""
+    slots = sm_count * max(1, min(ctas_per_sm_, SPLIT_CTAS_PER_SM))
+    if row_ctas <= 0 or key_tiles <= 1:
         return 1
-
-    def fill(splits: int) -> float:
-        ctas = row_ctas * splits
-        return ctas / (-(-ctas // slots) * slots)
-
-    best = max(fill(s) for s in range(1, limit + 1))
-    return next(s for s in range(1, limit + 1) if fill(s) >= SPLIT_WAVE_FILL * best)
+    splits = max(1, min(MAX_SPLITS, key_tiles, slots // row_ctas))
+    per_split = -(-key_tiles // splits)
+    return -(-key_tiles // per_split)
 
 
 def _keys_read(problem: Problem) -> int:

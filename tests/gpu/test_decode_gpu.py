@@ -286,6 +286,45 @@ def test_one_split_and_many_splits():
         check_result(case, lengths, o, lse)
 
 
+def test_kept_workspaces_per_stream():
+    """Split calls outside graph capture share one workspace per (device, stream): calls queued on
+    two streams at once, a small split call and then a larger one on the same stream (the kept
+    buffer grows while the first call may still run), and a kept buffer filled with NaN bytes
+    before a call, all give the reference; each call's O equals that call alone."""
+    from gemmgen.kernels import launch
+
+    small = make_case(1, 1, 32, 8, 128, torch.bfloat16, [1000], key=("kept", "small"))
+    large = make_case(2, 4, 32, 8, 128, torch.bfloat16, [65537, 30000], key=("kept", "large"))
+    alone = {}
+    for name, case in (("small", small), ("large", large)):
+        o, lse = run(case)
+        alone[name] = o.clone()
+    lengths = {"small": [1000], "large": [65537, 30000]}
+    launch.release_stream_workspaces()
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    torch.cuda.synchronize()
+    outs = []
+    for step in range(6):  # no synchronization between the calls: the streams overlap
+        for s, case_name in zip(streams, ("small", "large") if step % 2 else ("large", "small")):
+            with torch.cuda.stream(s):
+                case = small if case_name == "small" else large
+                outs.append((case_name, gemmgen.fused_attention_with_kvcache(case.q, case.k_cache, case.v_cache,
+                                                                             case.seqlens)))
+    torch.cuda.synchronize()
+    for name, o in outs:
+        assert same_bits(o, alone[name]), f"{name}: a call sharing its stream's workspace changed O"
+    assert len(launch._stream_workspaces) >= 2  # one per stream
+    launch.release_stream_workspaces()
+    small_o = gemmgen.fused_attention_with_kvcache(small.q, small.k_cache, small.v_cache, small.seqlens)
+    large_o = gemmgen.fused_attention_with_kvcache(large.q, large.k_cache, large.v_cache, large.seqlens)
+    torch.cuda.synchronize()
+    assert same_bits(small_o, alone["small"]) and same_bits(large_o, alone["large"])
+    for buf in launch._stream_workspaces.values():
+        buf.fill_(0xFF)  # NaN in every float the kernels could read without writing first
+    o, lse = run(large)
+    check_result(large, lengths["large"], o, lse)
+
+
 @pytest.mark.parametrize("splits", [2, 3, 4, 5, 17, 64])
 @pytest.mark.parametrize("d", [64, 128])
 def test_forced_split_counts(monkeypatch, splits, d):
