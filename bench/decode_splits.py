@@ -8,7 +8,12 @@ num_splits given by:
     wave-fill   the rule before bench/NOTES.md experiment 94, kept here as the baseline: the count
                 whose waves at the instance's residency are fullest, the fewest within 85% of the
                 best, at most 128 and at least eight key tiles per split
+    contiguous-rule
+                with --page-size: the rule for a contiguous cache, on the paged one
     --counts    with --sweep, each of these counts forced
+
+--page-size P reads the caches through a block table of P-key pages in a random order (the same
+keys and values), as bench/decode.py's paged sides do.
 
 Timing: one CUDA graph per side holding --calls calls, replayed; CUDA events around a replay, the
 median of 5 replays per round, the sides in alternating order over --rounds rounds, each side the
@@ -38,7 +43,7 @@ from gemmgen.select import heuristic  # noqa: E402
 RULE = heuristic.num_splits
 
 
-def wave_fill(row_ctas: int, key_tiles: int, ctas_per_sm_: int, sm_count: int) -> int:
+def wave_fill(row_ctas: int, key_tiles: int, ctas_per_sm_: int, sm_count: int, **_) -> int:
     """The baseline: the split rule before experiment 94 (see the module doc)."""
     slots = max(1, sm_count * ctas_per_sm_)
     limit = min(128, key_tiles // 8)
@@ -82,8 +87,8 @@ def graph_us(fn: Callable[[], object], calls: int) -> Callable[[], float]:
 
 
 def with_rule(rule: Callable[..., int], seen: dict) -> Callable[..., int]:
-    def spy(*args):
-        seen["splits"] = rule(*args)
+    def spy(*args, **kwargs):
+        seen["splits"] = rule(*args, **kwargs)
         return seen["splits"]
     return spy
 
@@ -93,13 +98,24 @@ def measure(b: int, hkv: int, nq: int, nk: int, d: int, args) -> tuple[dict, dic
     q = torch.randn(b, nq, 32, d, device="cuda", dtype=torch.bfloat16)
     k_cache, v_cache = (torch.randn(b, nk, hkv, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     lengths = torch.full((b,), nk, dtype=torch.int32, device="cuda")
+    table = None
+    if args.page_size:
+        pages = b * (nk // args.page_size)
+        order = torch.randperm(pages, device="cuda")  # table[b, j] = order[b * pages per sequence + j]
+        paged = [torch.empty(pages, args.page_size, hkv, d, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+        for dst, src in zip(paged, (k_cache, v_cache)):
+            dst.index_copy_(0, order, src.view(pages, args.page_size, hkv, d))
+        k_cache, v_cache = paged
+        table = order.to(torch.int32).view(b, nk // args.page_size)
 
     def call():
-        return gemmgen.fused_attention_with_kvcache(q, k_cache, v_cache, lengths)
+        return gemmgen.fused_attention_with_kvcache(q, k_cache, v_cache, lengths, block_table=table)
 
     rules = {"rule": RULE, "wave-fill": wave_fill}
+    if args.page_size:
+        rules["contiguous-rule"] = lambda *a, **_: RULE(*a, paged=False)
     if args.sweep:
-        rules.update({str(c): (lambda *a, c=c: c) for c in args.counts})
+        rules.update({str(c): (lambda *a, c=c, **_: c) for c in args.counts})
     timers, splits, diffs, ref = {}, {}, {}, None
     try:
         for name, rule in rules.items():
@@ -129,33 +145,39 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--calls", type=int, default=20, help="calls per graph")
     ap.add_argument("--max-cache-gib", type=float, default=8.0)
+    ap.add_argument("--page-size", type=int, default=0, help="read the caches through pages of this many keys")
     ap.add_argument("--out", help="markdown file for the table")
     args = ap.parse_args()
     grid = ((1,), (128,), (8,), (1, 8), (1024, 8192)) if args.quick else \
         ((1, 4), (64, 128), (8, 32), (1, 8, 32, 128), (1024, 8192, 32768, 131072))
-    sides = ["rule", "wave-fill"] + ([str(c) for c in args.counts] if args.sweep else [])
-    lines = [header(f"bf16, H = 32; us per call from CUDA-graph replays of {args.calls} calls (no host path), "
+    sides = ["rule", "wave-fill"] + (["contiguous-rule"] if args.page_size else []) + \
+        ([str(c) for c in args.counts] if args.sweep else [])
+    cache = f"paged caches ({args.page_size}-key pages, random order)" if args.page_size else "contiguous caches"
+    lines = [header(f"bf16, H = 32, {cache}; us per call from CUDA-graph replays of {args.calls} calls (no host path), "
                     f"median of {args.rounds} alternating rounds; splits in parentheses; GB/s = K + V read "
                     f"once; command: python bench/decode_splits.py {' '.join(sys.argv[1:])}"), "",
-             "| shape | " + " | ".join(f"{s} us" for s in sides) + " | rule GB/s | wave-fill / rule time | max abs diff |",
-             "|---" * (len(sides) + 4) + "|"]
-    ratios = []
+             "| shape | " + " | ".join(f"{s} us" for s in sides) + " | rule GB/s | " +
+             " | ".join(f"{s} / rule time" for s in sides[1:3] if not s.isdigit()) + " | max abs diff |",
+             "|---" * (len(sides) + 3 + sum(not s.isdigit() for s in sides[1:3])) + "|"]
+    baselines = [s for s in sides[1:3] if not s.isdigit()]
+    ratios: dict[str, list[float]] = {s: [] for s in baselines}
     for nq, d, hkv, b, nk in itertools.product(*grid):
         cache = 2 * b * nk * hkv * d * 2
-        if cache > args.max_cache_gib * 2**30:
+        if cache > args.max_cache_gib * 2**30 or (args.page_size and nk % args.page_size):
             continue
         us, splits, diffs = measure(b, hkv, nq, nk, d, args)
-        ratio = us["wave-fill"] / us["rule"]
-        ratios.append(ratio)
+        for s in baselines:
+            ratios[s].append(us[s] / us["rule"])
         cells = [f"{us[s]:.1f} ({splits[s]})" if s in us else "-" for s in sides]
-        line = (f"| B{b} Hkv{hkv} Nq{nq} Nk{nk} d{d} | " + " | ".join(cells) +
-                f" | {cache / us['rule'] / 1e3:.0f} | {ratio:.2f} | {max(diffs.values()):.1e} |")
+        line = (f"| B{b} Hkv{hkv} Nq{nq} Nk{nk} d{d} | " + " | ".join(cells) + f" | {cache / us['rule'] / 1e3:.0f} | " +
+                " | ".join(f"{ratios[s][-1]:.2f}" for s in baselines) + f" | {max(diffs.values()):.1e} |")
         lines.append(line)
         print(line, flush=True)
-    ratios.sort()
-    lines += ["", f"- wave-fill time / rule time over {len(ratios)} shapes: min {ratios[0]:.2f}, median "
-                  f"{statistics.median(ratios):.2f}, max {ratios[-1]:.2f}; shapes where the rule is slower by more "
-                  f"than 2%: {sum(r < 0.98 for r in ratios)}"]
+    lines.append("")
+    for s in baselines:
+        r = sorted(ratios[s])
+        lines.append(f"- {s} time / rule time over {len(r)} shapes: min {r[0]:.2f}, median {statistics.median(r):.2f}, "
+                     f"max {r[-1]:.2f}; shapes where the rule is slower by more than 2%: {sum(x < 0.98 for x in r)}")
     publish("\n".join(lines) + "\n", args.out)
 
 

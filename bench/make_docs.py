@@ -98,10 +98,12 @@ BUILT_WITH = {
     "decode_h200.md": ("`python bench/decode.py --quick` over the default build (`gemmgen generate --arch sm80 --arch "
                        "sm90`) and mea_sm80, untuned; the dense causal rate of the chunked-prefill line is fmha_sm90's."),
     "decode_grid_h100.md": ("`python bench/decode.py --max-cache-gib 40` over decode_sm80's default instances and "
-                            "fmha_sm90's bf16 d64 and d128 default instances (`gemmgen generate --arch sm80 --arch "
-                            "sm90 --family decode_sm80 --family fmha_sm90 --filter \"decode_sm80_bf16|fmha_sm90_bf16_d(64|128)_\"`), "
-                            "untuned."),
+                            "fmha_sm90's bf16 d64 and d128 no-mask and causal default instances (`gemmgen generate --arch sm80 "
+                            "--arch sm90 --family decode_sm80 --family fmha_sm90 --filter "
+                            "\"decode_sm80|fmha_sm90_bf16_d(64|128)_(none|causal)_[a-z]+_m[0-9a-z]+_lr(_q2)?$\"`), untuned."),
     "decode_splits_h100.md": "`python bench/decode_splits.py --rounds 3` over decode_sm80's default instances.",
+    "decode_splits_paged_h100.md": ("`python bench/decode_splits.py --page-size 64 --rounds 3` over decode_sm80's default "
+                                    "instances; its `rule` column is the paged rule before PAGED_MIN_TILES (NOTES 96)."),
     "decode_grid_h200.md": ("`python bench/decode.py --max-cache-gib 40` over the default build (`gemmgen generate "
                             "--arch sm80 --arch sm90`) and mea_sm80, untuned."),
     "model_h100.md": "`python bench/model.py` over the default build (`gemmgen generate --arch sm80 --arch sm90`), untuned.",

@@ -400,13 +400,22 @@ H100 = device.synthetic((9, 0), 132, "NVIDIA H100")
 A100 = device.synthetic((8, 0), 108, "NVIDIA A100")
 
 
-def splits_by_the_rule(row_ctas, key_tiles, per_sm, sm_count):
+def splits_by_the_rule(row_ctas, key_tiles, per_sm, sm_count, paged=False):
     """num_splits' docstring, restated as a search over every count."""
+    if row_ctas <= 0 or key_tiles <= 1:
+        return 1
     slots = sm_count * min(per_sm, heuristic.SPLIT_CTAS_PER_SM)
-    fits = [s for s in range(1, min(heuristic.MAX_SPLITS, max(key_tiles, 1)) + 1) if row_ctas * s <= slots]
+    fits = [s for s in range(1, min(heuristic.MAX_SPLITS, key_tiles) + 1) if row_ctas * s <= slots]
     most = max(fits, default=1)
-    tiles_each = math.ceil(key_tiles / most) if key_tiles else 1
-    return min(s for s in range(1, most + 1) if math.ceil(key_tiles / s) == tiles_each) if key_tiles else 1
+    full = sm_count * per_sm
+    if paged and row_ctas < full:
+        counts = range(1, min(heuristic.MAX_SPLITS, key_tiles // heuristic.PAGED_MIN_TILES) + 1)
+        fills = {s: row_ctas * s / (math.ceil(row_ctas * s / full) * full) for s in counts}
+        if fills:
+            best = max(fills.values())
+            most = max(most, min(s for s, f in fills.items() if f >= heuristic.PAGED_WAVE_FILL * best))
+    tiles_each = math.ceil(key_tiles / most)
+    return min(s for s in range(1, most + 1) if math.ceil(key_tiles / s) == tiles_each)
 
 
 def test_num_splits_is_one_when_the_grid_is_half_full_or_keys_are_few():
@@ -424,6 +433,30 @@ def test_num_splits_measured_shapes():
     for row_ctas, key_tiles, best in ((8, 16, 16), (64, 16, 4), (8, 128, 32), (32, 64, 8), (8, 64, 32),
                                       (256, 64, 1), (32, 1024, 8), (128, 128, 2), (8, 1024, 32)):
         assert heuristic.num_splits(row_ctas, key_tiles, 3, 132) == best, (row_ctas, key_tiles)
+
+
+def test_num_splits_of_paged_caches():
+    # bench/NOTES.md, experiment 96 (H100, 3 CTAs fit per SM): paged caches take the count that
+    # fills the waves at the full residency where each split keeps 6 key tiles or more, else the
+    # contiguous count.
+    for row_ctas, key_tiles, contiguous, paged in ((256, 64, 1, 3), (256, 512, 1, 3), (64, 512, 4, 6),
+                                                   (8, 512, 32, 47), (32, 1024, 8, 12), (128, 128, 2, 3),
+                                                   (256, 8, 1, 1), (256, 16, 1, 1), (64, 16, 4, 4),
+                                                   (8, 128, 32, 32), (1024, 128, 1, 1)):
+        assert heuristic.num_splits(row_ctas, key_tiles, 3, 132) == contiguous, (row_ctas, key_tiles)
+        assert heuristic.num_splits(row_ctas, key_tiles, 3, 132, paged=True) == paged, (row_ctas, key_tiles)
+    assert heuristic.PAGED_MIN_TILES == 6 and heuristic.PAGED_WAVE_FILL == 0.95
+
+
+def test_a_block_table_makes_a_paged_problem(monkeypatch):
+    from gemmgen.select import calls
+
+    monkeypatch.setattr(calls.device, "facts", lambda index: H100)
+    q = torch.empty(2, 1, 8, 128, dtype=torch.bfloat16, device="meta")
+    cache = torch.empty(64, 64, 2, 128, dtype=torch.bfloat16, device="meta")
+    for paged in (False, True):
+        problem = calls.problem_for_kvcache(q, cache, cache, 4096, True, paged=paged)
+        assert problem.paged is paged and problem.kv_cache
 
 
 def test_num_splits_grows_for_few_row_ctas():
@@ -454,8 +487,10 @@ def test_num_splits_follows_its_docstring():
     for row_ctas in (1, 3, 7, 32, 50, 100, 131, 200, 263, 264, 1000):
         for key_tiles in (1, 2, 3, 4, 9, 65, 257, 1025, 5000):
             for per_sm, sms in ((1, 132), (2, 132), (3, 132), (2, 108), (4, 84)):
-                assert heuristic.num_splits(row_ctas, key_tiles, per_sm, sms) == \
-                    splits_by_the_rule(row_ctas, key_tiles, per_sm, sms), (row_ctas, key_tiles, per_sm, sms)
+                for paged in (False, True):
+                    assert heuristic.num_splits(row_ctas, key_tiles, per_sm, sms, paged=paged) == \
+                        splits_by_the_rule(row_ctas, key_tiles, per_sm, sms, paged), \
+                        (row_ctas, key_tiles, per_sm, sms, paged)
 
 
 def decode_default(dtype="bf16", head_dim=128) -> DecodeSm80Instance:
@@ -710,6 +745,23 @@ def test_a_cache_without_rows_gives_nan_rows_to_sequences_that_claim_keys(record
     o, lse = torch_op._fused_attention_with_kvcache(q, cache, cache.clone(), torch.tensor([0, 0, 0], dtype=I32),
                                                    None, new, new.clone(), True, None, True, None)
     assert o.isnan().all() and lse.isnan().all()  # one new token each, and no row to hold it
+
+
+def test_the_split_count_sees_whether_the_cache_is_paged(recording, monkeypatch):
+    """The decode path's problem says whether a block table is read (the split count depends on it)."""
+    from gemmgen.ops import torch_op
+
+    problems = []
+    monkeypatch.setattr(torch_op, "_kernel_for",
+                        lambda key, problem_of, *rest: (problems.append(problem_of()), torch_op._Plan(recording, 0))[1])
+    monkeypatch.setattr(torch_op.calls.device, "facts", lambda index: H100)
+    monkeypatch.setattr(launch, "launch", lambda *a, **k: None)
+    for paged in (False, True):
+        args = inputs(b=2, nq=1, page_size=8 if paged else None, seed=4)
+        args["cache_seqlens"] = torch.tensor([5, 9], dtype=I32)
+        torch_op._fused_attention_with_kvcache(args["q"], args["k_cache"], args["v_cache"], args["cache_seqlens"],
+                                               args["block_table"], None, None, True, None, False, None)
+        assert problems[-1].paged is paged and problems[-1].kv_cache
 
 
 def test_a_long_chunk_runs_sequence_by_sequence_as_dense_calls(recording, monkeypatch):

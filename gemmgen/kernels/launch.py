@@ -306,12 +306,13 @@ def device(index: int) -> torch.device:
 
 
 def _stream_workspace(p: Any, size: int, index: int, stream: int) -> None:
-    """Set p.workspace to `size` bytes (256-byte aligned) of the workspace kept for this device and
-    stream, grown to the next power of two when it is short."""
+    """Set p.workspace to `size` bytes (256-byte aligned, at most STREAM_WORKSPACE_BYTES) of the
+    workspace kept for this device and stream, grown to the next power of two (capped) when short."""
     buf = _stream_workspaces.get((index, stream))
     if buf is None or buf.numel() < size + 256:
         _stream_workspaces.pop((index, stream), None)  # the old buffer goes back to the allocator first
-        buf = torch.empty(max(1 << (size + 255).bit_length(), 1 << 16), dtype=torch.uint8, device=device(index))
+        want = min(max(1 << (size + 255).bit_length(), 1 << 16), STREAM_WORKSPACE_BYTES + 256)
+        buf = torch.empty(want, dtype=torch.uint8, device=device(index))
         _stream_workspaces[(index, stream)] = buf
     base = buf.data_ptr()
     p.workspace, p.workspace_bytes = base + (-base % 256), size
@@ -341,7 +342,8 @@ def launch(kernel: Any, p: abi.AttnParams, index: int, workspace_bytes: int | No
     if workspace_bytes > 0:  # split-KV partial rows, a mask's tile lists
         if not owned:
             p = type(p).from_buffer_copy(p)
-        if workspace_bytes <= STREAM_WORKSPACE_BYTES and not _capturing():
+        # The kept buffer only where the current device is the call's (the capture test reads it).
+        if workspace_bytes <= STREAM_WORKSPACE_BYTES and _current_device() == index and not _capturing():
             _stream_workspace(p, workspace_bytes, index, _raw_stream(index))
         else:  # freed after this stream's work
             workspace = _set_workspace(p, workspace_bytes, index)  # noqa: F841 (alive until the launch)

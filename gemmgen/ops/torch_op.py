@@ -766,7 +766,8 @@ def _fused_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_tabl
     dense = o.numel() > 0 and instance is None and nq >= DENSE_CHUNK_ROWS and \
         not torch.cuda.is_current_stream_capturing()
     plan = None if dense and not new else _kernel_for(
-        key, lambda: calls.problem_for_kvcache(probe, k_cache, v_cache, capacity, causal, scale=scale, window=window),
+        key, lambda: calls.problem_for_kvcache(probe, k_cache, v_cache, capacity, causal, scale=scale, window=window,
+                                               paged=block_table is not None),
         probe, k_cache, causal, instance)
     seqlens = cache_seqlens
     if new:

@@ -80,12 +80,14 @@ def _backward_of(fwd: Problem, tensors: tuple[torch.Tensor | None, ...], *, bias
 
 
 def problem_for_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, capacity: int, causal: bool,
-                        *, scale: float | None = None, window: tuple[int, int] | None = None) -> Problem:
+                        *, scale: float | None = None, window: tuple[int, int] | None = None,
+                        paged: bool = False) -> Problem:
     """The Problem of a validated key-value-cache call: q [B, Nq, H, d], caches [B or pages, rows, Hkv, d]
-    holding up to `capacity` keys per sequence (the sizes the selection sees: lengths live on the GPU)."""
+    (paged: read through a block table) holding up to `capacity` keys per sequence (the sizes the
+    selection sees: lengths live on the GPU)."""
     b, nq, h, d = q.shape
     return Problem(dtype=PROBLEM_DTYPES[q.dtype], head_dim=d, causal=bool(causal),
                    device=device.facts(q.get_device()), batch_heads=b * h, seqlen_q=nq, seqlen_k=capacity,
                    gqa=h // k_cache.shape[2], layout="bnhd", align=ALIGN_BYTES, causal_alignment="bottom_right",
                    negative_scale=scale is not None and scale < 0, zero_scale=scale == 0, kv_cache=True,
-                   max_offset=max_offset(q, k_cache, v_cache), window=window)
+                   max_offset=max_offset(q, k_cache, v_cache), window=window, paged=paged)

@@ -101,27 +101,47 @@ def ctas_per_sm(smem_bytes: int, threads: int, problem: Problem, regs_per_thread
 # Split-KV: at most this many splits (the kernel's limit is 256; the combine reads every split's fp32
 # rows, 3 us at 16 splits and 9 at 128 on an H100).
 MAX_SPLITS = 128
-# The split CTAs of a call fill at most this many per SM, in one wave: on an H100, over nine decode
-# shapes (B 1-32, Hkv 8-32, Nk 1k-128k, d 64 and 128), the fastest split count was every time the
-# one that made about 256 CTAs (2 per SM), though 3 fit: fewer, longer CTAs spend less on each one's
-# Q load, pipeline fill and merge, and a second wave's tail costs more than it fills
-# (bench/NOTES.md, experiment 94).
+# Contiguous caches: the split CTAs of a call fill at most this many per SM, in one wave: on an
+# H100, over nine decode shapes (B 1-32, Hkv 8-32, Nk 1k-128k, d 64 and 128), the fastest split
+# count was every time the one that made about 256 CTAs (2 per SM), though 3 fit: fewer, longer
+# CTAs spend less on each one's Q load, pipeline fill and merge, and a second wave's tail costs more
+# than it fills (bench/NOTES.md, experiment 94).
 SPLIT_CTAS_PER_SM = 2
+# Paged caches: a CTA's rows come from pages in the block table's order, and two CTAs per SM left
+# 15-20% of the bandwidth unused where a contiguous cache lost nothing (experiment 96). Where each
+# split keeps at least PAGED_MIN_TILES key tiles, a paged call takes more splits when they fill the
+# waves at the full residency better: the fewest within PAGED_WAVE_FILL of the fullest (at 3-5 key
+# tiles a split, the extra splits cost more than they gave).
+PAGED_WAVE_FILL = 0.95
+PAGED_MIN_TILES = 6
 # Split-KV tiles: the row count below which a tile's MMAs stop being what its key columns cost (the
 # K and V bytes are), so a 16-row tile wins one KV group of up to 16 rows, and two such tiles, which
 # read K and V twice, no longer beat one 64-row tile for 32 rows.
 STREAM_ROWS = 32
 
 
-def num_splits(row_ctas: int, key_tiles: int, ctas_per_sm_: int, sm_count: int) -> int:
-    """How many CTAs share one row tile's keys: as many as keep every row tile's splits in one
-    wave of min(ctas_per_sm_, SPLIT_CTAS_PER_SM) CTAs per SM (`sm_count` SMs), at most MAX_SPLITS
-    and one key tile each, then the fewest that split the `key_tiles` as evenly (no split left
-    empty); 1 when `row_ctas` (B * Hkv * row tiles per KV head) fill half those slots or more."""
-    slots = sm_count * max(1, min(ctas_per_sm_, SPLIT_CTAS_PER_SM))
+def num_splits(row_ctas: int, key_tiles: int, ctas_per_sm_: int, sm_count: int, *, paged: bool = False) -> int:
+    """How many CTAs share one row tile's keys (`row_ctas` row tiles: B * Hkv * row tiles per KV
+    head; `key_tiles` key tiles each): as many as keep every split CTA in one wave of
+    min(ctas_per_sm_, SPLIT_CTAS_PER_SM) CTAs per SM (`sm_count` SMs), at most MAX_SPLITS and one
+    key tile each (1 when the row tiles alone fill more than half of those slots); `paged`: or, if
+    more, the fewest of at most key_tiles / PAGED_MIN_TILES whose waves at ctas_per_sm_ per SM are
+    within PAGED_WAVE_FILL of the fullest (busy slots over all waves' slots). Then the fewest that
+    split the key tiles as evenly (no split left without a tile)."""
     if row_ctas <= 0 or key_tiles <= 1:
         return 1
+    slots = sm_count * max(1, min(ctas_per_sm_, SPLIT_CTAS_PER_SM))
     splits = max(1, min(MAX_SPLITS, key_tiles, slots // row_ctas))
+    limit = min(MAX_SPLITS, key_tiles // PAGED_MIN_TILES)
+    full = sm_count * max(1, ctas_per_sm_)
+    if paged and limit > splits and row_ctas < full:
+
+        def fill(count: int) -> float:
+            ctas = row_ctas * count
+            return ctas / (-(-ctas // full) * full)
+
+        best = max(fill(s) for s in range(1, limit + 1))
+        splits = max(splits, next(s for s in range(1, limit + 1) if fill(s) >= PAGED_WAVE_FILL * best))
     per_split = -(-key_tiles // splits)
     return -(-key_tiles // per_split)
 
@@ -143,7 +163,7 @@ def split_plan(inst: AttentionInstance, problem: Problem) -> tuple[int, int]:
     groups = problem.batch_heads // max(problem.gqa, 1)
     key_tiles = -(-_keys_read(problem) // cost.block_n)
     splits = num_splits(row_tiles * groups, key_tiles, ctas_per_sm(cost.smem_bytes, cost.threads, problem, cost.regs_per_thread),
-                        problem.device.sm_count)
+                        problem.device.sm_count, paged=problem.paged)
     return row_tiles, splits
 
 

@@ -55,6 +55,7 @@ class Problem:
     # when the offsets could not be read: the families that cannot run such sequences then refuse)
     short_keys: bool = False
     kv_cache: bool = False  # per-sequence key counts and/or a paged K/V (fused_attention_with_kvcache)
+    paged: bool = False  # kv_cache through a block table (not a functional key: it sets the split count)
     max_offset: int = 0  # the largest element offset from a tensor's data pointer the call reaches
     window: tuple[int, int] | None = None  # a sliding window (causal False; never (-1, -1) or (-1, 0))
     softcap: bool = False  # a logit softcap (its value is a launch parameter)

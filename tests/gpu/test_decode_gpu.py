@@ -211,6 +211,34 @@ def test_lengths_per_sequence(page_size, dtype, d, causal):
         check_result(sub, lengths, o, lse, causal=causal)
 
 
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("page_size", [32, 64, 96, 128, 192, 48])
+def test_page_sizes_around_the_key_tile(page_size, d):
+    """Page sizes that put a key tile (64 keys at d128, 128 at d64) in one page (looked up once per
+    tile) or across pages (looked up per row), powers of two and not; lengths ending inside a page
+    and on its boundary, one split and several, a bad page in one sequence's table beside good ones."""
+    from gemmgen.ops import torch_op
+
+    lengths = [4097, 0, 17, 3 * page_size, 1000]
+    case = make_case(5, 2, 8, 2, d, torch.bfloat16, lengths, page_size=page_size, key=("pages", page_size, d))
+    o, lse = run(case)
+    check_result(case, lengths, o, lse)
+    for forced in (1, 7):
+        saved = selection.splits
+        selection.splits = lambda cand, problem, forced=forced: forced
+        torch_op._kernels.clear()
+        try:
+            o2, lse2 = run(case)
+        finally:
+            selection.splits = saved
+            torch_op._kernels.clear()
+        check_result(case, lengths, o2, lse2)
+    case.table[4, 1] = 10**6  # a page the cache does not have: NaN rows for sequence 4 only
+    o3, lse3 = run(case)
+    assert torch.isnan(o3[4]).all() and torch.isnan(lse3[4]).all()
+    check_result(case, lengths, o3, lse3, skip=(4,))
+
+
 @pytest.mark.parametrize("page_size", LAYOUTS, ids=LAYOUT_IDS)
 def test_long_contexts(page_size):
     """65537 keys beside 4097, 17, 1 and 0 (MQA, 4 query heads), split over many CTAs."""
