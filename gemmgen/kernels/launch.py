@@ -286,7 +286,7 @@ def draw_seed(index: int, draws: int) -> tuple[int, int]:
 
 # Eager forward calls reuse one workspace per (device, stream), as torch keeps one cuBLAS workspace
 # per handle and stream: the calls of one stream run in order, so a call's kernels start after the
-# previous call's are done with it (a split decode call spent about 5 us of its host path on the
+# previous call's are done with it (a split decode call spent 5-7 us of its host path on the
 # allocation, bench/NOTES.md, experiment 95). Under CUDA-graph capture, and above this size, each
 # call gets its own from torch's caching allocator (the graph's pool keeps a captured one).
 STREAM_WORKSPACE_BYTES = 16 << 20
@@ -342,7 +342,7 @@ def launch(kernel: Any, p: abi.AttnParams, index: int, workspace_bytes: int | No
     if workspace_bytes > 0:  # split-KV partial rows, a mask's tile lists
         if not owned:
             p = type(p).from_buffer_copy(p)
-        # The kept buffer only where the current device is the call's (the capture test reads it).
+        # The kept buffer only where the call's device is the current one, whose stream _capturing() asks.
         if workspace_bytes <= STREAM_WORKSPACE_BYTES and _current_device() == index and not _capturing():
             _stream_workspace(p, workspace_bytes, index, _raw_stream(index))
         else:  # freed after this stream's work
