@@ -201,3 +201,44 @@ def test_explain_sends_decode_shapes_to_the_decode_family(tmp_path):
     assert winner("4,32,1,65536,128", "--causal-alignment", "bottom_right") == small.name
     assert winner("1,32,1024,8192,128", "--causal-alignment", "bottom_right") == causal.name
     assert winner("4,32,1,65536,128") == causal.name
+
+
+def test_explain_a_key_value_cache_call(tmp_path):
+    """--kv-cache: only the decode family runs it; the report ends with the split count the launch
+    passes, which for a paged cache follows its own rule (heuristic.num_splits, paged=True)."""
+    from gemmgen.generator.families import decode_sm80
+    from gemmgen.select import heuristic
+
+    causal = Fa2Sm80Instance(DType.BF16, 128, Mask.CAUSAL, 128, 64, 4)
+    decode = [i for i in decode_sm80.DEFAULT if i.dtype is DType.BF16 and i.head_dim == 128]
+    build = write_build_dir(tmp_path / "build", [make_entry(i) for i in (causal, *decode)])
+    small = next(i for i in decode if i.block_m == 16)
+
+    def report(*extra):
+        proc = cli("explain", "--shape", "32,32,1,8192,128", "--heads-kv", "8", "--causal", *extra,
+                   "--build-dir", str(build), "--cc", "9.0", "--sms", "132", "--gpu", "NVIDIA H100", cache=tmp_path)
+        assert proc.returncode == 0, proc.stderr
+        return proc.stdout
+
+    for paged in (False, True):
+        out = report("--kv-cache", *(["--paged"] if paged else []))
+        assert next(line.split()[1] for line in out.splitlines() if line.startswith("winner:")) == small.name
+        assert f"{causal.name} (" in out and "has no kv cache" in out  # rejected: a prefill family
+        splits = heuristic.num_splits(256, 128, heuristic.ctas_per_sm(
+            small.cost_inputs.smem_bytes, small.cost_inputs.threads, _problem_h100(), small.cost_inputs.regs_per_thread),
+            132, paged=paged)
+        assert (splits, paged) in ((1, False), (3, True))
+        cache = "a paged cache" if paged else "a contiguous cache"
+        assert f"launch: {splits} key split(s) per row tile (1 row tile(s) per KV head, 256 KV heads), {cache}" in out
+    for bad, words in ((["--paged"], "add --kv-cache"), (["--kv-cache", "--backward"], "drop --backward"),
+                       (["--kv-cache", "--causal-alignment", "top_left"], "bottom-right")):
+        proc = cli("explain", "--shape", "32,32,1,8192,128", "--heads-kv", "8", *bad, "--build-dir", str(build),
+                   "--cc", "9.0", "--sms", "132", cache=tmp_path)
+        assert proc.returncode != 0 and words in proc.stderr, (bad, proc.stderr)
+
+
+def _problem_h100():
+    from gemmgen.select.problem import Problem
+
+    return Problem(dtype="bf16", head_dim=128, causal=True, device=device.synthetic((9, 0), 132, "NVIDIA H100"))
+

@@ -7,6 +7,11 @@ database from the cache, e.g. one imported with `gemmgen tune import`) describe 
 A shape with an empty size (B, H or Nq of 0: O has no elements; Nk of 0: no keys) has no decision:
 fused_attention checks the tensors and returns without selecting an instance or launching a
 kernel, and `gemmgen explain` says so.
+
+--kv-cache explains a fused_attention_with_kvcache call instead (Nk: the cache's capacity per
+sequence; causal aligned bottom-right, as that call's default causal=True with --causal; --paged:
+through a block table). Where the winner splits keys over CTAs (the decode family), the report ends
+with the split count the launch passes.
 """
 from __future__ import annotations
 
@@ -14,7 +19,7 @@ import argparse
 import re
 import sys
 
-from gemmgen.select import device, registry, selection, tuning_db
+from gemmgen.select import device, heuristic, registry, selection, tuning_db
 from gemmgen.errors import DeviceError, InputError
 from gemmgen.generator.space import supported_head_dims
 from gemmgen.ops import padding
@@ -128,12 +133,21 @@ def run(args: argparse.Namespace) -> int:
             raise InputError(f"--window {args.window!r}: expected LEFT,RIGHT (two ints, -1 unbounded)")
         causal, window = check_window(window, causal)
     softcap = check_softcap(args.softcap) > 0
+    if args.paged and not args.kv_cache:
+        raise InputError("--paged describes a key-value cache: add --kv-cache")
+    if args.kv_cache and (args.backward or softcap):
+        raise InputError("--kv-cache explains a forward without a softcap: drop --backward and --softcap")
+    if args.kv_cache and args.causal_alignment == "top_left":
+        raise InputError("--kv-cache: a key-value-cache call aligns its mask bottom-right per sequence; "
+                         "drop --causal-alignment top_left")
     facts, db = device_facts(args)
     head_dim = padding.padded_head_dim(shape.head_dim)  # the backward of a padded call is padded too
     fields = dict(dtype=shape.dtype, head_dim=head_dim, causal=causal, device=facts,
                   batch_heads=shape.batch * shape.heads, seqlen_q=shape.seqlen_q, seqlen_k=shape.seqlen_k,
                   gqa=shape.heads // shape.kv_heads, layout=shape.layout, align=ALIGN_BYTES,
-                  causal_alignment=args.causal_alignment, window=window, softcap=softcap)
+                  causal_alignment=args.causal_alignment or "top_left", window=window, softcap=softcap)
+    if args.kv_cache:  # calls.problem_for_kvcache's problem: q [B, Nq, H, d], bottom-right per sequence
+        fields.update(layout="bnhd", causal_alignment="bottom_right", kv_cache=True, paged=args.paged)
     notes = [] if head_dim == shape.head_dim else [
         f"head_dim {shape.head_dim} has no tile: the call runs on copies of q, k, v padded to {head_dim}"]
     if args.backward:  # the backward reads K and V expanded to Q's heads (GQA summed afterwards)
@@ -152,6 +166,12 @@ def run(args: argparse.Namespace) -> int:
     for note in notes:
         print(note)
     print(decision.report())
+    splits = selection.splits(decision.winner, problem) if not args.backward else 0
+    if splits:
+        row_tiles = heuristic.split_plan(decision.winner.instance, problem)[0]
+        cache = "a paged cache" if problem.paged else "a contiguous cache" if problem.kv_cache else "dense K and V"
+        print(f"launch: {splits} key split(s) per row tile ({row_tiles} row tile(s) per KV head, "
+              f"{problem.batch_heads // problem.gqa} KV heads), {cache}: gemmgen.select.heuristic.num_splits")
     sys.stdout.flush()
     return 0
 
@@ -161,8 +181,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shape", required=True, metavar="B,H,Nq,Nk,d",
                    help="B,H,Nq,Nk,d (or B,H,N,d), optionally ,causal; a size of 0 is an empty problem")
     p.add_argument("--causal", action="store_true", help="causal mask (as ,causal in --shape)")
-    p.add_argument("--causal-alignment", choices=("top_left", "bottom_right"), default="top_left",
-                   help="where a causal mask's (or window's) diagonal sits when Nq != Nk (default top_left, as torch)")
+    p.add_argument("--causal-alignment", choices=("top_left", "bottom_right"),
+                   help="where a causal mask's (or window's) diagonal sits when Nq != Nk (default top_left, as torch; "
+                        "bottom_right with --kv-cache)")
     p.add_argument("--window", metavar="LEFT,RIGHT",
                    help="a sliding window around the diagonal, as fused_attention's window= (-1: unbounded)")
     p.add_argument("--softcap", type=float, default=0.0, metavar="C",
@@ -175,6 +196,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="explain the backward pass (dQ, dK, dV) of the shape instead of its forward")
     p.add_argument("--deterministic", action="store_true",
                    help="with --backward: a backward whose result does not depend on scheduling")
+    p.add_argument("--kv-cache", action="store_true",
+                   help="a fused_attention_with_kvcache call: Nk cached keys per sequence, causal bottom-right")
+    p.add_argument("--paged", action="store_true", help="with --kv-cache: the cache is read through a block table")
     p.add_argument("--instance", help="explain this instance instead of the pick")
     p.add_argument("--build-dir", action="append",
                    help="where to find manifests (repeatable; default: $GEMMGEN_BUILD_DIR, else ./build "
