@@ -231,7 +231,8 @@ def test_explain_a_key_value_cache_call(tmp_path):
         cache = "a paged cache" if paged else "a contiguous cache"
         assert f"launch: {splits} key split(s) per row tile (1 row tile(s) per KV head, 256 KV heads), {cache}" in out
     for bad, words in ((["--paged"], "add --kv-cache"), (["--kv-cache", "--backward"], "drop --backward"),
-                       (["--kv-cache", "--causal-alignment", "top_left"], "bottom-right")):
+                       (["--kv-cache", "--causal-alignment", "top_left"], "bottom-right"),
+                       (["--kv-cache", "--layout", "bhnd"], "drop --layout")):
         proc = cli("explain", "--shape", "32,32,1,8192,128", "--heads-kv", "8", *bad, "--build-dir", str(build),
                    "--cc", "9.0", "--sms", "132", cache=tmp_path)
         assert proc.returncode != 0 and words in proc.stderr, (bad, proc.stderr)

@@ -122,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
                                instance=args.instance))
             return 0
     shape = parse_shape(args.shape, dtype=args.dtype, causal=args.causal, heads_kv=args.heads_kv,
-                        layout=args.layout)
+                        layout=args.layout or "bhnd")
     causal, window = shape.causal, None
     if args.window is not None:
         try:
@@ -140,6 +140,9 @@ def run(args: argparse.Namespace) -> int:
     if args.kv_cache and args.causal_alignment == "top_left":
         raise InputError("--kv-cache: a key-value-cache call aligns its mask bottom-right per sequence; "
                          "drop --causal-alignment top_left")
+    if args.kv_cache and args.layout is not None:
+        raise InputError("--kv-cache: a key-value-cache call's q is [B, Nq, H, d] (its caches any strides); "
+                         "drop --layout")
     facts, db = device_facts(args)
     head_dim = padding.padded_head_dim(shape.head_dim)  # the backward of a padded call is padded too
     fields = dict(dtype=shape.dtype, head_dim=head_dim, causal=causal, device=facts,
@@ -190,14 +193,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a logit softcap, as fused_attention's softcap= (default 0: none)")
     p.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16", help="element type (default: bf16)")
     p.add_argument("--heads-kv", type=int, help="key/value heads (GQA/MQA; default: H)")
-    p.add_argument("--layout", choices=("bhnd", "bnhd", "mixed"), default="bhnd",
+    p.add_argument("--layout", choices=("bhnd", "bnhd", "mixed"),
                    help="storage order of q and k/v (default: bhnd)")
     p.add_argument("--backward", action="store_true",
                    help="explain the backward pass (dQ, dK, dV) of the shape instead of its forward")
     p.add_argument("--deterministic", action="store_true",
                    help="with --backward: a backward whose result does not depend on scheduling")
     p.add_argument("--kv-cache", action="store_true",
-                   help="a fused_attention_with_kvcache call: Nk cached keys per sequence, causal bottom-right")
+                   help="a fused_attention_with_kvcache call: Nk cached keys per sequence; with --causal (the "
+                        "call's default) aligned bottom-right")
     p.add_argument("--paged", action="store_true", help="with --kv-cache: the cache is read through a block table")
     p.add_argument("--instance", help="explain this instance instead of the pick")
     p.add_argument("--build-dir", action="append",
