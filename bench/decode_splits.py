@@ -34,7 +34,7 @@ from typing import Callable
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import header, publish  # noqa: E402
+from common import graph_timer, header, publish  # noqa: E402
 
 import gemmgen  # noqa: E402
 from gemmgen.ops import torch_op  # noqa: E402
@@ -56,34 +56,6 @@ def wave_fill(row_ctas: int, key_tiles: int, ctas_per_sm_: int, sm_count: int, *
 
     best = max(fill(s) for s in range(1, limit + 1))
     return next(s for s in range(1, limit + 1) if fill(s) >= 0.85 * best)
-
-
-def graph_us(fn: Callable[[], object], calls: int) -> Callable[[], float]:
-    """A timer of `fn` captured `calls` times in one CUDA graph: microseconds per call of a replay."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-
-    def time_once() -> float:
-        times = []
-        for _ in range(5):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            graph.replay()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end) * 1e3 / calls)
-        return statistics.median(times)
-    return time_once
 
 
 def with_rule(rule: Callable[..., int], seen: dict) -> Callable[..., int]:
@@ -126,7 +98,7 @@ def measure(b: int, hkv: int, nq: int, nk: int, d: int, args) -> tuple[dict, dic
             ref = out if ref is None else ref
             diffs[name] = (out - ref).abs().max().item()
             splits[name] = seen["splits"]
-            timers[name] = graph_us(call, args.calls)
+            timers[name] = graph_timer(call, args.calls)
     finally:
         heuristic.num_splits = RULE
         torch_op.clear_cache()
