@@ -32,7 +32,7 @@ def test_family_keeps_the_contract_and_is_registered():
 
 def test_space_names_unique_and_stable():
     names = [inst.name for inst in fam.SPACE]
-    assert len(names) == len(set(names)) == 56
+    assert len(names) == len(set(names)) == 68
     assert all("bwd" in n and n.startswith("fmha_bwd_sm90_") for n in names)
     assert "fmha_bwd_sm90_bf16_d128_causal_m64n128" in names
     assert "fmha_bwd_sm90_fp16_d64_none_m128n128" in names
@@ -43,15 +43,19 @@ def test_space_names_unique_and_stable():
         f"fmha_bwd_sm90_{dt}_d{d}_{m}_m{bm}n128_sq" for dt in ("fp16", "bf16") for m in ("none", "causal", "local")
         for d, bm in ((64, 64), (64, 128), (128, 64))}
     assert not any("_local_" in n and "_sq" not in n for n in names)  # example 88's loop has no window
+    # A bias on the split-dQ mainloop, without a softcap or a window.
+    assert {n.removesuffix("_bias") for n in names if n.endswith("_bias")} == {
+        n for n in names if n.endswith("_sq") and "_local_" not in n}
     assert len({inst.content_hash() for inst in fam.SPACE}) == len(names)
 
 
 def test_default_covers_every_dtype_head_dim_mask_once():
-    keys = [(i.dtype, i.head_dim, i.mask, i.softcap) for i in fam.DEFAULT]
+    keys = [(i.dtype, i.head_dim, i.mask, i.softcap, i.bias) for i in fam.DEFAULT]
     assert len(keys) == len(set(keys))
-    assert set(keys) == {(dt, d, m, sc) for dt in fam.DTYPES for d in fam.HEAD_DIMS for m in fam.MASKS
-                         for sc in (False, True)
-                         if not (d == 32 and m is Mask.LOCAL) and (not sc or d in fam.SOFTCAP_DEFAULT_HEAD_DIMS)}
+    assert set(keys) == {(dt, d, m, sc, bias) for dt in fam.DTYPES for d in fam.HEAD_DIMS for m in fam.MASKS
+                         for sc in (False, True) for bias in (False, True)
+                         if not (d == 32 and m is Mask.LOCAL) and (not sc or d in fam.SOFTCAP_DEFAULT_HEAD_DIMS)
+                         and (not bias or (d in fam.BIAS_DEFAULT_HEAD_DIMS and m is not Mask.LOCAL and not sc))}
     assert set(fam.DEFAULT) <= set(fam.SPACE)
     # The split-dQ mainloop wherever it runs (d64, d128), example 88's at d32.
     assert all(i.split_dq == (i.head_dim != 32) for i in fam.DEFAULT)
@@ -125,7 +129,7 @@ CAUSAL_64 = FmhaBwdSm90Instance(DType.BF16, 64, Mask.CAUSAL, 64, 128)
     (dict(seqlen_q=1, seqlen_k=3), None),
     (dict(zero_scale=True), None),
     (dict(dropout=True), "no dropout"),
-    (dict(bias=True), "no bias"),
+    (dict(bias=True), "no additive mask"),
     (dict(varlen=True), "split-dQ instances"),  # example 88's loop: fixed lengths only
     (dict(bias_grad=True), "no dbias"),
     (dict(deterministic=True), "not deterministic"),  # example 88's loop; the split-dQ one takes turns
@@ -168,6 +172,24 @@ def test_problem_reason_of_the_band(inst, kw):
     assert fam.problem_reason(inst, problem(**kw)) is None
 
 
+def test_bias_on_bias_instances_only():
+    """A call with an additive mask (no dbias) goes to `_bias` instances, which run nothing else, at
+    fixed lengths, in both alignments, GQA and deterministic included."""
+    bias_64 = dataclasses.replace(CAUSAL_64_SQ, bias=True)
+    assert bias_64.name == "fmha_bwd_sm90_bf16_d64_causal_m64n128_sq_bias"
+    assert "varlen" not in bias_64.params()  # no packed kernel: no mark
+    for kw in (dict(causal=True), dict(causal=True, causal_alignment="bottom_right", seqlen_q=77),
+               dict(causal=True, deterministic=True)):
+        assert fam.problem_reason(bias_64, problem(bias=True, **kw)) is None
+    assert "the problem has none" in fam.problem_reason(bias_64, problem(causal=True))
+    assert "no additive mask" in fam.problem_reason(CAUSAL_64_SQ, problem(causal=True, bias=True))
+    assert "fixed lengths only" in fam.problem_reason(bias_64, problem(causal=True, bias=True, varlen=True))
+    assert "no dbias" in fam.problem_reason(bias_64, problem(causal=True, bias=True, bias_grad=True))
+    for change, words in ((dict(softcap=True), "without a softcap"), (dict(mask=Mask.LOCAL), "window"),
+                          (dict(split_dq=False), "split-dQ")):
+        assert words in fam.invalid_reason(dataclasses.replace(bias_64, **change))
+
+
 def test_packed_sequences_on_split_dq_instances_only():
     """The split-dQ instances carry the `varlen` mark and run packed calls, but not deterministic ones
     (fa2_bwd_sm80 does); example 88's loop runs none."""
@@ -193,11 +215,13 @@ def test_rendered_text():
     assert '#include "gemmgen/fmha_bwd_sm90/launch.h"' in text
     assert "Config<cutlass::bfloat16_t, /*BlockM=*/64, /*BlockN=*/128," in text
     assert "/*HeadDim=*/128,\n" in text and "/*Kind=*/gemmgen::fmha_bwd_sm90::BandKind::kCausal," in text
-    assert "/*SplitDq=*/false,\n" in text and "/*Softcap=*/false>;" in text
+    assert "/*SplitDq=*/false,\n" in text and "/*Softcap=*/false," in text and "/*Bias=*/false>;" in text
     split = next(i for i in fam.SPACE if i.name == "fmha_bwd_sm90_bf16_d128_causal_m64n128_sq")
     assert "/*SplitDq=*/true," in render.render_text(split, tc)
     capped = next(i for i in fam.SPACE if i.name == "fmha_bwd_sm90_bf16_d128_causal_m64n128_sq_sc")
-    assert "/*Softcap=*/true>;" in render.render_text(capped, tc) and "softcap" not in split.params()
+    assert "/*Softcap=*/true," in render.render_text(capped, tc) and "softcap" not in split.params()
+    biased = next(i for i in fam.SPACE if i.name == "fmha_bwd_sm90_bf16_d128_causal_m64n128_sq_bias")
+    assert "/*Bias=*/true>;" in render.render_text(biased, tc)
     local = next(i for i in fam.SPACE if i.name == "fmha_bwd_sm90_bf16_d128_local_m64n128_sq")
     assert "BandKind::kLocal," in render.render_text(local, tc)
     sym = inst.symbol
@@ -240,9 +264,9 @@ def test_real_build_workspace(built):
     (dict(seqlen_k=0), "bad sizes"),
     (dict(heads_kv=1), "heads_kv 1 != heads 3"),
     (dict(deterministic=1), "deterministic"),
-    (dict(dropout_p=0.1), "no bias, dbias or dropout"),
-    (dict(bias=0x1000), "no bias, dbias or dropout"),
-    (dict(dbias=0x1000), "no bias, dbias or dropout"),
+    (dict(dropout_p=0.1), "no dbias or dropout"),
+    (dict(bias=0x1000), "this instance runs no additive mask"),
+    (dict(dbias=0x1000), "no dbias or dropout"),
     (dict(cu_seqlens_q=0x1000), "variable lengths"),
     (dict(scale=-0.5), "scales >= 0"),
     (dict(scale=float("nan")), "scales >= 0"),

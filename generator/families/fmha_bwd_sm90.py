@@ -16,7 +16,9 @@ backward at 155-584 TFLOP/s, 0.93-1.13x cuDNN at N >= 1024 but one H100 row at 0
 example 88's own loop 131-273, NOTES 53; 0.91-1.15x with the band mask, NOTES 75-76); fa2_bwd_sm80
 and mea_bwd_sm80 serve what it refuses. Causal instances start their CTAs in tile_order.h's order.
 Packed sequences (variable lengths) run on the split-dQ instances as one batch entry over the packed
-tensors, each key masked to its own sequence's query rows (band.h's Packed; NOTES 86).
+tensors, each key masked to its own sequence's query rows (band.h's Packed; NOTES 86). Additive
+masks (attn_mask, no dBias) run on the `_bias` instances (split_dq.h's kBias; a shared mask's tiles
+sorted first as the forward sorts them; NOTES 99).
 
 One instance = one (dtype, head_dim, mask, tile): block_m queries per step of a CTA's loop, block_n
 keys per CTA (example 88's TileShape (block_m, block_n, head_dim)). `problem_reason` states what a
@@ -55,6 +57,11 @@ TILES = ((64, 128), (128, 128))  # (block_m, block_n): the tiles example 88 runs
 SPLIT_DQ = (False, True)
 SOFTCAPS = (False, True)  # the forward's logit softcap (split-dQ mainloop only; suffix `_sc`)
 SOFTCAP_DEFAULT_HEAD_DIMS = (128,)  # Gemma 2's largest model and Grok-1 (d256 has no tile here)
+# The forward's additive mask (attn_mask; split-dQ mainloop, no softcap or window, fixed lengths;
+# suffix `_bias`): built by default beside the default tiles of these head dims and masks, the
+# forward's `_bias` defaults that this family's tiles serve.
+BIASES = (False, True)
+BIAS_DEFAULT_HEAD_DIMS = (64, 128)
 THREADS = 384  # a producer warp group and two math warp groups of block_n / 2 keys each
 MAX_SMEM = Arch.SM90.max_smem_bytes
 INT32_MAX = 2**31 - 1
@@ -75,11 +82,14 @@ class FmhaBwdSm90Instance(AttentionInstance):
     split_dq: bool = False
     # The forward's logit softcap (a launch parameter): such an instance runs softcap calls only.
     softcap: bool = dataclasses.field(default=False, metadata={ADDED: True})
+    # The forward's additive mask (a launch parameter, the bias tensor; no dbias): such an instance
+    # runs calls with one only, the others none.
+    bias: bool = dataclasses.field(default=False, metadata={ADDED: True})
 
     @property
     def name(self) -> str:
         return (f"{self.name_stem}_m{self.block_m}n{self.block_n}" + ("_sq" if self.split_dq else "")
-                + ("_sc" if self.softcap else ""))
+                + ("_sc" if self.softcap else "") + ("_bias" if self.bias else ""))
 
     @property
     def stages(self) -> int:
@@ -109,12 +119,12 @@ class FmhaBwdSm90Instance(AttentionInstance):
 
     def params(self) -> dict:
         """The fields, and on split-dQ instances the mark of packed sequences (MARKED), which their
-        mainloop runs (band.h's Packed)."""
-        return {**super().params(), **({"varlen": True} if self.split_dq else {})}
+        mainloop runs (band.h's Packed; not with a bias)."""
+        return {**super().params(), **({"varlen": True} if self.split_dq and not self.bias else {})}
 
     def template_values(self) -> dict:
         return {**super().template_values(), "band_kind": BAND_KIND[self.mask], "split_dq": self.split_dq,
-                "softcap": self.softcap}
+                "softcap": self.softcap, "bias": self.bias}
 
 
 INSTANCE = FmhaBwdSm90Instance
@@ -132,14 +142,22 @@ def invalid_reason(inst: FmhaBwdSm90Instance, arch: Arch = Arch.SM90) -> str | N
         return "the local mask runs on the split-dQ mainloop only (example 88's has no window)"
     if inst.softcap and not inst.split_dq:
         return "a softcap runs on the split-dQ mainloop only"
+    if inst.bias and (not inst.split_dq or inst.softcap or inst.mask is Mask.LOCAL):
+        return "a bias runs on the split-dQ mainloop, without a softcap or a window"
     return smem_reason(inst, arch)
 
 
 def problem_reason(inst: FmhaBwdSm90Instance, problem) -> str | None:
-    """What a built instance cannot run (the registry's reason), None when it can: no dropout, bias or
-    dbias; packed sequences on the split-dQ instances, not deterministic."""
-    if reason := feature_reason(FAMILY, problem, ("dropout", "bias", "kv_cache")):
+    """What a built instance cannot run (the registry's reason), None when it can: no dropout or
+    dbias; a bias (the forward's additive mask) on `_bias` instances only, which run nothing else, at
+    fixed lengths; packed sequences on the split-dQ instances, not deterministic."""
+    if reason := feature_reason(FAMILY, problem, ("dropout", "kv_cache")):
         return reason
+    if bool(problem.bias) != inst.bias:
+        return ("built for an additive mask; the problem has none" if inst.bias else
+                f"{inst.name} has no additive mask (only instances built for one, `_bias`, run it)")
+    if inst.bias and problem.varlen:
+        return f"{inst.name} runs a bias at fixed lengths only"
     if problem.varlen and not inst.split_dq:
         return f"{FAMILY} runs variable lengths on its split-dQ instances (`_sq`)"
     if problem.varlen and getattr(problem, "deterministic", False):
@@ -172,8 +190,9 @@ SPACE: tuple[FmhaBwdSm90Instance, ...] = tuple(
     inst
     for inst in itertools.starmap(
         FmhaBwdSm90Instance,
-        ((dt, d, mask, bm, bn, sq, sc)
-         for dt, d, mask, (bm, bn), sq, sc in itertools.product(DTYPES, HEAD_DIMS, MASKS, TILES, SPLIT_DQ, SOFTCAPS)))
+        ((dt, d, mask, bm, bn, sq, sc, bias)
+         for dt, d, mask, (bm, bn), sq, sc, bias in itertools.product(DTYPES, HEAD_DIMS, MASKS, TILES, SPLIT_DQ,
+                                                                       SOFTCAPS, BIASES)))
     if invalid_reason(inst) is None
 )
 
@@ -189,6 +208,7 @@ DEFAULT: tuple[FmhaBwdSm90Instance, ...] = tuple(
     inst for inst in SPACE
     if (inst.block_m, inst.block_n) == DEFAULT_TILE[inst.head_dim] and inst.split_dq == (inst.head_dim in (64, 128))
     and (not inst.softcap or inst.head_dim in SOFTCAP_DEFAULT_HEAD_DIMS)
+    and (not inst.bias or (inst.head_dim in BIAS_DEFAULT_HEAD_DIMS and inst.mask in (Mask.NONE, Mask.CAUSAL)))
 )
 
 # Throughput per unit of the cost model's tile work against fa2_sm80's forward: the forward Hopper

@@ -237,6 +237,95 @@ def test_head_dims_each_backward_family_serves():
             assert_close(f"d{d} {name}", g, w, torch.float16)
 
 
+def bias_masks(b, h, nq, nk, dtype, key) -> list[tuple[str, torch.Tensor]]:
+    """attn_masks a bias backward instance must serve: a Hugging Face padding mask (bool [B, 1, Nq,
+    Nk], each sequence's first keys hidden, some rows seeing no key), a float bias per head, and a
+    row-broadcast [1, H, 1, Nk] float bias with -inf entries."""
+    keep = torch.ones(b, 1, nq, nk, dtype=torch.bool, device="cuda")
+    for i in range(b):
+        keep[i, :, :, : (i * nk) // (b + 1)] = False  # left padding of the batch entry
+    keep[:, :, : min(nq, 3), :] &= torch.arange(nk, device="cuda") >= nk - 1  # rows that see one key or none
+    per_head = randn((b, h, nq, nk), dtype, (key, "per-head"), 0.5)
+    row = randn((1, h, 1, nk), dtype, (key, "row"), 0.5)
+    row[..., ::5] = float("-inf")
+    return [("padding-bool", keep), ("per-head", per_head), ("row-broadcast", row)]
+
+
+def test_every_bias_backward_instance():
+    """Each built backward instance with an additive mask (`_bias`) forced by name, after the
+    forward with the same mask: the masks of bias_masks (shared by the heads: sorted into tiles; per
+    head: read whole), odd and unequal lengths (Nq <= Nk with a causal mask, as the default
+    forward's masked instances take it), both alignments of its causal mask, scales 0.3 and 0, GQA
+    4:2 and MQA (K and V at their own heads); against float64 with the mask as an additive bias of 0
+    / -inf (bool) or its values."""
+    from gemmgen.ops.attention import _prepare_mask
+
+    cands = [c for c in backward_candidates() if getattr(c.instance, "bias", False)]
+    if not cands:
+        pytest.skip("no backward instance with an additive mask (`_bias`) is built")
+    for cand in cands:
+        inst = cand.instance
+        dtype = launch.TORCH_DTYPES[inst.dtype.value]
+        d = inst.head_dim
+        masks = [m for m in MASKS if m[0] == inst.causal]
+        cases = [(2, 4, 4, 17, 17, None), (2, 4, 4, 127, 129, None), (2, 4, 4, 129, 127, 0.3),
+                 (1, 4, 2, 1000, 1000, None), (2, 4, 1, 1, 65, 0.0), (1, 2, 2, 300, 33, None), (2, 2, 2, 70, 4097, None)]
+        for b, h, hkv, nq, nk, scale in cases:
+            for causal, alignment in masks:
+                if causal and nq > nk:
+                    continue
+                key = (cand.name, b, h, hkv, nq, nk, scale, alignment)
+                q, k, v, do = make(b, h, hkv, nq, nk, d, dtype, key)
+                for mask_name, mask in bias_masks(b, h, nq, nk, dtype, key):
+                    bias = _prepare_mask(mask, q, k)
+                    with torch.no_grad():
+                        o, lse = gemmgen.fused_attention(q, k, v, causal=causal, causal_alignment=alignment,
+                                                         scale=scale, attn_mask=mask, return_lse=True)
+                    group = h // hkv
+                    problem = calls.problem_for_bwd(q, launch.expanded_layout(k, group, "meta"), causal,
+                                                    causal_alignment=alignment, scale=scale, bias=bias)
+                    reason = registry.reject_reason(cand, problem)
+                    assert reason is None, f"{cand.name} refused {mask_name} {nq}x{nk}: {reason}"
+                    dq = torch.full_like(q, float("nan"))
+                    dk, dv = (launch.empty_like_layout(t, (*t.shape[:1], h, *t.shape[2:])).fill_(float("nan"))
+                              for t in (k, v))
+                    p = launch.params_bwd(q, k, v, o, do, lse, dq, dk, dv, causal=causal,
+                                          causal_alignment=alignment, scale=scale, bias=bias)
+                    launch.run_bwd(cand.kernel, p, q.get_device())
+                    torch.cuda.synchronize()
+                    additive = mask if mask.dtype != torch.bool else \
+                        torch.zeros(mask.shape, dtype=torch.float64, device="cuda").masked_fill(~mask, float("-inf"))
+                    k4, v4 = (t.repeat_interleave(group, 1) for t in (k, v))
+                    want = ref_grads(q, k4, v4, do, bias=additive.double(), causal=causal, alignment=alignment,
+                                     scale=scale)
+                    for name, g, w in zip(("dQ", "dK per query head", "dV per query head"), (dq, dk, dv), want):
+                        assert_close(f"{cand.name} {mask_name} {b}x{h}:{hkv} {nq}x{nk} {alignment} scale {scale} "
+                                     f"{name}", g, w, dtype)
+
+
+def test_bias_backward_through_autograd():
+    """fused_attention with a bool padding mask (the Hugging Face form) and with a float bias, both
+    alignments, GQA: gradients through autograd against float64, deterministic too (bitwise
+    repeatable), on whichever backward instance the registry picks."""
+    for dtype in DTYPES:
+        for causal, alignment in MASKS:
+            key = ("bias-autograd", str(dtype), causal, alignment)
+            q, k, v, do = make(2, 8, 2, 257, 300, 128, dtype, key)
+            for mask_name, mask in bias_masks(2, 8, 257, 300, dtype, key):  # Nq <= Nk: the forward's masked tiles
+                kw = dict(causal=causal, causal_alignment=alignment, attn_mask=mask)
+                got = train_grads(q, k, v, do, **kw)
+                again = train_grads(q, k, v, do, deterministic=True, **kw)
+                assert all(torch.equal(a, b) for a, b in zip(again, train_grads(q, k, v, do, deterministic=True, **kw)))
+                additive = mask if mask.dtype != torch.bool else \
+                    torch.zeros(mask.shape, dtype=torch.float64, device="cuda").masked_fill(~mask, float("-inf"))
+                want = ref_grads(q, k.repeat_interleave(4, 1), v.repeat_interleave(4, 1), do, bias=additive.double(),
+                                 causal=causal, alignment=alignment)
+                want[1], want[2] = (w.view(2, 2, 4, 300, 128).sum(2) for w in want[1:3])
+                for name, g, g2, w in zip(("dQ", "dK", "dV"), got, again, want):
+                    assert_close(f"{mask_name} {alignment} {dtype} {name}", g, w, dtype)
+                    assert_close(f"{mask_name} {alignment} {dtype} deterministic {name}", g2, w, dtype)
+
+
 def test_mask_gradient_and_bool_mask():
     dtype = torch.float16
     q, k, v, do = make(2, 2, 2, 65, 96, 64, dtype, "bias")

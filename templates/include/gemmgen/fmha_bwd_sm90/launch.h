@@ -32,6 +32,11 @@
 // the forward's logit softcap c: P = exp(c tanh(scale S / c) - LSE) and dS gains the factor
 // 1 - tanh^2 (split_dq.h).
 //
+// Additive masks: `_bias` instances (split-dQ, no softcap or window, fixed lengths) take the
+// forward's bias (no dbias) and add it to the recomputed scores; a bias that several heads or batch
+// entries share is first sorted into visible, hidden and mixed tiles (fmha_sm90/bias.h's sort, into
+// the workspace after its other parts), and split_dq.h reads the mixed tiles' bias only.
+//
 // GQA: split-dQ instances (GEMMGEN_INFO_READS_GQA) take K and V at their own heads, heads_kv dividing
 // heads: the load warp reads query head h's K and V at head h / group, and dK and dV are written per
 // query head (dk and dv have `heads` heads), which the caller sums over each group. Example 88's
@@ -84,6 +89,7 @@ CUTE_HOST_DEVICE constexpr auto make_fragment_like(Tensor<ArrayEngine<float, N>,
 #include "gemmgen/fmha_bwd_sm90/band.h"
 #include "gemmgen/fmha_bwd_sm90/split_dq.h"
 #include "gemmgen/fmha_bwd_sm90/tile_order.h"
+#include "gemmgen/fmha_sm90/bias.h"
 #include "gemmgen/fmha_sm90/cutlass_launch.h"
 #include "gemmgen/report.h"
 #include "gemmgen/smem.h"
@@ -138,25 +144,28 @@ struct BwdMask {
 // SplitDq: split_dq.h's mainloop (dQ computed half by each math warp group, the mask a band given
 // at launch), else example 88's (no mask or causal top-left, kLocal not available).
 template <class Element_, int BlockM, int BlockN, int HeadDim, BandKind Kind, bool SplitDq = false,
-          bool Softcap = false>
+          bool Softcap = false, bool Bias = false>
 struct Config {
   static_assert(SplitDq || Kind != BandKind::kLocal, "the local mask runs on the split-dQ mainloop");
   static_assert(SplitDq || !Softcap, "a softcap runs on the split-dQ mainloop");
+  static_assert(!Bias || (SplitDq && !Softcap && Kind != BandKind::kLocal),
+                "a bias runs on the split-dQ mainloop, without a softcap or a window");
   static constexpr bool Causal = Kind == BandKind::kCausal;
   using Element = Element_;
   // (queries per step, keys per CTA, head dim): example 88's TileShape order. Two math warp groups
   // take block_n / 2 keys each.
   using TileShape = Shape<Int<BlockM>, Int<BlockN>, Int<HeadDim>>;
   using Mainloop = std::conditional_t<
-      SplitDq, SplitDqMainloop<Element, TileShape, Kind, Softcap>,
+      SplitDq, SplitDqMainloop<Element, TileShape, Kind, Softcap, false, Bias>,
       cutlass::fmha::collective::FmhaBwdMainloopTmaWarpSpecialized<Element, float, TileShape, BwdMask<Causal>>>;
   using Epilogue = cutlass::fmha::collective::FmhaBwdEpilogueKV<Element, float, typename Mainloop::TileShapePV>;
   using Scheduler = cutlass::fmha::kernel::TileSchedulerBwdAdapter<std::conditional_t<
       Causal, gemmgen::fmha_bwd_sm90::CausalKeyTileOrder, cutlass::fmha::kernel::IndividualTileScheduler>>;
   using Kernel = cutlass::fmha::kernel::FmhaKernelTmaWarpSpecialized<Mainloop, Epilogue, Scheduler>;
-  // Packed sequences (split-dQ instances): the same kernel with split_dq.h's kPacked mainloop.
+  // Packed sequences (split-dQ instances without a bias): the same kernel with split_dq.h's kPacked
+  // mainloop.
   using PackedKernel = std::conditional_t<
-      SplitDq,
+      SplitDq && !Bias,
       cutlass::fmha::kernel::FmhaKernelTmaWarpSpecialized<SplitDqMainloop<Element, TileShape, Kind, Softcap, true>,
                                                           Epilogue, Scheduler>,
       void>;
@@ -168,6 +177,7 @@ struct Config {
   static constexpr bool kBand = SplitDq;  // the mask's band is a launch parameter
   static constexpr BandKind kKind = Kind;
   static constexpr bool kSoftcap = Softcap;
+  static constexpr bool kBias = Bias;  // the forward's additive mask (no dbias)
 };
 
 constexpr int64_t kInt32Max = 2147483647;
@@ -225,6 +235,28 @@ inline WorkspaceLayout workspace_layout(int64_t b, int64_t h, int64_t nq, int64_
   w.turns_offset = w.dq_offset + round_up(w.dq_bytes, kWorkspaceAlign);
   w.total = w.turns_offset + round_up(b * h * query_tiles * 4, kWorkspaceAlign);
   return w;
+}
+
+// Bias instances: the classes of a bias that several heads or batch entries share (split_dq.h; the
+// forward's sort, fmha_sm90/bias.h), one byte per (bias batch entry and head, 64-query group,
+// 64-key tile), after the other parts of the workspace. None (0 bytes) for a bias per (batch, head).
+struct BiasClasses {
+  int64_t batch = 0, heads = 0, groups = 0, tiles = 0;
+  int64_t bytes() const { return round_up(batch * heads * groups * tiles, kWorkspaceAlign); }
+};
+
+template <class Cfg>
+BiasClasses bias_classes(const GemmgenAttnBwdParams* p) {
+  BiasClasses c;
+  if (!Cfg::kBias || p->bias == nullptr || p->cu_seqlens_q != nullptr ||
+      !fmha_sm90::classifies(p->batch, p->heads, p->bias_batch_stride, p->bias_head_stride)) {
+    return c;
+  }
+  c.batch = p->bias_batch_stride == 0 ? 1 : p->batch;
+  c.heads = p->bias_head_stride == 0 ? 1 : p->heads;
+  c.groups = (int64_t(p->seqlen_q) + fmha_sm90::kClassRows - 1) / fmha_sm90::kClassRows;
+  c.tiles = (int64_t(p->seqlen_k) + fmha_sm90::kClassRows - 1) / fmha_sm90::kClassRows;
+  return c;
 }
 
 // Query tiles a split-dQ instance counts turns for (none for example 88's loop).
@@ -341,7 +373,7 @@ int64_t workspace(const GemmgenAttnBwdParams* p) {
   if (nq < 1) return 0;
   // run() refuses calls whose dQ accumulator passes int32 offsets; no workspace is needed for them.
   if (b * h > kInt32Max || b * h * nq > kInt32Max / Cfg::kHeadDim) return 0;
-  return workspace_layout(b, h, nq, Cfg::kHeadDim, turn_tiles<Cfg>(nq)).total;
+  return workspace_layout(b, h, nq, Cfg::kHeadDim, turn_tiles<Cfg>(nq)).total + bias_classes<Cfg>(p).bytes();
 }
 
 template <class Cfg>
@@ -370,13 +402,27 @@ int run(const GemmgenAttnBwdParams* p, cudaStream_t stream, char* err, int err_l
                   "heads / heads_kv %d: at most %lld query heads per key/value head", p->heads / p->heads_kv,
                   static_cast<long long>(kMaxGridYZ));
   }
-  if (p->bias != nullptr || p->dbias != nullptr || p->dropout_p != 0.f) {
-    return report(err, err_len, GEMMGEN_INVALID_ARGUMENT, "this family runs no bias, dbias or dropout");
+  if (p->dbias != nullptr || p->dropout_p != 0.f) {
+    return report(err, err_len, GEMMGEN_INVALID_ARGUMENT, "this family runs no dbias or dropout");
+  }
+  if ((p->bias != nullptr) != Cfg::kBias) {
+    return report(err, err_len, GEMMGEN_INVALID_ARGUMENT,
+                  Cfg::kBias ? "this instance runs calls with a bias only (bias is NULL)"
+                             : "bias is set: this instance runs no additive mask (one built for it does, `_bias`)");
   }
   // Packed sequences (split-dQ instances): one batch entry over the packed tensors, each key masked to
   // its own sequence's rows (band.h's Packed).
   const bool packed = p->cu_seqlens_q != nullptr || p->cu_seqlens_k != nullptr;
+  if (Cfg::kBias && (reinterpret_cast<uintptr_t>(p->bias) % 16 != 0 || p->bias_batch_stride < 0 ||
+                     p->bias_head_stride < 0 || p->bias_row_stride < 0 || p->bias_batch_stride % kVec != 0 ||
+                     p->bias_head_stride % kVec != 0 || p->bias_row_stride % kVec != 0)) {
+    return report(err, err_len, GEMMGEN_INVALID_ARGUMENT,
+                  "bias: a 16-byte aligned pointer and non-negative strides that are multiples of %d elements", kVec);
+  }
   if (packed) {
+    if (Cfg::kBias) {
+      return report(err, err_len, GEMMGEN_INVALID_ARGUMENT, "variable lengths: this instance runs a bias at fixed lengths only");
+    }
     if (!Cfg::kBand) {
       return report(err, err_len, GEMMGEN_INVALID_ARGUMENT,
                     "variable lengths: this instance runs none (the split-dQ instances do)");
@@ -481,12 +527,13 @@ int run(const GemmgenAttnBwdParams* p, cudaStream_t stream, char* err, int err_l
   }
   const int64_t query_tiles = turn_tiles<Cfg>(nq);
   const WorkspaceLayout ws = workspace_layout(b, h, nq, D, query_tiles);
+  const BiasClasses classes = bias_classes<Cfg>(p);
   if (p->workspace == nullptr || reinterpret_cast<uintptr_t>(p->workspace) % kWorkspaceAlign != 0 ||
-      p->workspace_bytes < ws.total) {
+      p->workspace_bytes < ws.total + classes.bytes()) {
     return report(err, err_len, GEMMGEN_INVALID_ARGUMENT,
                   "workspace: %lld bytes, %lld-byte aligned, needed (got %p, %lld bytes)",
-                  static_cast<long long>(ws.total), static_cast<long long>(kWorkspaceAlign), p->workspace,
-                  static_cast<long long>(p->workspace_bytes));
+                  static_cast<long long>(ws.total + classes.bytes()), static_cast<long long>(kWorkspaceAlign),
+                  p->workspace, static_cast<long long>(p->workspace_bytes));
   }
 
   if (Cfg::kCausal && (nk + Cfg::kBlockN - 1) / Cfg::kBlockN > kMaxGridYZ) {
@@ -523,6 +570,20 @@ int run(const GemmgenAttnBwdParams* p, cudaStream_t stream, char* err, int err_l
         vdo.sh, vdo.sr, p->lse, lse_ws, sum_ws, h, nq, ws.rows_padded, rows, packed_seqs, p->seqlen_q);
     e = cudaGetLastError();
     if (e != cudaSuccess) return cuda_failed("prep kernel launch");
+  }
+  // A shared bias: its tiles sorted into visible, hidden and mixed (split_dq.h reads the mixed ones).
+  uint8_t* class_ws = classes.bytes() > 0 ? reinterpret_cast<uint8_t*>(base + ws.total) : nullptr;
+  if constexpr (Cfg::kBias) {  // (the sort kernel is compiled into bias instances only)
+    if (class_ws != nullptr) {
+      const dim3 grid(static_cast<unsigned>(classes.tiles), static_cast<unsigned>(classes.groups),
+                      static_cast<unsigned>(std::min<int64_t>(classes.batch * classes.heads, kMaxGridYZ)));
+      fmha_sm90::classify_bias_tiles<Element><<<grid, fmha_sm90::kClassThreads, 0, stream>>>(
+          static_cast<const uint16_t*>(p->bias), p->bias_batch_stride, p->bias_head_stride, p->bias_row_stride,
+          static_cast<int>(classes.batch), static_cast<int>(classes.heads), static_cast<int>(nq),
+          static_cast<int>(nk), fmha_sm90::kClassRows, /*causal=*/false, /*offset=*/0, class_ws);
+      e = cudaGetLastError();
+      if (e != cudaSuccess) return cuda_failed("bias sort launch");
+    }
   }
 
   // A scale of exactly 0 would turn the masked scores (-inf) into NaN in exp2(score * scale - lse);
@@ -575,6 +636,21 @@ int run(const GemmgenAttnBwdParams* p, cudaStream_t stream, char* err, int err_l
             params.mainloop.group = static_cast<int>(group);
             params.mainloop.softcap = p->softcap;
             params.mainloop.packed = packed_seqs;
+            if constexpr (Cfg::kBias) {
+              params.mainloop.bias = static_cast<const Element*>(p->bias) + b0 * p->bias_batch_stride +
+                                     h0 * p->bias_head_stride;
+              params.mainloop.bias_sb = p->bias_batch_stride;
+              params.mainloop.bias_sh = p->bias_head_stride;
+              params.mainloop.bias_sr = p->bias_row_stride;
+              if (class_ws != nullptr) {
+                const int64_t per_head = classes.groups * classes.tiles;
+                params.mainloop.classes_sb = classes.batch == 1 ? 0 : classes.heads * per_head;
+                params.mainloop.classes_sh = classes.heads == 1 ? 0 : per_head;
+                params.mainloop.classes = class_ws + b0 * params.mainloop.classes_sb + h0 * params.mainloop.classes_sh;
+                params.mainloop.class_tiles = static_cast<int>(classes.tiles);
+                params.mainloop.class_groups = static_cast<int>(classes.groups);
+              }
+            }
             if (p->deterministic) {
               params.mainloop.turns = turns + vec0 * query_tiles;
               params.mainloop.turns_batch_stride = h * query_tiles;
@@ -588,7 +664,7 @@ int run(const GemmgenAttnBwdParams* p, cudaStream_t stream, char* err, int err_l
     return GEMMGEN_OK;
   };
   int status = GEMMGEN_OK;
-  if constexpr (Cfg::kBand) {
+  if constexpr (Cfg::kBand && !Cfg::kBias) {
     status = packed ? run_main(KernelTag<typename Cfg::PackedKernel>{})
                     : run_main(KernelTag<Kernel>{});
   } else {

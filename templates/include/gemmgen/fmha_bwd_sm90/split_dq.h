@@ -38,6 +38,7 @@
 #include "cutlass/arch/barrier.h"
 
 #include "gemmgen/fmha_bwd_sm90/band.h"
+#include "gemmgen/fmha_sm90/bias.h"
 
 namespace gemmgen::fmha_bwd_sm90 {
 
@@ -73,7 +74,16 @@ struct NoFusion {};
 
 // kPacked: the kernel of packed sequences (params.packed set), a second kernel of the instance, so
 // that the fixed-length kernel keeps its registers (the packed mask's lookups cost spills there).
-template <class Element_, class TileShape_, BandKind Kind, bool Softcap = false, bool kPacked = false>
+// kBias: the forward's additive mask (attn_mask) is added to the recomputed scores (`_bias`
+// instances; fixed lengths, no softcap): the scores are held scaled, scale * S + bias, and
+// P = exp(that - LSE). Where several heads or batch entries share the bias, launch.h first sorts
+// its (64-query, 64-key) tiles into visible (all 0), hidden (all -inf) and mixed
+// (fmha_sm90/bias.h's classify_bias_tiles): a group reads the bias of its mixed tiles only, scales a
+// visible tile's scores and gives a hidden tile P = 0. Without the sort every tile is mixed. The
+// 64-query tile (d128) reads its threads' values while its S and dP GEMMs run; the 128-query tile
+// (d64), with twice the scores per thread, where it adds them (held ahead, they spilled 952 bytes).
+template <class Element_, class TileShape_, BandKind Kind, bool Softcap = false, bool kPacked = false,
+          bool kBias = false>
 struct SplitDqMainloop
     : cutlass::fmha::collective::FmhaBwdMainloopTmaWarpSpecialized<Element_, float, TileShape_, NoFusion> {
   using Base = cutlass::fmha::collective::FmhaBwdMainloopTmaWarpSpecialized<Element_, float, TileShape_, NoFusion>;
@@ -114,6 +124,7 @@ struct SplitDqMainloop
   //   along the queries: A = K^T (d x keys), B = dS^T (queries x keys), whose unswizzled layout
   //   splits into whole 8-row atoms. wgmma's 64-row minimum rules out d = 32.
   static constexpr bool kTransposedDq = kHeadDim == 64;
+  static constexpr bool kBiasAhead = kBlockM == 64;  // bias values read while S and dP run (kBias)
   static_assert(kHeadDim == 128 || kHeadDim == 64, "dQ splits at head dims 64 and 128");
   using DqTileMNK = std::conditional_t<kTransposedDq, Shape<Int<kHeadDim>, Int<kBlockM / 2>, _64>,
                                        Shape<Int<kBlockM>, Int<kHeadDim / 2>, _64>>;
@@ -141,6 +152,16 @@ struct SplitDqMainloop
     int turns_head_stride = 0;       // counters per head (query tiles)
     float softcap = 0.f;             // the forward's logit softcap (Softcap instances)
     Packed packed;                   // packed sequences (band.h): the kPacked kernel's
+    // kBias: the bias of the launch's first (batch, head), [query, key] at query * bias_sr + key,
+    // and its batch and head strides, in elements.
+    const Element* bias = nullptr;
+    int64_t bias_sb = 0, bias_sh = 0, bias_sr = 0;
+    // The sorted bias (NULL: not sorted, every tile mixed): the class of (64-query group g, 64-key
+    // tile t) of this launch's first (batch, head) at g * class_tiles + t, strides per batch and head
+    // (0 where the bias broadcasts); class_groups query groups.
+    const uint8_t* classes = nullptr;
+    int64_t classes_sb = 0, classes_sh = 0;
+    int class_tiles = 0, class_groups = 0;
   };
 
   template <class ProblemShape>
@@ -381,10 +402,25 @@ struct SplitDqMainloop
       }
     }();
 
+    // Bias instances: this (batch, head)'s bias rows.
+    [[maybe_unused]] const Element* bias_bh = nullptr;
+    [[maybe_unused]] const uint8_t* classes_bh = nullptr;
+    if constexpr (kBias) {
+      static_assert(get<0>(TileShapeNM{}) == fmha_sm90::kClassRows && kBlockM % fmha_sm90::kClassRows == 0,
+                    "a group's keys are one class tile wide, a query tile whole class groups");
+      bias_bh = params.bias + int64_t(get<2, 0>(blk_coord)) * params.bias_sb +
+                int64_t(get<2, 1>(blk_coord)) * params.bias_sh;
+      if (params.classes != nullptr) {
+        classes_bh = params.classes + int64_t(get<2, 0>(blk_coord)) * params.classes_sb +
+                     int64_t(get<2, 1>(blk_coord)) * params.classes_sh + n_block;
+      }
+    }
+
     // The CTA's range of query tiles, as the load warp and the reducer walk it.
     const QueryTiles tiles = cta_query_tiles(blk_coord, params, problem_size);
     tScS.data() = tScS.data() + E<1>{} * tiles.first * get<1>(TileShapeNM{});
     int inner_tile_count = tiles.count;
+    [[maybe_unused]] int q_tile = tiles.first;
     int parity = 0;
     // A tile's Q and dO stages are released once its dK GEMM has completed.
     bool release_pending = false;
@@ -433,6 +469,37 @@ struct SplitDqMainloop
                                                tDPrDO(_, _, _, smem_pipe_read_do.index()), acc_DP);
       warpgroup_commit_batch();
 
+      // Bias instances: the class of this group's tile, and (kBiasAhead) its bias values.
+      [[maybe_unused]] auto bias_r = make_fragment_like<Element>(acc_S);
+      [[maybe_unused]] int tile_class = fmha_sm90::kMixed;  // of this group's keys and the query tile
+      if constexpr (kBias) {
+        if (classes_bh != nullptr && n_block >= params.class_tiles) {
+          tile_class = fmha_sm90::kHidden;  // keys past seqlen_k only (the mask hides them too)
+        } else if (classes_bh != nullptr) {
+          constexpr int kGroups = kBlockM / fmha_sm90::kClassRows;
+          const int g0 = q_tile * kGroups;
+          tile_class = classes_bh[int64_t(g0) * params.class_tiles];
+          CUTLASS_PRAGMA_UNROLL
+          for (int g = 1; g < kGroups; ++g) {
+            if (g0 + g < params.class_groups && classes_bh[int64_t(g0 + g) * params.class_tiles] != tile_class) {
+              tile_class = fmha_sm90::kMixed;
+            }
+          }
+        }
+      }
+      // The bias of this thread's score i; scores past the problem (masked, or rows whose dO is zero)
+      // read the last row's or key's.
+      [[maybe_unused]] auto bias_at = [&](int i) {
+        const auto pos = tScS(i);
+        const int key = min(int(get<0>(pos)), int(get<3>(problem_size)) - 1);
+        const int query = min(int(get<1>(pos)), int(get<2>(problem_size)) - 1);
+        return bias_bh[int64_t(query) * params.bias_sr + key];
+      };
+      if (kBias && kBiasAhead && tile_class == fmha_sm90::kMixed) {
+        CUTLASS_PRAGMA_UNROLL
+        for (int i = 0; i < size(bias_r); ++i) bias_r(i) = bias_at(i);
+      }
+
       // P = exp(scale * S - LSE) while dP runs.
       Tensor acc_P = make_fragment_like<ElementAccumulator>(acc_S);
       warpgroup_wait<1>();
@@ -458,6 +525,20 @@ struct SplitDqMainloop
           acc_S(i) = out * t;
         }
       }
+      if constexpr (kBias) {  // scaled units from here: scale * S + bias
+        if (tile_class == fmha_sm90::kMixed) {
+          CUTLASS_PRAGMA_UNROLL
+          for (int i = 0; i < size(acc_S); ++i) {
+            acc_S(i) = fmaf(params.scale_softmax, acc_S(i), float(kBiasAhead ? bias_r(i) : bias_at(i)));
+          }
+        } else if (tile_class == fmha_sm90::kVisible) {
+          CUTLASS_PRAGMA_UNROLL
+          for (int i = 0; i < size(acc_S); ++i) acc_S(i) *= params.scale_softmax;
+        } else {
+          CUTLASS_PRAGMA_UNROLL
+          for (int i = 0; i < size(acc_S); ++i) acc_S(i) = -INFINITY;
+        }
+      }
       if constexpr (kPacked) {
         mask_packed_scores(acc_S, tScS, tiled_mma_nm, rows_of_keys);
       } else {
@@ -466,8 +547,12 @@ struct SplitDqMainloop
       constexpr ElementAccumulator kLog2e = 1.4426950408889634f;
       CUTLASS_PRAGMA_UNROLL
       for (int i = 0; i < size(acc_P); ++i) {
-        acc_P(i) = ::exp2f(params.scale_softmax_log2 * acc_S(i) -
-                           kLog2e * tSsLSE(_, _, _, smem_pipe_read_q.index())(i));
+        if constexpr (kBias) {
+          acc_P(i) = ::exp2f(kLog2e * (acc_S(i) - tSsLSE(_, _, _, smem_pipe_read_q.index())(i)));
+        } else {
+          acc_P(i) = ::exp2f(params.scale_softmax_log2 * acc_S(i) -
+                             kLog2e * tSsLSE(_, _, _, smem_pipe_read_q.index())(i));
+        }
       }
 
       // dS = P * (dP - D) * scale, in the element type.
@@ -546,6 +631,7 @@ struct SplitDqMainloop
       release_pending = true;
 
       tScS.data() = tScS.data() + E<1>{} * get<1>(TileShapeNM{});
+      ++q_tile;
       parity ^= 1;
     }
 
