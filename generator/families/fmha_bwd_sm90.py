@@ -18,7 +18,8 @@ and mea_bwd_sm80 serve what it refuses. Causal instances start their CTAs in til
 Packed sequences (variable lengths) run on the split-dQ instances as one batch entry over the packed
 tensors, each key masked to its own sequence's query rows (band.h's Packed; NOTES 86). Additive
 masks (attn_mask, no dBias) run on the `_bias` instances (split_dq.h's kBias; a shared mask's tiles
-sorted first as the forward sorts them; NOTES 99).
+sorted first as the forward sorts them, each key tile's query range cut to the tiles it sees; NOTES
+99).
 
 One instance = one (dtype, head_dim, mask, tile): block_m queries per step of a CTA's loop, block_n
 keys per CTA (example 88's TileShape (block_m, block_n, head_dim)). `problem_reason` states what a

@@ -35,7 +35,8 @@
 // Additive masks: `_bias` instances (split-dQ, no softcap or window, fixed lengths) take the
 // forward's bias (no dbias) and add it to the recomputed scores; a bias that several heads or batch
 // entries share is first sorted into visible, hidden and mixed tiles (fmha_sm90/bias.h's sort, into
-// the workspace after its other parts), and split_dq.h reads the mixed tiles' bias only.
+// the workspace after its other parts), split_dq.h reads the mixed tiles' bias only, and each key
+// tile's CTA runs the query tiles from the first to the last it does not see hidden only.
 //
 // GQA: split-dQ instances (GEMMGEN_INFO_READS_GQA) take K and V at their own heads, heads_kv dividing
 // heads: the load warp reads query head h's K and V at head h / group, and dK and dV are written per
@@ -240,9 +241,12 @@ inline WorkspaceLayout workspace_layout(int64_t b, int64_t h, int64_t nq, int64_
 // Bias instances: the classes of a bias that several heads or batch entries share (split_dq.h; the
 // forward's sort, fmha_sm90/bias.h), one byte per (bias batch entry and head, 64-query group,
 // 64-key tile), after the other parts of the workspace. None (0 bytes) for a bias per (batch, head).
+// Then the range of query tiles of each CTA key tile (bias_query_ranges): an int2 per (bias batch
+// entry and head, key tile of block_n keys).
 struct BiasClasses {
-  int64_t batch = 0, heads = 0, groups = 0, tiles = 0;
-  int64_t bytes() const { return round_up(batch * heads * groups * tiles, kWorkspaceAlign); }
+  int64_t batch = 0, heads = 0, groups = 0, tiles = 0, key_tiles = 0;
+  int64_t class_bytes() const { return round_up(batch * heads * groups * tiles, kWorkspaceAlign); }
+  int64_t bytes() const { return class_bytes() + round_up(batch * heads * key_tiles * 8, kWorkspaceAlign); }
 };
 
 template <class Cfg>
@@ -256,7 +260,35 @@ BiasClasses bias_classes(const GemmgenAttnBwdParams* p) {
   c.heads = p->bias_head_stride == 0 ? 1 : p->heads;
   c.groups = (int64_t(p->seqlen_q) + fmha_sm90::kClassRows - 1) / fmha_sm90::kClassRows;
   c.tiles = (int64_t(p->seqlen_k) + fmha_sm90::kClassRows - 1) / fmha_sm90::kClassRows;
+  c.key_tiles = (int64_t(p->seqlen_k) + Cfg::kBlockN - 1) / Cfg::kBlockN;
   return c;
+}
+
+// One thread per (bias batch entry and head, key tile of block_n keys): the first and last query
+// tile (block_m queries, whole 64-query class groups) with a class other than hidden for some
+// 64-key class tile of the key tile; first > last where there is none. classes as the sort writes
+// them ([bias entry][group][class tile]).
+template <int kBlockM, int kBlockN>
+__global__ void bias_query_ranges(const uint8_t* __restrict__ classes, int64_t entries, int groups, int tiles,
+                                  int key_tiles, int2* __restrict__ ranges) {
+  constexpr int kGroupsPerTile = kBlockM / fmha_sm90::kClassRows, kTilesPerKeyTile = kBlockN / fmha_sm90::kClassRows;
+  const int64_t at = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (at >= entries * key_tiles) return;
+  const int64_t entry = at / key_tiles;
+  const int key_tile = int(at - entry * key_tiles);
+  const uint8_t* c = classes + entry * groups * tiles;
+  int first = 1 << 30, last = -1;
+  for (int g = 0; g < groups; ++g) {
+    bool seen = false;
+    for (int t = key_tile * kTilesPerKeyTile; t < (key_tile + 1) * kTilesPerKeyTile && t < tiles; ++t) {
+      seen = seen || c[int64_t(g) * tiles + t] != fmha_sm90::kHidden;
+    }
+    if (seen) {
+      first = min(first, g / kGroupsPerTile);
+      last = g / kGroupsPerTile;
+    }
+  }
+  ranges[at] = make_int2(first, last);
 }
 
 // Query tiles a split-dQ instance counts turns for (none for example 88's loop).
@@ -583,6 +615,13 @@ int run(const GemmgenAttnBwdParams* p, cudaStream_t stream, char* err, int err_l
           static_cast<int>(nk), fmha_sm90::kClassRows, /*causal=*/false, /*offset=*/0, class_ws);
       e = cudaGetLastError();
       if (e != cudaSuccess) return cuda_failed("bias sort launch");
+      const int64_t entries = classes.batch * classes.heads;
+      bias_query_ranges<Cfg::kBlockM, Cfg::kBlockN>
+          <<<static_cast<unsigned>((entries * classes.key_tiles + 127) / 128), 128, 0, stream>>>(
+              class_ws, entries, static_cast<int>(classes.groups), static_cast<int>(classes.tiles),
+              static_cast<int>(classes.key_tiles), reinterpret_cast<int2*>(class_ws + classes.class_bytes()));
+      e = cudaGetLastError();
+      if (e != cudaSuccess) return cuda_failed("bias range launch");
     }
   }
 
@@ -649,6 +688,10 @@ int run(const GemmgenAttnBwdParams* p, cudaStream_t stream, char* err, int err_l
                 params.mainloop.classes = class_ws + b0 * params.mainloop.classes_sb + h0 * params.mainloop.classes_sh;
                 params.mainloop.class_tiles = static_cast<int>(classes.tiles);
                 params.mainloop.class_groups = static_cast<int>(classes.groups);
+                params.mainloop.ranges_sb = classes.batch == 1 ? 0 : classes.heads * classes.key_tiles;
+                params.mainloop.ranges_sh = classes.heads == 1 ? 0 : classes.key_tiles;
+                params.mainloop.query_ranges = reinterpret_cast<const int2*>(class_ws + classes.class_bytes()) +
+                                               b0 * params.mainloop.ranges_sb + h0 * params.mainloop.ranges_sh;
               }
             }
             if (p->deterministic) {

@@ -82,6 +82,9 @@ struct NoFusion {};
 // visible tile's scores and gives a hidden tile P = 0. Without the sort every tile is mixed. The
 // 64-query tile (d128) reads its threads' values while its S and dP GEMMs run; the 128-query tile
 // (d64), with twice the scores per thread, where it adds them (held ahead, they spilled 952 bytes).
+// With the sort, a CTA's range of query tiles is cut to the tiles from its first to its last one
+// that some group of its keys does not see hidden (launch.h's bias_query_ranges), outside
+// deterministic calls, whose dQ turns need the band's ranges.
 template <class Element_, class TileShape_, BandKind Kind, bool Softcap = false, bool kPacked = false,
           bool kBias = false>
 struct SplitDqMainloop
@@ -162,6 +165,10 @@ struct SplitDqMainloop
     const uint8_t* classes = nullptr;
     int64_t classes_sb = 0, classes_sh = 0;
     int class_tiles = 0, class_groups = 0;
+    // With the sort: per CTA key tile, the first and last query tiles some group of its keys does not
+    // see hidden (first > last: none), strides per batch and head (0 where the bias broadcasts).
+    const int2* query_ranges = nullptr;
+    int64_t ranges_sb = 0, ranges_sh = 0;
   };
 
   template <class ProblemShape>
@@ -179,8 +186,19 @@ struct SplitDqMainloop
       return packed_query_tiles(params.packed, params.band, int(get<1>(blk_coord)), kBlockN, kBlockM,
                                 int(get<2>(problem_size)), int(get<3>(problem_size)));
     }
-    return query_tiles<Kind>(params.band, int(get<1>(blk_coord)), kBlockN, kBlockM, int(get<2>(problem_size)),
-                             int(get<3>(problem_size)));
+    const QueryTiles band = query_tiles<Kind>(params.band, int(get<1>(blk_coord)), kBlockN, kBlockM,
+                                              int(get<2>(problem_size)), int(get<3>(problem_size)));
+    if constexpr (kBias) {
+      if (params.query_ranges != nullptr && params.turns == nullptr && !band.empty) {
+        const int2 r = params.query_ranges[int64_t(get<2, 0>(blk_coord)) * params.ranges_sb +
+                                           int64_t(get<2, 1>(blk_coord)) * params.ranges_sh + int(get<1>(blk_coord))];
+        const int first = max(band.first, r.x), last = min(band.first + band.count - 1, r.y);
+        // No tile seen: one tile that every group sees hidden (zero dK and dV; no dQ addition).
+        if (first > last) return {band.first, 1, true};
+        return {first, last - first + 1};
+      }
+    }
+    return band;
   }
 
   // The load warp: the CTA's K and V halves (one pair per math group; K and V of the query head's
