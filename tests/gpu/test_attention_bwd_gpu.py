@@ -2,10 +2,10 @@
 gemmgen.fused_attention's autograd against float64 autograd on fresh random inputs, gradient
 buffers poisoned with NaN first (NaN never passes); GQA/MQA, both causal alignments, BNHD views,
 empty and odd lengths, packed variable lengths (fused_attention_varlen, empty sequences included),
-dropout (the backward's mask is the forward's), the mask's gradient,
-determinism, torch.compile of a training step, CUDA graph replay, double backward, and a small
-transformer trained 50 steps beside torch SDPA. Needs the default build (`gemmgen generate
---arch sm80 --arch sm90`)."""
+dropout (the backward's mask is the forward's), additive masks (every `_bias` backward instance;
+shared and per-head masks), the mask's gradient, determinism, torch.compile of a training step,
+CUDA graph replay, double backward, and a small transformer trained 50 steps beside torch SDPA.
+Needs the default build (`gemmgen generate --arch sm80 --arch sm90`)."""
 from __future__ import annotations
 
 import math
