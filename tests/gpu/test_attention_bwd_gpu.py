@@ -237,6 +237,13 @@ def test_head_dims_each_backward_family_serves():
             assert_close(f"d{d} {name}", g, w, torch.float16)
 
 
+def as_additive(mask: torch.Tensor) -> torch.Tensor:
+    """A mask as the float64 bias the reference adds: a bool one 0 where True, -inf where False."""
+    if mask.dtype != torch.bool:
+        return mask.double()
+    return torch.zeros(mask.shape, dtype=torch.float64, device=mask.device).masked_fill(~mask, float("-inf"))
+
+
 def bias_masks(b, h, nq, nk, dtype, key) -> list[tuple[str, torch.Tensor]]:
     """attn_masks a bias backward instance must serve: a Hugging Face padding mask (bool [B, 1, Nq,
     Nk], each sequence's first keys hidden, some rows seeing no key), a float bias per head, and a
@@ -293,10 +300,8 @@ def test_every_bias_backward_instance():
                                           causal_alignment=alignment, scale=scale, bias=bias)
                     launch.run_bwd(cand.kernel, p, q.get_device())
                     torch.cuda.synchronize()
-                    additive = mask if mask.dtype != torch.bool else \
-                        torch.zeros(mask.shape, dtype=torch.float64, device="cuda").masked_fill(~mask, float("-inf"))
                     k4, v4 = (t.repeat_interleave(group, 1) for t in (k, v))
-                    want = ref_grads(q, k4, v4, do, bias=additive.double(), causal=causal, alignment=alignment,
+                    want = ref_grads(q, k4, v4, do, bias=as_additive(mask), causal=causal, alignment=alignment,
                                      scale=scale)
                     for name, g, w in zip(("dQ", "dK per query head", "dV per query head"), (dq, dk, dv), want):
                         assert_close(f"{cand.name} {mask_name} {b}x{h}:{hkv} {nq}x{nk} {alignment} scale {scale} "
@@ -316,9 +321,7 @@ def test_bias_backward_through_autograd():
                 got = train_grads(q, k, v, do, **kw)
                 again = train_grads(q, k, v, do, deterministic=True, **kw)
                 assert all(torch.equal(a, b) for a, b in zip(again, train_grads(q, k, v, do, deterministic=True, **kw)))
-                additive = mask if mask.dtype != torch.bool else \
-                    torch.zeros(mask.shape, dtype=torch.float64, device="cuda").masked_fill(~mask, float("-inf"))
-                want = ref_grads(q, k.repeat_interleave(4, 1), v.repeat_interleave(4, 1), do, bias=additive.double(),
+                want = ref_grads(q, k.repeat_interleave(4, 1), v.repeat_interleave(4, 1), do, bias=as_additive(mask),
                                  causal=causal, alignment=alignment)
                 want[1], want[2] = (w.view(2, 2, 4, 300, 128).sum(2) for w in want[1:3])
                 for name, g, g2, w in zip(("dQ", "dK", "dV"), got, again, want):
@@ -346,8 +349,7 @@ def test_mask_gradient_and_bool_mask():
                                                                    requires_grad=True))
     keep = randn((65, 96), dtype, "bool") > -1.0
     got = train_grads(q, k, v, do, attn_mask=keep)
-    want = ref_grads(q, k, v, do, bias=torch.zeros((), dtype=torch.float64, device="cuda").masked_fill(
-        ~keep, float("-inf")))
+    want = ref_grads(q, k, v, do, bias=as_additive(keep))
     for name, g, w in zip(("dQ", "dK", "dV"), got, want):
         assert_close(f"bool mask {name}", g, w, dtype)
 
