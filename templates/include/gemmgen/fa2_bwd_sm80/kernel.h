@@ -26,6 +26,7 @@
 #include "gemmgen/fa2_bwd_sm80/traits.h"
 #include "gemmgen/fa2_sm80/utils.h"
 #include "gemmgen/sequence.h"
+#include "gemmgen/softcap.h"
 
 namespace gemmgen::fa2_bwd_sm80 {
 using namespace cute;
@@ -66,9 +67,6 @@ __device__ __forceinline__ int load_acquire(const int* p) {
 __device__ __forceinline__ void store_release(int* p, int v) {
   asm volatile("st.release.gpu.global.b32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
-
-// tanh(x) as 1 - 2 / (e^2x + 1), as the forward computes it (fa2_sm80/kernel.h).
-__device__ __forceinline__ float softcap_tanh(float x) { return 1.f - __fdividef(2.f, __expf(2.f * x) + 1.f); }
 
 // prep: one warp per query row (padded rows included), 16-byte vectors along the head dim.
 template <class Traits>

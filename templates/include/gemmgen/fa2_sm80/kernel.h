@@ -12,6 +12,7 @@
 #include "gemmgen/fa2_sm80/traits.h"
 #include "gemmgen/fa2_sm80/utils.h"
 #include "gemmgen/sequence.h"
+#include "gemmgen/softcap.h"
 
 namespace gemmgen::fa2_sm80 {
 using namespace cute;
@@ -35,10 +36,6 @@ CUTE_DEVICE void write_empty_tile(GemmgenAttnParams const& p, typename Traits::E
     for (int r = threadIdx.x; r < rows; r += Traits::kNThreads) lse_ptr[r] = -INFINITY;
   }
 }
-
-// tanh(x) as 1 - 2 / (e^2x + 1): one MUFU exponential and one reciprocal, relative error near
-// fp32's where the result is not near 0 (there, absolute error ~1e-7), and exactly +-1 for large |x|.
-__device__ __forceinline__ float softcap_tanh(float x) { return 1.f - __fdividef(2.f, __expf(2.f * x) + 1.f); }
 
 // Local: the sliding window of Mask.LOCAL (abi.h's window_left / window_right around the diagonal
 // at causal_offset); Causal and Local are never both set. Softcap: the scaled scores s become

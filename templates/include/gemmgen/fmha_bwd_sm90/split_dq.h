@@ -39,6 +39,7 @@
 
 #include "gemmgen/fmha_bwd_sm90/band.h"
 #include "gemmgen/fmha_sm90/bias.h"
+#include "gemmgen/softcap.h"
 
 namespace gemmgen::fmha_bwd_sm90 {
 
@@ -538,7 +539,7 @@ struct SplitDqMainloop
         const float out = isfinite(params.softcap / params.scale_softmax) ? params.softcap / params.scale_softmax : 0.f;
         CUTLASS_PRAGMA_UNROLL
         for (int i = 0; i < size(acc_S); ++i) {
-          const float t = 1.f - __fdividef(2.f, __expf(2.f * in * acc_S(i)) + 1.f);  // tanh
+          const float t = gemmgen::softcap_tanh(in * acc_S(i));
           acc_cap(i) = 1.f - t * t;
           acc_S(i) = out * t;
         }

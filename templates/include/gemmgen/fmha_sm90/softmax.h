@@ -31,6 +31,7 @@
 #include "88_hopper_fmha/collective/fmha_common.hpp"
 
 #include "gemmgen/fmha_sm90/bias.h"
+#include "gemmgen/softcap.h"
 
 namespace gemmgen::fmha_sm90 {
 
@@ -138,11 +139,11 @@ struct CollectiveSoftmax<float,
   }
 
   // Softcap: the raw scores s become out * tanh(in * s), in = scale / c and out = c / scale, so that
-  // the scaled ones are c * tanh(scale * s / c); before the mask, whose -inf it would undo. tanh as
-  // 1 - 2 / (e^2x + 1), as the backward (fmha_bwd_sm90) and fa2_sm80 take it: the backward's P,
-  // recomputed from the forward's LSE, then matches. A scale of 0 (run as the smallest normal
-  // float) would overflow `out`: the capped scores are then all 0, which out = 0 gives. Bias
-  // instances holding scaled scores (raw() false) take them capped in scaled units: out = c.
+  // the scaled ones are c * tanh(scale * s / c); before the mask, whose -inf it would undo. tanh is
+  // softcap.h's, as every backward takes it: the backward's P, recomputed from the forward's LSE,
+  // then matches. A scale of 0 (run as the smallest normal float) would overflow `out`: the capped
+  // scores are then all 0, which out = 0 gives. Bias instances holding scaled scores (raw() false)
+  // take them capped in scaled units: out = c.
   template <class AccQK>
   CUTLASS_DEVICE void cap(AccQK& acc_qk) const {
     if constexpr (kSoftcap) {
@@ -150,7 +151,7 @@ struct CollectiveSoftmax<float,
       const float out = !raw() ? c : ::isfinite(c / params.scale_softmax) ? c / params.scale_softmax : 0.f;
       CUTLASS_PRAGMA_UNROLL
       for (int i = 0; i < size(acc_qk); ++i) {
-        acc_qk(i) = out * (1.f - __fdividef(2.f, __expf(2.f * in * acc_qk(i)) + 1.f));
+        acc_qk(i) = out * gemmgen::softcap_tanh(in * acc_qk(i));
       }
     }
   }
