@@ -51,6 +51,8 @@ CURRENT = {
     "bias_bwd_float_h100.md": "Training steps with a float per-head bias (fmha_bwd_sm90 `_bias`, every tile read) on an H100",
     "softcap_tanh_h100.md": "Softcap forward with the one-MUFU tanh (fmha_sm90 `_sc`) against the uncapped call on an H100",
     "softcap_bwd_tanh_h100.md": "Softcap backward with the one-MUFU tanh (fmha_bwd_sm90 `_sc`) against the uncapped backward on an H100",
+    "bias_padding_kept_h100.md": "A padding-masked forward with the mask's kernel copy kept per mask version, against the unmasked call and SDPA on an H100",
+    "bias_padding_each_call_h100.md": "The same calls converting the mask on every call (the previous code), same H100 run",
     "context_parallel_h200x2.md": "Context-parallel ring attention over two GPUs",
     "context_parallel_h200x4.md": "Context-parallel ring attention over four GPUs",
     "fa_short_h200.md": "Short sequences at d64 with the default build, untuned, against torch SDPA",

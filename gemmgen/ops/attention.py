@@ -9,7 +9,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from gemmgen.kernels import launch
 from gemmgen.select import calls, selection
-from gemmgen.ops import eager, fp8, offsets, padding, torch_op
+from gemmgen.ops import eager, fp8, offsets, padding, torch_op, versioned
 from gemmgen.ops.checks import (check_4d, check_bool, check_dense, check_finite, check_instance, check_no_overlap,
                                 check_softcap, check_strides, check_window)
 from gemmgen.ops.grad import check_no_grad
@@ -161,27 +161,56 @@ def _check_mask(attn_mask: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor
                          f"[B, H, Nq, Nk] = {[b, h, nq, nk]}") from None
 
 
+# The kernel's copies of masks (a bool mask's additive one; rows padded where the kernel cannot read
+# them in place), made once per mask tensor and version: a model's layers pass the same mask, which
+# its first layer then converts for all (gemmgen.ops.versioned; bench/NOTES.md 101). A copy is kept
+# while its mask lives; a few at most.
+_MASK_COPIES = versioned.PerVersion(most=4)
+
+
 def _prepare_mask(attn_mask: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
     """attn_mask (checked by _check_mask) as the op's bias: q's dtype, [B, H, Nq, Nk] by its strides
     (0 where it broadcasts over batch, heads or rows), rows contiguous, 16-byte aligned and padded
-    to 8 elements."""
+    to 8 elements: the mask itself where the kernel can read it so, else a copy, kept per mask
+    version (_MASK_COPIES) unless the mask takes a gradient (its copy is then part of this call's
+    autograd graph)."""
     if attn_mask is None:
         return None
-    b, h, nq, _ = q.shape
-    nk = k.shape[2]
+    shape = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+    if attn_mask.dtype != torch.bool and _in_place(_compact(attn_mask, shape), q):
+        return attn_mask.expand(shape)
+    if attn_mask.requires_grad:
+        return _kernel_copy(attn_mask, q, shape)
+    return _MASK_COPIES.get(attn_mask, (q.dtype, shape), lambda: _kernel_copy(attn_mask, q, shape))
+
+
+def _compact(mask: torch.Tensor, shape: tuple[int, int, int, int]) -> torch.Tensor:
+    """mask broadcast to shape, its broadcast over batch and heads (stride 0) kept as one entry."""
+    full = mask.expand(shape)
+    return full[:1 if full.stride(0) == 0 else shape[0], :1 if full.stride(1) == 0 else shape[1]]
+
+
+def _in_place(compact: torch.Tensor, q: torch.Tensor) -> bool:
+    """Whether the kernel reads this (compacted) mask where it lies: rows contiguous, strides and the
+    data pointer 16-byte aligned, rows a multiple of 8 elements long (not while tracing, where the
+    pointer is unknown)."""
+    s0, s1, s2, s3 = compact.stride()
+    nk = compact.shape[3]
+    aligned = (s3 == 1 or nk == 1) and s2 % ALIGN_ELEMENTS == 0 and s1 % ALIGN_ELEMENTS == 0 \
+        and s0 % ALIGN_ELEMENTS == 0 and nk % ALIGN_ELEMENTS == 0 and nk > 1
+    return aligned and not (torch.compiler.is_compiling() or isinstance(q, FakeTensor)) and \
+        compact.data_ptr() % ALIGN_BYTES == 0
+
+
+def _kernel_copy(attn_mask: torch.Tensor, q: torch.Tensor, shape: tuple[int, int, int, int]) -> torch.Tensor:
+    """The kernel's copy of attn_mask (_prepare_mask), made anew."""
     if attn_mask.dtype == torch.bool:  # True: take part (torch's convention); broadcasts kept; one kernel
         attn_mask = torch.where(attn_mask, torch.zeros((), dtype=q.dtype, device=q.device),
                                 torch.full((), float("-inf"), dtype=q.dtype, device=q.device))
-    full = attn_mask.expand(b, h, nq, nk)
-    # Keep the broadcast over batch and heads (stride 0); materialize what the kernel cannot read.
-    compact = full[:1 if full.stride(0) == 0 else b, :1 if full.stride(1) == 0 else h]
-    s0, s1, s2, s3 = compact.stride()
-    aligned = (s3 == 1 or nk == 1) and s2 % ALIGN_ELEMENTS == 0 and s1 % ALIGN_ELEMENTS == 0 \
-        and s0 % ALIGN_ELEMENTS == 0 and nk % ALIGN_ELEMENTS == 0 and nk > 1
-    if not aligned or torch.compiler.is_compiling() or isinstance(q, FakeTensor) or \
-            compact.data_ptr() % ALIGN_BYTES:
+    compact = _compact(attn_mask, shape)
+    if not _in_place(compact, q):
         compact = _padded_copy(compact)
-    return compact.expand(b, h, nq, nk)
+    return compact.expand(shape)
 
 
 def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
@@ -222,7 +251,8 @@ def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
     (Philox), so the same pair gives the same mask. seed=None draws one from torch's CUDA generator
     (torch.manual_seed makes it reproducible; a CUDA graph replays the mask it captured).
     attn_mask is added to the scaled scores, broadcastable to [B, H, Nq, Nk] like torch SDPA's float
-    mask, in q's dtype (a bool mask becomes 0 where True and -inf where False).
+    mask, in q's dtype (a bool mask becomes 0 where True and -inf where False: a copy made once per
+    mask tensor and version, kept while the mask lives, so that a model's layers share it).
 
     window=(left, right) is a sliding window (local attention, FlashAttention's window_size): query i
     sees keys j with i + off - left <= j <= i + off + right, off the diagonal's offset of

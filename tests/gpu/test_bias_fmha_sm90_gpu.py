@@ -121,6 +121,20 @@ def test_rows_without_keys_are_zero():
     assert (o[:, :, 5] == 0).all()
 
 
+def test_a_mask_changed_in_place_between_calls():
+    """A bool mask's kernel copy is kept per mask version: calls after an in-place change (a row
+    hidden, then a slice refilled) see the new mask, calls between changes the kept copy."""
+    if not bias_instances():
+        pytest.fail("no fmha_sm90 `_bias` instance is built for this GPU")
+    q, k, v = make_qkv(2, 4, 2, 129, 300, 128, torch.bfloat16, "in-place")
+    mask = torch.rand((2, 1, 129, 300), device="cuda") > 0.3
+    for change in (None, lambda m: m[:, :, 7].fill_(False), lambda m: m[1, :, 64:].copy_(~m[1, :, 64:])):
+        if change is not None:
+            change(mask)
+        for _ in range(2):
+            check_bias(q, k, v, mask, causal=False, alignment="top_left", scale=None)
+
+
 def test_registry_picks_bias_instances_for_masked_calls_only():
     if not bias_instances():
         pytest.fail("no fmha_sm90 `_bias` instance is built for this GPU")
@@ -188,4 +202,13 @@ def test_compile_and_graph_replay():
     graph.replay()
     torch.cuda.synchronize()
     ref, _ = attention_reference(*fresh, True, "bottom_right", None, bias=bias)
+    assert (out.double() - ref).norm() / ref.norm() <= TOLERANCE[torch.float16]
+    # The mask changed in place between replays: the replay converts it again.
+    mask[:, :, 100:].copy_(torch.rand((2, 1, 157, 300), device="cuda") > 0.6)
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    bias = torch.zeros((), dtype=torch.float64, device="cuda").masked_fill(~mask, float("-inf"))
+    ref, _ = attention_reference(*fresh, True, "bottom_right", None, bias=bias)
+    assert torch.isfinite(out).all(), "every element written (a row the mask hides whole is 0)"
     assert (out.double() - ref).norm() / ref.norm() <= TOLERANCE[torch.float16]
