@@ -53,6 +53,8 @@ CURRENT = {
     "softcap_bwd_tanh_h100.md": "Softcap backward with the one-MUFU tanh (fmha_bwd_sm90 `_sc`) against the uncapped backward on an H100",
     "bias_padding_kept_h100.md": "A padding-masked forward with the mask's kernel copy kept per mask version, against the unmasked call and SDPA on an H100",
     "bias_padding_each_call_h100.md": "The same calls converting the mask on every call (the previous code), same H100 run",
+    "softcap_bwd_half_factors_h100.md": "Softcap backward with the 1 - tanh^2 factors in fp16 pairs (fmha_bwd_sm90 `_sc`) on an H100",
+    "softcap_bwd_fp32_factors_h100.md": "The same calls on the previous tile (fp32 factors), same H100 run",
     "context_parallel_h200x2.md": "Context-parallel ring attention over two GPUs",
     "context_parallel_h200x4.md": "Context-parallel ring attention over four GPUs",
     "fa_short_h200.md": "Short sequences at d64 with the default build, untuned, against torch SDPA",
