@@ -90,3 +90,17 @@ def test_float_masks_read_in_place_are_not_copied_and_masks_with_grad_not_kept()
     assert attention._prepare_mask(odd, q, k17) is copy
     grad = odd.clone().requires_grad_()
     assert attention._prepare_mask(grad, q, k17) is not attention._prepare_mask(grad, q, k17)
+
+
+def test_a_copy_is_kept_per_stream(monkeypatch):
+    """A copy made on one stream is not handed to a call on another (it may still be in the making)."""
+    q = torch.zeros(1, 2, 16, 8, dtype=torch.float16)
+    k = torch.zeros(1, 2, 24, 8, dtype=torch.float16)
+    mask = torch.rand(1, 1, 16, 24) > 0.5
+    monkeypatch.setattr(attention, "_stream_key", lambda t: 1)
+    on_one = attention._prepare_mask(mask, q, k)
+    monkeypatch.setattr(attention, "_stream_key", lambda t: 2)
+    on_two = attention._prepare_mask(mask, q, k)
+    assert on_two is not on_one and torch.equal(on_two, on_one)
+    assert attention._prepare_mask(mask, q, k) is on_two
+

@@ -162,18 +162,24 @@ def _check_mask(attn_mask: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor
 
 
 # The kernel's copies of masks (a bool mask's additive one; rows padded where the kernel cannot read
-# them in place), made once per mask tensor and version: a model's layers pass the same mask, which
-# its first layer then converts for all (gemmgen.ops.versioned; bench/NOTES.md 101). A copy is kept
-# while its mask lives; a few at most.
+# them in place), made once per mask tensor, version and stream: a model's layers pass the same mask,
+# which its first layer then converts for all (gemmgen.ops.versioned; bench/NOTES.md 101). A copy
+# is kept while its mask lives; a few at most. The stream is part of the key: a copy made on one
+# stream may still be in the making when another stream would read it.
 _MASK_COPIES = versioned.PerVersion(most=4)
+
+
+def _stream_key(t: torch.Tensor) -> int | None:
+    """The current stream of t's device (its handle), which a call's kernels run on; None on the CPU."""
+    return torch.cuda.current_stream(t.device).cuda_stream if t.is_cuda else None
 
 
 def _prepare_mask(attn_mask: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
     """attn_mask (checked by _check_mask) as the op's bias: q's dtype, [B, H, Nq, Nk] by its strides
     (0 where it broadcasts over batch, heads or rows), rows contiguous, 16-byte aligned and padded
     to 8 elements: the mask itself where the kernel can read it so, else a copy, kept per mask
-    version (_MASK_COPIES) unless the mask takes a gradient (its copy is then part of this call's
-    autograd graph)."""
+    version and stream (_MASK_COPIES) unless the mask takes a gradient (its copy is then part of
+    this call's autograd graph)."""
     if attn_mask is None:
         return None
     shape = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
@@ -181,7 +187,7 @@ def _prepare_mask(attn_mask: torch.Tensor | None, q: torch.Tensor, k: torch.Tens
         return attn_mask.expand(shape)
     if attn_mask.requires_grad:
         return _kernel_copy(attn_mask, q, shape)
-    return _MASK_COPIES.get(attn_mask, (q.dtype, shape), lambda: _kernel_copy(attn_mask, q, shape))
+    return _MASK_COPIES.get(attn_mask, (q.dtype, shape, _stream_key(q)), lambda: _kernel_copy(attn_mask, q, shape))
 
 
 def _compact(mask: torch.Tensor, shape: tuple[int, int, int, int]) -> torch.Tensor:
