@@ -533,8 +533,8 @@ struct SplitDqMainloop
       // Softcap: the forward's scores were c * tanh(scale * S / c); acc_S takes them in S's units (the
       // exponential below scales by `scale`), and acc_cap keeps d(capped)/d(scale * S) = 1 - tanh^2
       // for dS, taken before the mask turns masked scores to -inf: in fp16, two to a register (dS is
-      // rounded to 16 bits after; in fp32 the factors held 32 more registers and the tile spilled
-      // 130 bytes, against 30 without a softcap).
+      // rounded to 16 bits after), since an fp32 fragment takes 32 more registers, which the tile
+      // has to spill (bench/NOTES.md 102).
       constexpr int kCapPairs = Softcap ? decltype(size(acc_S))::value / 2 : 1;
       __half2 acc_cap[kCapPairs];
       if constexpr (Softcap) {
