@@ -75,6 +75,12 @@ def test_a_bool_masks_kernel_copy_is_made_once_per_mask_version():
     assert second is not first and torch.isneginf(second[0, :, 3]).all()
     assert attention._prepare_mask(mask, q.bfloat16(), k.bfloat16()).dtype == torch.bfloat16
     assert attention._prepare_mask(mask.clone(), q, k) is not second, "another mask tensor, another copy"
+    base = torch.ones(2, 1, 16, 32, dtype=torch.bool)
+    view = base[..., :24]  # a view shares its base's version counter
+    kept = attention._prepare_mask(view, q, k)
+    base[1, 0, 2, 5] = False  # changed through the base
+    again = attention._prepare_mask(view, q, k)
+    assert again is not kept and torch.isneginf(again[1, :, 2, 5]).all() and (kept[1, :, 2, 5] == 0).all()
 
 
 def test_float_masks_read_in_place_are_not_copied_and_masks_with_grad_not_kept():
