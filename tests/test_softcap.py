@@ -98,3 +98,25 @@ def test_cli_explain_takes_a_softcap(tmp_path, capsys):
         assert "softcap" in capsys.readouterr().err
     finally:
         registry.set_build_dirs(None)
+
+
+def test_every_family_caps_with_the_one_tanh():
+    """A backward recomputes P = exp(capped - LSE) from a forward that may have run in another
+    family: every kernel that caps scores takes templates/include/gemmgen/softcap.h's tanh, and no
+    header computes a tanh of its own."""
+    import pathlib
+    import re
+
+    include = pathlib.Path(__file__).resolve().parents[1] / "templates" / "include" / "gemmgen"
+    capping = {p.relative_to(include).as_posix() for p in include.rglob("*.h")
+               if re.search(r"\bsoftcap\b|kSoftcap|Softcap\b", p.read_text())}
+    users = {p.relative_to(include).as_posix() for p in include.rglob("*.h")
+             if "softcap_tanh(" in p.read_text() and p.name != "softcap.h"}
+    assert {"fmha_sm90/softmax.h", "fmha_bwd_sm90/split_dq.h", "fa2_sm80/kernel.h", "fa2_bwd_sm80/kernel.h"} <= users
+    for rel in users:
+        assert '#include "gemmgen/softcap.h"' in (include / rel).read_text(), rel
+    for p in include.rglob("*.h"):
+        code = re.sub(r"//.*", "", p.read_text())  # (comments write the formula out)
+        assert not re.search(r"\btanhf?\s*\(|__expf\(2\.f \*|tanh\.approx", code) or p.name == "softcap.h", \
+            f"{p.relative_to(include)} computes a tanh of its own"
+    assert capping, "no kernel header mentions a softcap"
