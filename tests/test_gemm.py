@@ -38,7 +38,8 @@ def test_spaces_are_valid_and_named_uniquely():
     # Every default strided tile has a measured speed in every regime of every GPU profile.
     for profile in gemm_sm90.PROFILES.values():
         assert set(profile.speeds) == {*gemm_sm90.STRIDED_DEFAULT_TILES, gemm_sm90.REFERENCE_TILE}
-        regimes = set(gemm_sm90.REGIMES) - (set() if profile.small_outputs else {"small"})
+        regimes = set(gemm_sm90.REGIMES) - (set() if profile.small_work else {"small"}) \
+            - (set() if profile.few_batches else {"few"})
         assert all(set(v) == regimes for v in profile.speeds.values())
 
 
@@ -157,7 +158,7 @@ def test_generate_family_renders_only_what_is_asked(tmp_path):
     assert "Traits<cutlass::bfloat16_t, float" in text and "/*BTransposed=*/true" in text
     assert "run_ptrs<Traits>(args" in text and "const GemmgenBatchedGemmPtrArgs* args" in text
     sm90 = run_cli("generate", "--arch", "sm90", "--family", "gemm_sm90", "--no-compile", "--out", str(tmp_path))
-    assert sm90.returncode == 0 and "40 rendered" in sm90.stdout
+    assert sm90.returncode == 0 and "48 rendered" in sm90.stdout
     bad = run_cli("generate", "--arch", "sm80", "--family", "nope", "--no-compile", "--out", str(tmp_path))
     assert bad.returncode == 2 and "unknown family 'nope'" in bad.stderr
 
@@ -355,11 +356,14 @@ def test_regimes():
     assert regime(_problem(k=257)) == "long"
     assert regime(_problem(m=512, n=512, k=128, batch_count=512)) == "many"
     assert regime(_problem(m=512, n=512, k=128, batch_count=511)) == "mid"
-    # A small C is a regime of the H100's profile only.
-    assert regime(_problem(m=1024, n=1024, k=128, batch_count=64, device=h100)) == "small"
-    assert regime(_problem(m=1024, n=1024, k=128, batch_count=65, device=h100)) == "mid"
-    assert regime(_problem(m=1024, n=1024, k=128, batch_count=64)) == "mid"
-    # On the H100 eight matrices or fewer are a small C too, whatever their size (not long K).
-    assert regime(_problem(m=4096, n=4096, k=128, batch_count=8, device=h100)) == "small"
+    # A small problem (C's elements x K up to 2^32) is a regime of the H100's profile only.
+    assert regime(_problem(m=1024, n=1024, k=64, batch_count=64, device=h100)) == "small"
+    assert regime(_problem(m=1024, n=1024, k=64, batch_count=65, device=h100)) == "short"
+    assert regime(_problem(m=1024, n=1024, k=128, batch_count=32, device=h100)) == "small"
+    assert regime(_problem(m=1024, n=1024, k=128, batch_count=33, device=h100)) == "mid"
+    assert regime(_problem(m=1024, n=1024, k=64, batch_count=64)) == "short"
+    # On the H100 eight matrices or fewer are a regime of their own, whatever their size (not long K).
+    assert regime(_problem(m=4096, n=4096, k=128, batch_count=8, device=h100)) == "few"
     assert regime(_problem(m=4096, n=4096, k=128, batch_count=9, device=h100)) == "mid"
+    assert regime(_problem(m=64, n=64, k=64, batch_count=8)) == "short"
     assert regime(_problem(m=4096, n=4096, k=1024, batch_count=8, device=h100)) == "long"

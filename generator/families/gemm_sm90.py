@@ -200,8 +200,9 @@ _LARGE_IO = (256, 128, Schedule.COOPERATIVE, (1, 2), 128, TileScheduler.IN_ORDER
 _NARROW = (128, 64, Schedule.COOPERATIVE, (1, 1), 0, TileScheduler.PERSISTENT, False)
 # The strided default set: in each regime (`regime` below) one of these wins or is within a few
 # percent of the best of a 20-tile pool timed as users call it (eager calls queued) on the H200 and
-# the H100 (bench/results/gemm_tiles_h200.csv, gemm_tiles_h100.csv; bench/NOTES.md experiment 63).
+# the H100 (bench/results/gemm_tiles_h200.csv, gemm_tiles_h100.csv; bench/NOTES.md experiments 63, 104).
 STRIDED_DEFAULT_TILES: dict[TileKey, str] = {
+    REFERENCE_TILE: "128x128 cooperative: small problems (C x K up to 2^32) over more than 8 matrices on the H100",
     _SHORT_E64: "128x128 ping-pong, 64-column epilogue sub-tiles: short K (Q x K^T at head dim 64)",
     _CLUSTER_EL: ("128x128 ping-pong, 1x2 cluster, 128-column epilogue, evict-last operands: K of 128-256 "
                   "with N >= 256 (Q x K^T at head dim 128) on the H200, long K"),
@@ -211,11 +212,11 @@ STRIDED_DEFAULT_TILES: dict[TileKey, str] = {
 }
 # Regimes of the measured speeds: K longer than MID_K; many small outputs: M, N <= SMALL_MN with at
 # least MANY_OUTPUTS elements of C in all (B*H in the thousands at M = N = 512), where the largest
-# tiles store C fastest; on GPUs whose profile says so, a small C (at most its small_outputs
-# elements), too few tiles for the largest tiles to pay; else K up to SHORT_K (the store of C
-# bounds Q x K^T) or up to MID_K.
+# tiles store C fastest; on GPUs whose profile says so, few matrices (at most its few_batches) or a
+# small problem (C's elements times K at most its small_work), too little work for the largest
+# tiles to pay; else K up to SHORT_K (the store of C bounds Q x K^T) or up to MID_K.
 SHORT_K, MID_K, SMALL_MN, MANY_OUTPUTS = 64, 256, 512, 2**27
-REGIMES = ("short", "mid", "long", "many", "small")
+REGIMES = ("short", "mid", "long", "many", "few", "small")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -223,33 +224,34 @@ class GpuProfile:
     """What was measured on one GPU model: each default tile's throughput per unit of padded work
     (waves x tile_m x tile_n x K) relative to REFERENCE_TILE's, per regime (the median over the
     regime's shapes of the pool run there with N >= 256; narrower outputs are the padding term's;
-    `python bench/gemm_tiles.py --fit bench/results/gemm_tiles_<gpu>.csv`), and the size of C at
-    or below which the "small" regime holds (0: none), and the count of matrices at or below which
-    it holds too."""
+    `python bench/gemm_tiles.py --fit bench/results/gemm_tiles_<gpu>.csv`), the work (C's elements
+    times K) at or below which the "small" regime holds, and the count of matrices at or below which
+    the "few" regime holds (0: no such regime)."""
 
-    small_outputs: int
     speeds: dict[TileKey, dict[str, float]]
-    small_batches: int = 0  # at most this many matrices also make the "small" regime (0: no such rule)
+    small_work: int = 0
+    few_batches: int = 0
 
 
 # The two GPUs rank the tiles differently where the store of C bounds the time: the H100's memory is
-# slower, and the 256x128 in-order tile wins more of those shapes there, but not those of a small C
-# or of 8 matrices or fewer (bench/NOTES.md, experiment 63). A GPU model not listed takes the H100's.
+# slower, and the 256x128 in-order tile wins more of those shapes there, but not those of 8 matrices
+# or fewer, nor small problems, where the 128x128 cooperative tile wins (bench/NOTES.md, experiments
+# 63 and 104). A GPU model not listed takes the H100's.
 PROFILES: dict[str, GpuProfile] = {
-    "NVIDIA H200": GpuProfile(0, {
+    "NVIDIA H200": GpuProfile({
         REFERENCE_TILE: {"short": 1.0, "mid": 1.0, "long": 1.0, "many": 1.0},
         _SHORT_E64: {"short": 1.16, "mid": 1.51, "long": 1.22, "many": 0.98},
         _CLUSTER_EL: {"short": 1.17, "mid": 1.61, "long": 1.20, "many": 1.04},
         _LARGE_IO: {"short": 1.14, "mid": 1.33, "long": 1.00, "many": 1.16},
         _NARROW: {"short": 0.78, "mid": 0.80, "long": 0.79, "many": 0.81},
     }),
-    "NVIDIA H100": GpuProfile(2**26, {
-        REFERENCE_TILE: {"short": 1.0, "mid": 1.0, "long": 1.0, "many": 1.0, "small": 1.0},
-        _SHORT_E64: {"short": 0.97, "mid": 0.90, "long": 1.07, "many": 0.97, "small": 0.96},
-        _CLUSTER_EL: {"short": 0.99, "mid": 0.89, "long": 1.09, "many": 0.99, "small": 0.95},
-        _LARGE_IO: {"short": 1.11, "mid": 1.05, "long": 1.03, "many": 1.14, "small": 0.91},
-        _NARROW: {"short": 1.04, "mid": 0.75, "long": 0.71, "many": 0.92, "small": 0.88},
-    }, small_batches=8),
+    "NVIDIA H100": GpuProfile({
+        REFERENCE_TILE: {"short": 1.0, "mid": 1.0, "long": 1.0, "many": 1.0, "small": 1.0, "few": 1.0},
+        _SHORT_E64: {"short": 0.97, "mid": 0.93, "long": 1.07, "many": 0.97, "small": 0.91, "few": 1.08},
+        _CLUSTER_EL: {"short": 0.99, "mid": 0.90, "long": 1.09, "many": 0.99, "small": 0.85, "few": 1.05},
+        _LARGE_IO: {"short": 1.11, "mid": 1.05, "long": 1.03, "many": 1.14, "small": 0.86, "few": 1.00},
+        _NARROW: {"short": 1.04, "mid": 0.83, "long": 0.71, "many": 0.92, "small": 0.91, "few": 0.79},
+    }, small_work=2**32, few_batches=8),
 }
 FALLBACK_GPU = "NVIDIA H100"
 
@@ -267,7 +269,9 @@ def regime(problem) -> str:
     if problem.m <= SMALL_MN and problem.n <= SMALL_MN and outputs >= MANY_OUTPUTS:
         return "many"
     profile = profile_for(problem.device.name)
-    if (profile.small_outputs and outputs <= profile.small_outputs) or problem.batch_count <= profile.small_batches:
+    if problem.batch_count <= profile.few_batches:
+        return "few"
+    if outputs * problem.k <= profile.small_work:
         return "small"
     return "short" if problem.k <= SHORT_K else "mid"
 
