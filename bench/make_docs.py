@@ -58,6 +58,7 @@ CURRENT = {
     "context_parallel_h200x2.md": "Context-parallel ring attention over two GPUs",
     "context_parallel_h200x4.md": "Context-parallel ring attention over four GPUs",
     "fa_short_h200.md": "Short sequences at d64 with the default build, untuned, against torch SDPA",
+    "fa_sweep_default_h100.md": "The FlashAttention sweep on an H100 with fmha_sm90's default tiles, untuned",
     "fmha_pick_ab_kernels_h200.md": "The registry's pick against the fastest SDPA backend, kernels alone",
     "fmha_pick_ab_graph_h200.md": "The registry's pick against the fastest SDPA backend, CUDA graph replays",
     "fmha_pick_ab_eager_h200.md": "The registry's pick against the fastest SDPA backend, per call with the host path",
@@ -87,6 +88,9 @@ BUILT_WITH = {
         "[fa_sweep_h200_candidates.txt](../bench/results/fa_sweep_h200_candidates.txt)."),
     "fa_short_h200.md": ("`python bench/fa_sweep.py --dtype bf16 fp16 --head-dim 64 --seq-len 512 1024 2048 4096` "
                          "over the fmha_sm90 default build (`gemmgen generate --arch sm90 --family fmha_sm90`), untuned."),
+    "fa_sweep_default_h100.md": ("`python bench/fa_sweep.py --dtype bf16 fp16 --head-dim 64 128 --rounds 3` over "
+                                 "fmha_sm90's d64 / d128 default tiles without a mask and causal (10 instances), "
+                                 "untuned (bench/NOTES.md, experiment 106)."),
     "fmha_pick_ab_kernels_h200.md": (
         "The build and tuning of fa_sweep_h200, measured with `python bench/ab_sweep.py --rounds 6 --kernels`."),
     "fmha_pick_ab_graph_h200.md": (

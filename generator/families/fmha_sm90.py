@@ -65,7 +65,10 @@ SCHEDULES = tuple(Schedule)
 TILES = ((64, 64), (64, 128), (128, 64), (128, 128), (128, 192), (192, 64), (192, 128), (256, 64),
          (128, 256))  # (block_m, block_n); 128x256 for fp8 only
 FP8_ONLY_TILES = ((128, 256),)
-STAGES = (2, 3, 4, 5)  # K/V pipeline stages (one stage holds a K or a V tile)
+# K/V pipeline stages (one stage holds a K or a V tile). Two are not offered: every 2-stage tile
+# tried hung at its first call on an H100 (ping-pong with one or two Q buffers and cooperative, head
+# dims 128-256, with either softmax), where the 3-stage twins ran (bench/NOTES.md, experiment 105).
+STAGES = (3, 4, 5)
 # The softmax: ours, which rescales O only when a row maximum grows by more than 2^8 (names `_lr`,
 # templates/include/gemmgen/fmha_sm90/softmax.h; the default: up to 4% faster, bench/NOTES.md,
 # experiment 41), or CUTLASS's, which rescales O after every key tile.
@@ -260,6 +263,8 @@ def invalid_reason(inst: FmhaSm90Instance, arch: Arch = Arch.SM90) -> str | None
     # (the H200 hung on them).
     if inst.schedule is Schedule.TMA and inst.stages != DEFAULT_STAGES[Schedule.TMA]:
         return f"stages {inst.stages}: the TMA schedule needs {DEFAULT_STAGES[Schedule.TMA]}"
+    if inst.stages < STAGES[0]:
+        return f"stages {inst.stages}: fewer than {STAGES[0]} K/V stages hang (the tile is not offered)"
     # The stage count is CUTLASS's default, or the most that fit when the default does not.
     most = max((s for s in STAGES if s <= DEFAULT_STAGES[inst.schedule]
                 and dataclasses.replace(inst, stages=s).smem_bytes <= arch.max_smem_bytes), default=None)
