@@ -298,9 +298,10 @@ def test_default_tiles_picked_per_regime(tmp_path):
     """The sm90 default set, untuned, on the two GPU models measured (bench/NOTES.md, experiment 63;
     bench/results/gemm_tiles_h200.csv and gemm_tiles_h100.csv): each regime's measured winner. On
     the H200 the 1x2-cluster ping-pong tile for Q x K^T at K = 128, the 256x128 tile for thousands of
-    small outputs; on the H100 the 256x128 tile wherever C is large, the 128x128 ones where it is
-    small; on both the 128x64 tile for 64-column outputs (P x V at d = 64) and no 1x2 cluster where
-    the output is one tile wide."""
+    small outputs; on the H100 the 256x128 tile wherever C is large, the 128x128 cooperative one for
+    small problems (C x K up to 2^32; experiment 104) and the ping-pong ones for 8 matrices or fewer;
+    on both the 128x64 tile for 64-column outputs (P x V at d = 64) and no 1x2 cluster where the
+    output is one tile wide."""
     import dataclasses
 
     entries = [make_entry(i) for i in gemm_sm90.DEFAULT if i.dtype.value == "fp16" and not i.out_fp32]
@@ -313,8 +314,9 @@ def test_default_tiles_picked_per_regime(tmp_path):
         assert decision.source == "heuristic"
         return decision.winner.name.rsplit("_n", 1)[1][2:]  # after the layout (nt, nn)
 
-    cluster, e64, large, narrow = ("m128n128k64_pp_c1x2_e128_el", "m128n128k64_pp_c1_e64",
-                                   "m256n128k64_coop_c1x2_e128_io_el", "m128n64k64_coop_c1")
+    cluster, e64, large, narrow, coop = ("m128n128k64_pp_c1x2_e128_el", "m128n128k64_pp_c1_e64",
+                                         "m256n128k64_coop_c1x2_e128_io_el", "m128n64k64_coop_c1",
+                                         "m128n128k64_coop_c1")
     try:
         assert pick(m=2048, n=2048, k=128, batch_count=64) == cluster
         assert pick(m=4096, n=4096, k=128, batch_count=8) == cluster
@@ -322,6 +324,10 @@ def test_default_tiles_picked_per_regime(tmp_path):
         assert pick(m=256, n=256, k=64, batch_count=4096) == large
         assert pick(m=2048, n=2048, k=128, batch_count=64, device=h100) == large
         assert pick(m=1024, n=1024, k=64, batch_count=8, device=h100) == e64
+        assert pick(m=512, n=512, k=64, batch_count=256, device=h100) == coop  # 2^26 x 64: small
+        assert pick(m=1024, n=1024, k=64, batch_count=64, device=h100) == coop
+        assert pick(m=1024, n=1024, k=128, batch_count=64, device=h100) == large  # 2^26 x 128: not small
+        assert pick(m=512, n=512, k=64, batch_count=256) != coop  # the H200 keeps its picks
         assert pick(m=4096, n=4096, k=128, batch_count=8, device=h100) in (e64, cluster)
         for device_ in (H200, h100):
             assert pick(m=2048, n=64, k=2048, batch_count=64, b_transposed=False, device=device_) == narrow
@@ -366,4 +372,6 @@ def test_regimes():
     assert regime(_problem(m=4096, n=4096, k=128, batch_count=8, device=h100)) == "few"
     assert regime(_problem(m=4096, n=4096, k=128, batch_count=9, device=h100)) == "mid"
     assert regime(_problem(m=64, n=64, k=64, batch_count=8)) == "short"
+    # A GPU without those regimes never gets them, empty problems included (its speeds lack them).
+    assert regime(_problem(m=0, n=64, k=64, batch_count=0)) == "short"
     assert regime(_problem(m=4096, n=4096, k=1024, batch_count=8, device=h100)) == "long"

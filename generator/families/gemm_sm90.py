@@ -269,9 +269,9 @@ def regime(problem) -> str:
     if problem.m <= SMALL_MN and problem.n <= SMALL_MN and outputs >= MANY_OUTPUTS:
         return "many"
     profile = profile_for(problem.device.name)
-    if problem.batch_count <= profile.few_batches:
+    if profile.few_batches and problem.batch_count <= profile.few_batches:
         return "few"
-    if outputs * problem.k <= profile.small_work:
+    if profile.small_work and outputs * problem.k <= profile.small_work:
         return "small"
     return "short" if problem.k <= SHORT_K else "mid"
 
