@@ -37,7 +37,7 @@ def entry(cu: torch.Tensor) -> Offsets | None:
     """cu's values (a device-to-host read for a new tensor or version), or None when unreadable."""
     if not versioned.steady(cu):
         return None
-    return _seen.get(cu, None, lambda: _read(cu))
+    return _seen.get_steady(cu, None, lambda: _read(cu))
 
 
 def short_keys(cu_q: torch.Tensor, cu_k: torch.Tensor, masked: bool) -> bool:

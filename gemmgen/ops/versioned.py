@@ -48,7 +48,11 @@ class PerVersion:
     def get(self, t: torch.Tensor, key: Hashable, make: Callable[[], Any]) -> Any:
         """The value kept for (t, its version, key), or make()'s, kept where t is steady and has a
         version counter."""
-        seen = version(t) if steady(t) else None
+        return self.get_steady(t, key, make) if steady(t) else make()
+
+    def get_steady(self, t: torch.Tensor, key: Hashable, make: Callable[[], Any]) -> Any:
+        """get() for a caller that has found t steady itself (a call's hot path asks once)."""
+        seen = version(t)
         if seen is None:
             return make()
         slot = (id(t), key)
