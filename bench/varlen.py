@@ -3,6 +3,7 @@ against torch's own varlen attention, forward or backward.
 
     python bench/varlen.py [--dtype bf16] [--head-dim 128] [--rounds 3] [--backward] [--out FILE.md]
     python bench/varlen.py --window 256 0 [...]   # a sliding window (top-left) instead of no mask / causal
+    python bench/varlen.py --backward --deterministic [...]   # gemmgen's backwards with deterministic=True
 
 16384 tokens, H * d = 2048 (MHA), in three packings: 16 sequences of 1024, 4 of 4096, and 12 mixed
 lengths (a fixed draw between 128 and 4096 summing to 16384); no mask and causal. Sides, each eager
@@ -13,7 +14,9 @@ and queued back to back with the host path, default build untuned, in --rounds a
   dense:       gemmgen.fused_attention on [B, H, N, d] (equal lengths only: the same work dense)
   torch:       torch.nn.attention.varlen.varlen_attn (where this torch has it; torch's flash kernel)
 With --window L R the one mask is that window (mea and torch sides left out) and an `fa2` side runs
-the varlen call on fa2_sm80's local instance (forced by name, where built).
+the varlen call on fa2_sm80's local instance (forced by name, where built). With --backward
+--deterministic gemmgen's sides (varlen, fa2, dense) pass deterministic=True (dQ added key tile by
+key tile in order; the instance column the registry's deterministic pick); torch's side is unchanged.
 Forward only, two extra columns time varlen and dense as kernels alone (each call queued behind a
 spin kernel, so the host path is hidden): where the eager figure falls below these, the host is the
 bound. TFLOP/s count the visible (query, key) pairs: 4 * H * d * pairs / t, 2.5x that for the backward.
@@ -92,7 +95,12 @@ def main() -> int:
     ap.add_argument("--out", help="also write the table to this markdown file")
     ap.add_argument("--window", nargs=2, type=int, metavar=("LEFT", "RIGHT"),
                     help="a sliding window (top-left alignment) instead of no mask and causal")
+    ap.add_argument("--deterministic", action="store_true",
+                    help="with --backward: gemmgen's sides with deterministic=True (torch's side unchanged)")
     args = ap.parse_args()
+    if args.deterministic and not args.backward:
+        ap.error("--deterministic describes a backward: add --backward")
+    det = {"deterministic": True} if args.deterministic else {}  # gemmgen's calls' keyword
     window = None if args.window is None else tuple(args.window)
     dtype, grad = DTYPES[args.dtype], args.backward
     peer = torch_varlen()
@@ -115,7 +123,7 @@ def main() -> int:
 
                 def attend(**kw):
                     return lambda: gemmgen.fused_attention_varlen(q, k, v, cu, cu, n_max, n_max, causal=causal,
-                                                                  window=window, **kw)
+                                                                  window=window, **det, **kw)
 
                 sides = {"varlen": attend()}
                 if mea is not None:
@@ -126,7 +134,7 @@ def main() -> int:
                     b = len(lens)
                     qd, kd, vd = (t.detach().view(b, n_max, h, d).transpose(1, 2).requires_grad_(grad)
                                   for t in (q, k, v))
-                    sides["dense"] = lambda: gemmgen.fused_attention(qd, kd, vd, causal=causal, window=window)
+                    sides["dense"] = lambda: gemmgen.fused_attention(qd, kd, vd, causal=causal, window=window, **det)
                 if peer is not None and window is None:
                     fn, causal_kw = peer
                     sides["torch"] = lambda: fn(q, k, v, cu, cu, n_max, n_max, **(causal_kw if causal else {}))
@@ -139,7 +147,8 @@ def main() -> int:
                     inputs = {"dense": (qd, kd, vd)} if "dense" in sides else {}
                     sides = {s: backward_alone(f, inputs.get(s, (q, k, v))) for s, f in sides.items()}
                 if grad:
-                    problem = calls.problem_for_bwd_varlen(q.detach(), k.detach(), len(lens), n_max, n_max, causal)
+                    problem = calls.problem_for_bwd_varlen(q.detach(), k.detach(), len(lens), n_max, n_max, causal,
+                                                           deterministic=args.deterministic)
                 else:
                     problem = calls.problem_for_varlen(q, k, v, len(lens), n_max, n_max, causal, window=window,
                                                        short_keys=offsets.short_keys(cu, cu,
@@ -162,10 +171,11 @@ def main() -> int:
                 print(row, flush=True)
                 del q, k, v, sides
     what = "backward alone (torch.autograd.grad of a forward that requires grad), " if grad else ""
+    deterministic = "; gemmgen's sides with deterministic=True" if args.deterministic else ""
     head = header(f"{what}{args.dtype}, 16384 tokens, hidden 2048, MHA; eager calls queued back to back, host path "
                   f"included, default build untuned; each side the median over {args.rounds} rounds in alternating "
                   f"order of the median of {args.reps} CUDA-event timings; TFLOP/s = "
-                  f"{'2.5*' if grad else ''}4*H*d*(visible pairs)/t; "
+                  f"{'2.5*' if grad else ''}4*H*d*(visible pairs)/t{deterministic}; "
                   f"command: python bench/varlen.py {' '.join(sys.argv[1:])}".rstrip())
     publish(head + "\n\n" + "\n".join(rows) + "\n", args.out)
     return 0

@@ -52,7 +52,7 @@ PINNED = {
     "fmha_bwd_sm90": [("fmha_bwd_sm90_fp16_d32_none_m64n128", "62b5283a5dbf62b3"),
                       ("fmha_bwd_sm90_bf16_d64_causal_m128n128", "382dc339c482ffc4"),
                       ("fmha_bwd_sm90_bf16_d128_causal_m64n128", "c414a2ba7eca8bcd"),
-                      ("fmha_bwd_sm90_bf16_d128_causal_m64n128_sq", "b6db3ce04c358c64")],
+                      ("fmha_bwd_sm90_bf16_d128_causal_m64n128_sq", "0884fabe84d564c0")],
     "fa2_bwd_sm80": [("fa2_bwd_sm80_fp16_d32_m128n128w8s1", "a041e31e07015d26"),
                      ("fa2_bwd_sm80_bf16_d128_m64n128w8s1", "0d16b9d8608d759f"),
                      ("fa2_bwd_sm80_bf16_d256_m64n64w8s1_sc", "5f5cbe1c012c5a1b")],

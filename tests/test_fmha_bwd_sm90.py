@@ -191,12 +191,40 @@ def test_bias_on_bias_instances_only():
 
 
 def test_packed_sequences_on_split_dq_instances_only():
-    """The split-dQ instances carry the `varlen` mark and run packed calls, but not deterministic ones
-    (fa2_bwd_sm80 does); example 88's loop runs none."""
-    assert CAUSAL_64_SQ.params()["varlen"] is True and "varlen" not in CAUSAL_64.params()
-    assert fam.MARKED == ("varlen",)
-    assert "fixed lengths only" in fam.problem_reason(CAUSAL_64_SQ, problem(causal=True, varlen=True,
-                                                                            deterministic=True))
+    """The split-dQ instances carry the `varlen` and `deterministic_varlen` marks and run packed
+    calls, deterministic ones too; example 88's loop runs none, and neither does a `_bias` one."""
+    params = CAUSAL_64_SQ.params()
+    assert params["varlen"] is True and params["deterministic_varlen"] is True
+    assert "varlen" not in CAUSAL_64.params() and "deterministic_varlen" not in CAUSAL_64.params()
+    assert fam.MARKED == ("varlen", "deterministic_varlen")
+    for kw in (dict(causal=True), dict(causal=True, causal_alignment="bottom_right", seqlen_q=77), {},
+               dict(window=(64, 0))):
+        inst = LOCAL_64_SQ if "window" in kw else CAUSAL_64_SQ if kw else dataclasses.replace(CAUSAL_64_SQ, mask=Mask.NONE)
+        assert fam.problem_reason(inst, problem(varlen=True, deterministic=True, **kw)) is None
+    assert "split-dQ" in fam.problem_reason(CAUSAL_64, problem(causal=True, varlen=True, deterministic=True))
+
+
+def test_builds_from_before_deterministic_packed_calls_are_kept_from_them(tmp_path, monkeypatch):
+    """A split-dQ entry built before its kernel ran deterministic packed calls (params with the
+    `varlen` mark, without `deterministic_varlen`) is refused them with a reason that says to
+    rebuild, and still runs packed calls that are not deterministic and deterministic fixed-length
+    ones."""
+    from conftest import make_entry, write_build_dir
+    from gemmgen.select import registry
+
+    new = make_entry(CAUSAL_64_SQ)
+    old = dataclasses.replace(new, params={k: v for k, v in new.params.items() if k != "deterministic_varlen"})
+    monkeypatch.setenv("GEMMGEN_BUILD_DIR", str(write_build_dir(tmp_path, [old])))
+    registry.refresh()
+    try:
+        (cand,) = registry.load()[0]
+        assert "built before its family ran deterministic calls over variable lengths" in registry.reject_reason(
+            cand, problem(causal=True, varlen=True, deterministic=True))
+        assert registry.reject_reason(cand, problem(causal=True, varlen=True)) is None
+        assert registry.reject_reason(cand, problem(causal=True, deterministic=True)) is None
+    finally:
+        monkeypatch.delenv("GEMMGEN_BUILD_DIR")
+        registry.refresh()
 
 
 def test_registry_sends_a_window_to_local_instances_only():

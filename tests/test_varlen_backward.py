@@ -68,7 +68,7 @@ def head_starts(offset: int, b: int, heads: int, max_q: int, max_k: int) -> list
 
 def forward_standin(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=False, scale=None,
                     return_lse=False, instance=None, dropout_p=0.0, seed=None, offset=0, causal_alignment="top_left",
-                    window=None, softcap=0.0):
+                    window=None, softcap=0.0, deterministic=False):
     """The varlen forward in float64: O [Tq, H, d] in q's dtype, LSE [B, H, max_seqlen_q]; causal in
     either alignment within each sequence (no window or softcap)."""
     assert window is None and softcap == 0.0, "the stand-in runs no window or softcap"
@@ -242,6 +242,26 @@ def test_a_head_dim_without_tiles_runs_padded(cpu_ops):
     assert_grads(got, want, (q, k, v), "padded")
     (params,) = VarlenKernel.calls
     assert params.head_dim == 32 and params.scale == pytest.approx(24 ** -0.5)
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_deterministic_reaches_the_backward(cpu_ops, deterministic):
+    """deterministic=True travels from the forward to the backward's params and selection problem
+    (the forward has nothing to order: it keeps no such field)."""
+    gen = torch.Generator().manual_seed(11)
+    lens_q, lens_k = [3, 0, 9], [5, 4, 9]
+    q, do = packed(gen, sum(lens_q), 4, 32), packed(gen, sum(lens_q), 4, 32)
+    k, v = packed(gen, sum(lens_k), 2, 32), packed(gen, sum(lens_k), 2, 32)
+    asked = []  # the deterministic argument of each kernel selection (at the forward and the backward)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch_op, "_varlen_bwd_kernel", lambda q, *a: asked.append(a[-1]) or VarlenKernel(q.dtype))
+        got = varlen_grads(q, k, v, do, lens_q, lens_k, causal=True, deterministic=deterministic)
+    assert_grads(got, reference_grads(q, k, v, do, lens_q, lens_k, causal=True), (q, k, v), "deterministic")
+    (p,) = VarlenKernel.calls
+    assert p.deterministic == int(deterministic)
+    assert asked == [deterministic, deterministic]
+    with pytest.raises(gemmgen.InputError, match="deterministic"):
+        gemmgen.fused_attention_varlen(q, k, v, cu(lens_q), cu(lens_k), 9, 9, deterministic="yes")
 
 
 def test_the_op_and_the_eager_path_give_the_same_gradients(cpu_ops):
@@ -500,6 +520,11 @@ def test_varlen_backward_problem_and_selection(monkeypatch, tmp_path, restore_bu
     assert hopper and all("split-dQ instances" in r for r in hopper), reasons
     with pytest.raises(gemmgen.NoInstanceError, match="built without dropout"):
         selection.select(calls.problem_for_bwd_varlen(q, kk, 3, 17, 30, True, dropout=True))
+    # Deterministic packed calls: the split-dQ instances take turns per query tile.
+    synthetic_build(tmp_path / "det", monkeypatch, (*mea_bwd_sm80.DEFAULT, *fmha_bwd_sm90.DEFAULT))
+    det = calls.problem_for_bwd_varlen(q, kk, 3, 17, 30, True, tensors=(q, kk), deterministic=True)
+    assert det.deterministic and det.functional_key == "bwd_bf16_d64_causal_a16_varlen_det"
+    assert selection.decide(det).winner.name == "fmha_bwd_sm90_bf16_d64_causal_m128n128_sq"
 
 
 def test_varlen_runs_on_the_fa2_families_in_either_alignment(monkeypatch, tmp_path, restore_builds):

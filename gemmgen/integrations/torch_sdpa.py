@@ -641,7 +641,8 @@ def _varlen_backward_serves(q: torch.Tensor, k: torch.Tensor, batch: int, max_q:
     group = q.shape[1] // k.shape[1]
     kk = _launch().expanded_layout(k.unsqueeze(0).transpose(1, 2), group, "meta").transpose(1, 2).squeeze(0)
     with _backward_check():
-        select(q, kk, batch, max_q, max_k, causal, scale, dropout_p, (), alignment if causal else "top_left")
+        select(q, kk, batch, max_q, max_k, causal, scale, dropout_p, (), alignment if causal else "top_left",
+               deterministic=torch.are_deterministic_algorithms_enabled())
 
 
 # ---- repeated forward calls ----------------------------------------------------------------------
@@ -898,7 +899,8 @@ def _varlen_backward(call: _Call) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
         lse = _batched_lse(call["logsumexp"], cu_q, batch, max_q)
         dq, dk, dv = _gemmgen_ops().fused_attention_varlen_backward.default(
             call["grad_out"], call["query"], call["key"], call["value"], call["out"], lse, cu_q, cu_k, max_q, max_k,
-            bool(call["is_causal"]), call["scale"], dropout_p, seed, offset, _varlen_alignment(cu_q, cu_k))
+            bool(call["is_causal"]), call["scale"], dropout_p, seed, offset, _varlen_alignment(cu_q, cu_k), None, 0.0,
+            torch.are_deterministic_algorithms_enabled())
     return dq, dk, dv
 
 

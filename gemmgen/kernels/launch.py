@@ -187,12 +187,13 @@ def params_bwd_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torc
                       cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
                       *, causal: bool, scale: float | None, dropout_p: float = 0.0, seed: int = 0,
                       offset: int = 0, causal_alignment: str = "top_left", window: tuple[int, int] | None = None,
-                      softcap: float = 0.0) -> abi.AttnBwdParams:
+                      softcap: float = 0.0, deterministic: bool = False) -> abi.AttnBwdParams:
     """The C ABI params of a variable-length backward call: packed q, o, d_o, dq [Tq, H, d] and k, v
     [Tk, H or Hkv, d] (Hkv for an instance that reads GQA), dk, dv [Tk, H, d], sequence b at rows
     cu_seqlens_q[b] (cu_seqlens_k[b]) on; LSE the forward's [B, H, max_seqlen_q] float32. Batch
     strides stay 0: with cu_seqlens the kernel places a sequence by its first row, as the forward
-    (params_varlen) does. The mask, alignment, softcap, dropout_p, seed and offset are the forward's."""
+    (params_varlen) does. The mask, alignment, softcap, dropout_p, seed and offset are the forward's;
+    deterministic asks for dQ added in key-tile order."""
     p = _bwd_pointers(q, k, v, o, d_o, lse, dq, dk, dv)
     d = q.shape[2]
     p.batch, p.heads, p.heads_kv = cu_seqlens_q.shape[0] - 1, q.shape[1], k.shape[1]
@@ -204,6 +205,7 @@ def params_bwd_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torc
     _set_features(p, dropout_p, seed, offset)
     _set_varlen(p, cu_seqlens_q, cu_seqlens_k, causal, causal_alignment, window, softcap)
     p.total_q, p.total_k = q.shape[0], k.shape[0]
+    p.deterministic = int(deterministic)
     return p
 
 

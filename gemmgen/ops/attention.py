@@ -248,7 +248,7 @@ def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
     The forward checks at once that a backward instance serves the call, and raises NoInstanceError
     with every instance's reason if none does. deterministic=True asks for a backward whose result does
     not depend on the order blocks finish in (bitwise repeatable; slower: fmha_bwd_sm90 on Hopper and
-    fa2_bwd_sm80 elsewhere add each query tile's dQ in key-tile order, at 0.74-1.0x and 0.58-0.82x
+    fa2_bwd_sm80 elsewhere add each query tile's dQ in key-tile order, at 0.79-0.94x and 0.58-0.82x
     their default speeds on an H100; with dropout or a mask mea_bwd_sm80 runs one CTA per head). The
     returned LSE has no gradient of its own; `out=` has no backward. Double backward raises.
 
@@ -422,8 +422,8 @@ def fused_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
                            causal: bool = False, scale: float | None = None, return_lse: bool = False,
                            instance: str | None = None, dropout_p: float = 0.0, seed: int | None = None,
                            offset: int = 0, causal_alignment: str = "top_left",
-                           window: tuple[int, int] | None = None,
-                           softcap: float = 0.0) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                           window: tuple[int, int] | None = None, softcap: float = 0.0,
+                           deterministic: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention over packed sequences of different lengths (FlashAttention's varlen API).
 
     q: [Tq, H, d]; k, v: [Tk, Hkv, d], Hkv dividing H; sequence b is rows cu_seqlens_q[b] to
@@ -451,11 +451,14 @@ def fused_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
     order; the forward saves LSE and the cu_seqlens for it. With dropout the backward regenerates
     the forward's mask from the same seed and offset (seed=None draws one at the forward). The
     forward checks at once that a backward instance serves the call, and raises NoInstanceError
-    with every instance's reason if none does. The returned LSE has no gradient of its own; double
-    backward raises.
+    with every instance's reason if none does. deterministic=True asks for a backward whose result
+    does not depend on the order blocks finish in (bitwise repeatable), as in fused_attention:
+    fmha_bwd_sm90's split-dQ instances on Hopper and fa2_bwd_sm80 add each query tile's dQ in
+    key-tile order. The returned LSE has no gradient of its own; double backward raises.
     """
     check_bool("causal", causal)
     check_bool("return_lse", return_lse)
+    check_bool("deterministic", deterministic)
     check_instance(instance)
     scale = _check_args(causal_alignment, scale)
     causal, window = check_window(window, causal)
@@ -466,7 +469,8 @@ def fused_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
                                      cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
                                      scale=padding.default_scale(scale, q.shape[-1]), return_lse=return_lse,
                                      instance=instance, dropout_p=dropout_p, seed=seed, offset=offset,
-                                     causal_alignment=causal_alignment, window=window, softcap=softcap)
+                                     causal_alignment=causal_alignment, window=window, softcap=softcap,
+                                     deterministic=deterministic)
         o, lse = res if return_lse else (res, None)
         o = padding.cut(o, q)
         return (o, lse) if return_lse else o
@@ -498,7 +502,7 @@ def fused_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
         op = torch_op.fused_attention_varlen_op
     o, lse = op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, bool(causal), scale,
                 return_lse or training, instance, dropout_p, seed, offset, causal_alignment,
-                None if window is None else list(window), softcap)
+                None if window is None else list(window), softcap, bool(deterministic))
     return (o, lse) if return_lse else o
 
 

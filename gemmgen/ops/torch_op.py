@@ -13,11 +13,13 @@ torch.compile traces them without a graph break and CUDA graphs capture them:
         -> LSE (O written into `out`)
     torch.ops.gemmgen.fused_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                              max_seqlen_k, causal, scale, return_lse, instance,
-                                             dropout_p, seed, offset)
+                                             dropout_p, seed, offset, causal_alignment, window, softcap,
+                                             deterministic)
         -> (O [Tq, H, d], LSE [B, H, max_seqlen_q] float32 or an empty tensor)
     torch.ops.gemmgen.fused_attention_varlen_backward(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
                                                       max_seqlen_q, max_seqlen_k, causal, scale, dropout_p,
-                                                      seed, offset)
+                                                      seed, offset, causal_alignment, window, softcap,
+                                                      deterministic)
         -> (dQ like q, dK like k, dV like v), all packed [T, heads, d]
     torch.ops.gemmgen.fused_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, k, v,
                                                    causal, scale, return_lse, instance, window)
@@ -80,11 +82,11 @@ _LIB.define(f"fused_attention_out(Tensor q, Tensor k, Tensor v, Tensor(a!) out, 
 _LIB.define("fused_attention_varlen(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
             "int max_seqlen_q, int max_seqlen_k, bool causal=False, float? scale=None, bool return_lse=False, "
             f"str? instance=None, {_FEATURES}, str causal_alignment='top_left', int[]? window=None, "
-            "float softcap=0.0) -> (Tensor, Tensor)")
+            "float softcap=0.0, bool deterministic=False) -> (Tensor, Tensor)")
 _LIB.define("fused_attention_varlen_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
             "Tensor cu_seqlens_q, Tensor cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, bool causal, "
             "float? scale, float dropout_p, int seed, int offset, str causal_alignment='top_left', "
-            "int[]? window=None, float softcap=0.0) -> (Tensor, Tensor, Tensor)")
+            "int[]? window=None, float softcap=0.0, bool deterministic=False) -> (Tensor, Tensor, Tensor)")
 
 _LIB.define("fused_attention_with_kvcache(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor cache_seqlens, "
             "Tensor? block_table=None, Tensor? k=None, Tensor? v=None, bool causal=True, float? scale=None, "
@@ -306,7 +308,7 @@ def _varlen_outputs(q, cu_seqlens_q, max_seqlen_q, return_lse):
 
 def _fused_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=False,
                             scale=None, return_lse=False, instance=None, dropout_p=0.0, seed=None, offset=0,
-                            causal_alignment="top_left", window=None, softcap=0.0):
+                            causal_alignment="top_left", window=None, softcap=0.0, deterministic=False):
     o, lse = _varlen_outputs(q, cu_seqlens_q, max_seqlen_q, return_lse)
     # The kernel reads the offsets from data_ptr() as an int32 array: a strided view is copied.
     cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
@@ -327,7 +329,7 @@ def _fake_out(q, k, v, out, causal=False, causal_alignment="top_left", scale=Non
 
 def _fake_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=False, scale=None,
                  return_lse=False, instance=None, dropout_p=0.0, seed=None, offset=0, causal_alignment="top_left",
-                 window=None, softcap=0.0):
+                 window=None, softcap=0.0, deterministic=False):
     return _varlen_outputs(q, cu_seqlens_q, max_seqlen_q, return_lse)
 
 
@@ -620,7 +622,7 @@ def _readable(t: torch.Tensor) -> torch.Tensor:
 
 
 def _varlen_bwd_kernel(q, k, batch, max_seqlen_q, max_seqlen_k, causal, scale, dropout_p, tensors=(),
-                       causal_alignment="top_left", window=None, softcap=0.0) -> Any:
+                       causal_alignment="top_left", window=None, softcap=0.0, deterministic=False) -> Any:
     """The backward kernel of a variable-length call (packed q, K with Q's heads; `causal` and
     `window` normalized, `causal_alignment` "top_left" without a mask), selected once per key and
     cached, compiled on demand if missing. The key leaves out the total rows, which change from batch
@@ -628,10 +630,12 @@ def _varlen_bwd_kernel(q, k, batch, max_seqlen_q, max_seqlen_k, causal, scale, d
     whether element offsets pass int32."""
     big = launch.max_offset(q, k, *tensors) >= 2**31
     key = ("bwd_varlen", q.get_device(), q.dtype, tuple(q.shape[1:]), tuple(k.shape[1:]), batch, max_seqlen_q,
-           max_seqlen_k, causal, _sign(scale), big, dropout_p > 0.0, causal_alignment, window, softcap > 0)
+           max_seqlen_k, causal, _sign(scale), big, dropout_p > 0.0, causal_alignment, window, softcap > 0,
+           bool(deterministic))
     return _cached_bwd_kernel(key, lambda: calls.problem_for_bwd_varlen(
         q, k, batch, max_seqlen_q, max_seqlen_k, causal, causal_alignment=causal_alignment, scale=scale,
-        dropout=dropout_p > 0.0, tensors=tensors, window=window, softcap=softcap > 0))
+        dropout=dropout_p > 0.0, tensors=tensors, window=window, softcap=softcap > 0,
+        deterministic=bool(deterministic)))
 
 
 def _varlen_mask(causal: bool, causal_alignment: str, window, softcap: float):
@@ -650,7 +654,7 @@ def _nothing_to_differentiate(q, k, max_seqlen_q: int, max_seqlen_k: int) -> boo
 
 def _fused_attention_varlen_backward(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                      max_seqlen_k, causal, scale, dropout_p, seed, offset, causal_alignment="top_left",
-                                     window=None, softcap=0.0):
+                                     window=None, softcap=0.0, deterministic=False):
     _refuse_double_backward("fused_attention_varlen", (grad_out, q, k, v, out))
     dq, dk, dv = _packed_like(q), _packed_like(k), _packed_like(v)
     if _nothing_to_differentiate(q, k, max_seqlen_q, max_seqlen_k):  # no score: every gradient is zero
@@ -673,14 +677,15 @@ def _fused_attention_varlen_backward(grad_out, q, k, v, out, lse, cu_seqlens_q, 
     # The kernel reads the offsets and the LSE as plain arrays.
     cu_q, cu_k, lse = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), lse.contiguous()
     kernel = _varlen_bwd_kernel(q, dkk, batch, max_seqlen_q, max_seqlen_k, causal, scale, dropout_p,
-                                (k, v, out, d_o, dq, dkk, dvv), causal_alignment, window, softcap)
+                                (k, v, out, d_o, dq, dkk, dvv), causal_alignment, window, softcap, deterministic)
     if group == 1 or kernel.reads_gqa:
         kk, vv = _readable(k), _readable(v)
     else:
         kk, vv = (_readable(_packed(launch.expand_heads(_bhnd(t), group))) for t in (k, v))
     p = launch.params_bwd_varlen(q, kk, vv, out, d_o, lse, dq, dkk, dvv, cu_q, cu_k, max_seqlen_q, max_seqlen_k,
                                  causal=causal, scale=scale, dropout_p=dropout_p, seed=seed, offset=offset,
-                                 causal_alignment=causal_alignment, window=window, softcap=softcap)
+                                 causal_alignment=causal_alignment, window=window, softcap=softcap,
+                                 deterministic=deterministic)
     launch.run_bwd(kernel, p, q.get_device())
     if group > 1:
         _sum_groups(dk, dkk, hkv, group)
@@ -690,7 +695,7 @@ def _fused_attention_varlen_backward(grad_out, q, k, v, out, lse, cu_seqlens_q, 
 
 def _fake_varlen_backward(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                           causal, scale, dropout_p, seed, offset, causal_alignment="top_left", window=None,
-                          softcap=0.0):
+                          softcap=0.0, deterministic=False):
     return _packed_like(q), _packed_like(k), _packed_like(v)
 
 
@@ -698,7 +703,7 @@ def _setup_context_varlen(ctx, inputs, output) -> None:
     """Save what the varlen backward needs, and refuse at the forward what it could not differentiate
     (no LSE, dropout without a seed, no backward instance for the call)."""
     (q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, return_lse, _instance, dropout_p, seed, offset,
-     causal_alignment, window, softcap) = inputs
+     causal_alignment, window, softcap, deterministic) = inputs
     o, lse = output
     _check_saves("fused_attention_varlen", return_lse, dropout_p, seed)
     if not isinstance(q, FakeTensor) and not torch.compiler.is_compiling() and \
@@ -706,10 +711,10 @@ def _setup_context_varlen(ctx, inputs, output) -> None:
         kk = launch.expanded_layout(_bhnd(k), q.shape[1] // k.shape[1], "meta")
         masked, alignment, window_, softcap_ = _varlen_mask(causal, causal_alignment, window, softcap)
         _varlen_bwd_kernel(q, _packed(kk), cu_q.shape[0] - 1, max_q, max_k, masked, scale, dropout_p, (), alignment,
-                           window_, softcap_)
+                           window_, softcap_, deterministic)
     ctx.save_for_backward(q, k, v, o, lse, cu_q, cu_k)
     ctx.args = (max_q, max_k, causal, scale, dropout_p, 0 if seed is None else seed, offset, causal_alignment,
-                window, softcap)
+                window, softcap, deterministic)
     ctx.mark_non_differentiable(lse)
 
 
@@ -718,11 +723,11 @@ def _autograd_backward_varlen(ctx, grad_o, grad_lse):
 
 
 def _gradients_varlen(ctx, grad_o, backward: Callable) -> tuple:
-    """The gradients of fused_attention_varlen's 17 inputs from what _setup_context_varlen saved,
+    """The gradients of fused_attention_varlen's 18 inputs from what _setup_context_varlen saved,
     computed by `backward` (the backward op, or its implementation in eager calls)."""
     q, k, v, o, lse, cu_q, cu_k = ctx.saved_tensors
     dq, dk, dv = backward(grad_o, q, k, v, o, lse, cu_q, cu_k, *ctx.args)
-    return (dq, dk, dv) + (None,) * 14  # the offsets, sizes and flags have no gradient
+    return (dq, dk, dv) + (None,) * 15  # the offsets, sizes and flags have no gradient
 
 
 def _kvcache_outputs(q, return_lse):

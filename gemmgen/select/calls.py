@@ -61,14 +61,15 @@ def problem_for_bwd(q: torch.Tensor, k: torch.Tensor, causal: bool, *, causal_al
 def problem_for_bwd_varlen(q: torch.Tensor, k: torch.Tensor, batch: int, max_seqlen_q: int, max_seqlen_k: int,
                            causal: bool, *, causal_alignment: str = "top_left", scale: float | None = None,
                            dropout: bool = False, tensors: tuple[torch.Tensor | None, ...] = (),
-                           window: tuple[int, int] | None = None, softcap: bool = False) -> BwdProblem:
+                           window: tuple[int, int] | None = None, softcap: bool = False,
+                           deterministic: bool = False) -> BwdProblem:
     """The BwdProblem of a variable-length backward call: packed q [Tq, H, d] and k [Tk, H, d] as the
     selection sees them (K with Q's heads), the forward's mask and alignment, `tensors` the others
     whose extent counts in max_offset. Its `varlen` flag keeps out the families that cannot run it
     (their reasons say so)."""
     fwd = problem_for_varlen(q, k, k, batch, max_seqlen_q, max_seqlen_k, causal, causal_alignment=causal_alignment,
                              scale=scale, dropout=dropout, window=window, softcap=softcap)
-    return _backward_of(fwd, tensors)
+    return _backward_of(fwd, tensors, deterministic=deterministic)
 
 
 def _backward_of(fwd: Problem, tensors: tuple[torch.Tensor | None, ...], *, bias_grad: bool = False,

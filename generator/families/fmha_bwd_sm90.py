@@ -42,7 +42,7 @@ HEADER_DIRS = ("fmha_bwd_sm90", "fmha_sm90")  # fmha_sm90/cutlass_launch.h: the 
 ARCHS = (Arch.SM90,)
 # Features its kernel reads that a build from before did not: instances say so in their params, and
 # the registry keeps the feature from an entry without the mark (registry.MARKS).
-MARKED = ("varlen",)
+MARKED = ("varlen", "deterministic_varlen")
 
 # Axes.
 DTYPES = (DType.FP16, DType.BF16)
@@ -119,9 +119,10 @@ class FmhaBwdSm90Instance(AttentionInstance):
         return CostInputs(self.block_n, self.block_m, self.stages, self.threads, self.smem_bytes)
 
     def params(self) -> dict:
-        """The fields, and on split-dQ instances the mark of packed sequences (MARKED), which their
-        mainloop runs (band.h's Packed; not with a bias)."""
-        return {**super().params(), **({"varlen": True} if self.split_dq and not self.bias else {})}
+        """The fields, and on split-dQ instances the marks of packed sequences and of deterministic
+        ones (MARKED), which their mainloop runs (band.h's Packed; not with a bias)."""
+        packs = self.split_dq and not self.bias
+        return {**super().params(), **({mark: True for mark in MARKED} if packs else {})}
 
     def template_values(self) -> dict:
         return {**super().template_values(), "band_kind": BAND_KIND[self.mask], "split_dq": self.split_dq,
@@ -151,7 +152,7 @@ def invalid_reason(inst: FmhaBwdSm90Instance, arch: Arch = Arch.SM90) -> str | N
 def problem_reason(inst: FmhaBwdSm90Instance, problem) -> str | None:
     """What a built instance cannot run (the registry's reason), None when it can: no dropout or
     dbias; a bias (the forward's additive mask) on `_bias` instances only, which run nothing else, at
-    fixed lengths; packed sequences on the split-dQ instances, not deterministic."""
+    fixed lengths; packed sequences on the split-dQ instances, deterministic ones too."""
     if reason := feature_reason(FAMILY, problem, ("dropout", "kv_cache")):
         return reason
     if bool(problem.bias) != inst.bias:
@@ -161,8 +162,6 @@ def problem_reason(inst: FmhaBwdSm90Instance, problem) -> str | None:
         return f"{inst.name} runs a bias at fixed lengths only"
     if problem.varlen and not inst.split_dq:
         return f"{FAMILY} runs variable lengths on its split-dQ instances (`_sq`)"
-    if problem.varlen and getattr(problem, "deterministic", False):
-        return f"{FAMILY} runs deterministic calls at fixed lengths only"
     if getattr(problem, "bias_grad", False):
         return f"{FAMILY} has no dbias"
     if getattr(problem, "deterministic", False) and not inst.split_dq:

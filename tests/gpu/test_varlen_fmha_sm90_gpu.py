@@ -4,8 +4,9 @@ NaN-poisoned outputs, against the float64 reference of each sequence alone; then
 fused_attention_varlen end to end, which picks fmha_sm90 where every sequence is within its contract
 and fa2_sm80 where one is not, and trains on both Hopper families. Lengths 0, 1, 17, 127, 129, 1000 and
 4097, Nq != Nk per sequence, a row tile reaching past a sequence's end into the next one, GQA 4:1,
-MQA and head-major storage. Needs `gemmgen generate --arch sm80 --arch sm90` (sm90 only for the
-instance test)."""
+MQA and head-major storage. Deterministic packed backwards (dQ added key tile by key tile in order)
+on the split-dQ instances and through fused_attention_varlen, bitwise equal over repeats. Needs
+`gemmgen generate --arch sm80 --arch sm90` (sm90 only for the instance test)."""
 from __future__ import annotations
 
 import pytest
@@ -13,7 +14,7 @@ import torch
 
 import gemmgen
 from gemmgen.kernels import launch
-from gemmgen.select import calls, selection
+from gemmgen.select import calls, registry, selection
 
 from gemmgen.ops.checks import check_window
 
@@ -119,7 +120,7 @@ def mask_of(causal, window) -> str:
     return "local" if window is not None else "causal" if causal else "none"
 
 
-@pytest.mark.parametrize("name", [n for n in built("fmha_bwd_sm90") if "_sq" in n] or ["(none built)"])
+@pytest.mark.parametrize("name", [n for n in built("fmha_bwd_sm90") if "_sq" in n and "_bias" not in n] or ["(none built)"])
 def test_backward_instance_on_packed_sequences(name):
     """fmha_bwd_sm90's split-dQ instances on packed sequences (one batch entry over the packed
     tensors, each key masked to its own sequence's rows): test_varlen_fa2_gpu's lengths (sequences
@@ -155,3 +156,116 @@ def test_training_picks_hopper_both_ways(alignment):
     for name, g, w, x in zip(("dQ", "dK", "dV"), (t.grad for t in leaves), want, (q, k, v)):
         assert_close(f"{alignment} {name}", g, w, dtype)
         assert g.stride() == x.stride(), f"{name} is not in its input's layout"
+
+
+# Deterministic packed backwards: a sequence without queries whose 400 keys span several 128-key
+# tiles between two sequences with queries (packed key tiles that add to no dQ of their own, and
+# tiles shared with the neighbours' keys), an empty sequence, one without keys, Nq != Nk both ways
+# (17 queries over 4097 keys: one dQ tile added by all 33 key tiles under no mask and bottom-right),
+# and one long sequence of several query and key tiles.
+DET_LENS_Q = [5, 0, 300, 0, 129, 1, 17, 1000]
+DET_LENS_K = [7, 400, 300, 0, 77, 0, 4097, 1200]
+DET_LENS = (DET_LENS_Q, DET_LENS_K)
+# (causal, alignment, window): no mask, causal in both alignments, and a window for the local instances.
+DET_CASES = [(False, "top_left", None), (True, "top_left", None), (True, "bottom_right", None),
+             (False, "bottom_right", (100, 7))]
+DET_REPEATS = 3
+
+
+def deterministic_backward_into_poison(cand, q, k, v, do, *, causal, alignment, window=None, softcap=0.0,
+                                       lens=DET_LENS):
+    """The forward (the registry's pick, with LSE), then `cand`'s backward with deterministic=True
+    into NaN-poisoned buffers: dQ, and dK, dV per query head (K and V read at their own heads), as the
+    kernel wrote them."""
+    causal, window = check_window(window, causal)  # as fused_attention_varlen normalizes them
+    lens_q, lens_k = lens
+    cu_q, cu_k = offsets(lens_q), offsets(lens_k)
+    with torch.no_grad():
+        o, lse = gemmgen.fused_attention_varlen(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=causal,
+                                                causal_alignment=alignment, window=window, softcap=softcap,
+                                                return_lse=True)
+    assert q.shape[1] == k.shape[1] or cand.kernel.reads_gqa, f"{cand.name} takes K and V with Q's heads"
+    dq = torch.full_like(q, float("nan"))
+    dk, dv = (torch.full((t.shape[0], q.shape[1], t.shape[2]), float("nan"), dtype=t.dtype, device=t.device)
+              for t in (k, v))
+    problem = calls.problem_for_bwd_varlen(q, dk, len(lens_q), max(lens_q), max(lens_k), causal,
+                                           causal_alignment=alignment, window=window, softcap=softcap > 0,
+                                           deterministic=True)
+    reason = registry.reject_reason(cand, problem)
+    assert reason is None, f"{cand.name} refused {problem.describe()}: {reason}"
+    p = launch.params_bwd_varlen(q, k, v, o, do, lse, dq, dk, dv, cu_q, cu_k, max(lens_q), max(lens_k),
+                                 causal=causal, scale=None, causal_alignment=alignment, window=window,
+                                 softcap=softcap, deterministic=True)
+    launch.run_bwd(cand.kernel, p, q.get_device())
+    torch.cuda.synchronize()
+    return dq, dk, dv
+
+
+@pytest.mark.parametrize("name", [n for n in built("fmha_bwd_sm90") if "_sq" in n and "_bias" not in n]
+                         or ["(none built)"])
+def test_deterministic_backward_instance_on_packed_sequences(name):
+    """fmha_bwd_sm90's split-dQ instances with deterministic=True on packed sequences (DET_LENS),
+    the instance's mask (both alignments for causal, a window for local), GQA 4:1 read at K's own
+    heads, packed and head-major storage: forward and backward run DET_REPEATS times on the same
+    inputs into fresh NaN-poisoned buffers give bitwise equal dQ, dK, dV, which match float64."""
+    cand = candidate(name)
+    inst = cand.instance
+    dtype = launch.TORCH_DTYPES[inst.dtype.value]
+    softcap = 20.0 if inst.softcap else 0.0
+    cases = [c for c in DET_CASES if mask_of(c[0], c[2]) == inst.mask.value]
+    for (causal, alignment, window), layout in zip(cases, ["packed", "head_major"]):
+        label = f"{name} deterministic causal={causal}/{alignment} window={window} 8:2 {layout}"
+        q, k, v, do = make(8, 2, inst.head_dim, dtype, (name, "det", causal, alignment, window), layout,
+                           lens=DET_LENS)
+        runs = [deterministic_backward_into_poison(cand, q, k, v, do, causal=causal, alignment=alignment,
+                                                   window=window, softcap=softcap)
+                for _ in range(DET_REPEATS)]
+        leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+        out, _ = per_sequence(*leaves, causal=causal, alignment=alignment, window=window, softcap=softcap,
+                              lens=DET_LENS)
+        want = torch.autograd.grad(out, leaves, do.double(), materialize_grads=True)
+        for g_name, w, first, *again in zip(("dQ", "dK", "dV"), want, *runs):
+            got = first if g_name == "dQ" else first.view(first.shape[0], k.shape[1], -1, first.shape[2]).sum(2)
+            assert_close(f"{label} {g_name}", got, w, dtype)
+            for i, g in enumerate(again, 2):
+                assert torch.equal(g, first), f"{label} {g_name}: run {i} differs from run 1"
+
+
+@pytest.mark.parametrize("d, alignment", [(128, "top_left"), (64, "bottom_right")])
+def test_deterministic_training_picks_hopper(d, alignment):
+    """fused_attention_varlen(deterministic=True) with autograd on Hopper: the registry picks
+    fmha_bwd_sm90 (its split-dQ instances) for the backward where built, and DET_REPEATS training
+    steps on the same inputs (causal, GQA 4:1, DET_LENS) give bitwise equal gradients in the inputs'
+    layouts, against float64."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Hopper families run on sm_90 only")
+    dtype, lens = torch.bfloat16, DET_LENS
+    stem = f"fmha_bwd_sm90_bf16_d{d}_causal_"
+    split_dq = [n for n in built("fmha_bwd_sm90") if n.startswith(stem) and n.endswith("_sq")]
+    if not split_dq:
+        pytest.skip(f"no {stem}*_sq instance is built (gemmgen generate --arch sm90)")
+    q, k, v, do = make(8, 2, d, dtype, ("det-train", d, alignment), "head_major", lens=lens)
+    k_heads = torch.empty((k.shape[0], q.shape[1], k.shape[2]), dtype=dtype, device="cuda")  # as the selection sees K
+    bwd = calls.problem_for_bwd_varlen(q, k_heads, len(DET_LENS_Q), max(DET_LENS_Q), max(DET_LENS_K), True,
+                                       causal_alignment=alignment, deterministic=True)
+    picked = selection.select(bwd)
+    assert picked.entry.family == "fmha_bwd_sm90", f"picked {picked.name}; the split-dQ instances' reasons: " + repr(
+        {n: registry.reject_reason(candidate(n), bwd) for n in split_dq})
+    assert picked.name.endswith("_sq"), f"picked {picked.name}: example 88's loop is not deterministic"
+    runs = []
+    for _ in range(DET_REPEATS):
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        o = gemmgen.fused_attention_varlen(*leaves, offsets(DET_LENS_Q), offsets(DET_LENS_K), max(DET_LENS_Q),
+                                           max(DET_LENS_K), causal=True, causal_alignment=alignment,
+                                           deterministic=True)
+        o.backward(do)
+        runs.append([t.grad for t in leaves])
+    ref = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    want_o, _ = per_sequence(*ref, causal=True, alignment=alignment, lens=lens)
+    want = torch.autograd.grad(want_o, ref, do.double(), materialize_grads=True)
+    assert_close(f"d{d} {alignment} O", o, want_o, dtype)
+    for name, w, x, first, *again in zip(("dQ", "dK", "dV"), want, (q, k, v), *runs):
+        assert_close(f"d{d} {alignment} deterministic {name}", first, w, dtype)
+        assert first.stride() == x.stride(), f"{name} is not in its input's layout"
+        for i, g in enumerate(again, 2):
+            assert torch.equal(g, first), f"d{d} {alignment} {name}: step {i} differs from step 1"

@@ -144,6 +144,39 @@ CUTLASS_DEVICE QueryTiles packed_query_tiles(Packed const& s, Band const& band, 
   return {first / block_m, last / block_m - first / block_m + 1};
 }
 
+// Deterministic packed calls. Key tile k's rows are [F(k), L(k)]: packed_rows' first row of its first
+// key and last row of its last key (F > L: none). Both ends never decrease with k, so the key tiles
+// that run query tile t (block_m rows from t * block_m) are one contiguous range: those with
+// L(k) >= t * block_m and F(k) < (t + 1) * block_m, from packed_first_key_tile(t) on. A tile of that
+// range without rows (keys between two sequences' rows that none of them is seen from, such as a
+// sequence without queries) runs t as its one tile, adding nothing (packed_tile_takes_turn).
+CUTLASS_DEVICE int packed_last_row(Packed const& s, Band const& band, int key_tile, int block_n, int total_k) {
+  const int64_t k1 = int64_t(key_tile + 1) * block_n;
+  return packed_rows(s, band, int(k1 < total_k ? k1 : total_k) - 1, total_k).last;
+}
+
+// The first key tile whose rows reach query tile `q_tile` (key_tiles where none does).
+CUTLASS_DEVICE int packed_first_key_tile(Packed const& s, Band const& band, int q_tile, int block_m, int block_n,
+                                         int key_tiles, int total_k) {
+  const int64_t row = int64_t(q_tile) * block_m;
+  int lo = 0, hi = key_tiles;  // the smallest key tile with L(k) >= row: L never decreases with k
+  while (lo < hi) {
+    const int mid = lo + (hi - lo) / 2;
+    if (packed_last_row(s, band, mid, block_n, total_k) >= row) hi = mid; else lo = mid + 1;
+  }
+  return lo;
+}
+
+// Whether key tile `key_tile`, which sees no rows and runs query tile `q_tile` as its one tile
+// (packed_query_tiles' empty case), lies in that tile's range of key tiles above: it then takes its
+// turn, adding nothing.
+CUTLASS_DEVICE bool packed_tile_takes_turn(Packed const& s, Band const& band, int key_tile, int q_tile, int block_n,
+                                           int block_m, int total_k) {
+  const int first = packed_rows(s, band, key_tile * block_n, total_k).first;
+  const int last = packed_last_row(s, band, key_tile, block_n, total_k);
+  return int64_t(last) >= int64_t(q_tile) * block_m && int64_t(first) < int64_t(q_tile + 1) * block_m;
+}
+
 // Before a packed call's query loop: the query rows of the keys of this thread's scores, one per row
 // of its accumulator (index: the scores' (key, query) coordinates, mma the tiled MMA whose
 // accumulator they index, its rows being keys), kept in registers through the loop.
@@ -176,12 +209,14 @@ CUTLASS_DEVICE void mask_packed_scores(Acc& acc, Index const& index, TiledMma co
   }
 }
 
-// A query-tile index as the loads' step() walks it (operator* and ++), from the range's first tile.
+// A query-tile index as the loads' step() walks it (operator* and ++): from tile i on, `step` (+1 or
+// -1) a tile (split_dq.h's walk).
 struct TileIndex {
   int i;
+  int step;
   CUTLASS_DEVICE int operator*() const { return i; }
   CUTLASS_DEVICE TileIndex& operator++() {
-    ++i;
+    i += step;
     return *this;
   }
 };

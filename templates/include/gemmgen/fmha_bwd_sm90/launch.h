@@ -297,6 +297,18 @@ int64_t turn_tiles(int64_t nq) {
   return Cfg::kBand ? (nq + Cfg::kBlockM - 1) / Cfg::kBlockM : 0;
 }
 
+// Deterministic packed calls: each (head, query tile) turn counter starts at the first key tile that
+// runs the query tile (band.h's packed_first_key_tile), whose CTA adds first. One thread per query
+// tile; every head has the same sequences and band.
+template <int kBlockM, int kBlockN>
+__global__ void packed_turns_kernel(int* turns, int64_t heads, int query_tiles, int key_tiles, Packed packed,
+                                    Band band, int total_k) {
+  const int t = int(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (t >= query_tiles) return;
+  const int first = packed_first_key_tile(packed, band, t, kBlockM, kBlockN, key_tiles, total_k);
+  for (int64_t hh = 0; hh < heads; ++hh) turns[hh * query_tiles + t] = first;
+}
+
 // Step 1: D and the LSE copy. kLanes threads share a row (kVec elements each); rows in a grid-stride
 // loop. Row r is (batch r / (H Nq), head r / Nq % H, query r % Nq).
 // Packed sequences (packed.cu_q set; one batch entry of nq = total_q rows): the forward's LSE is
@@ -467,10 +479,6 @@ int run(const GemmgenAttnBwdParams* p, cudaStream_t stream, char* err, int err_l
                     "variable lengths: total_q %lld, total_k %lld (the packed tensors' rows, in [1, 2^31))",
                     static_cast<long long>(p->total_q), static_cast<long long>(p->total_k));
     }
-    if (p->deterministic != 0) {
-      return report(err, err_len, GEMMGEN_INVALID_ARGUMENT,
-                    "deterministic with variable lengths: this family runs it at fixed lengths only");
-    }
     if (Cfg::kKind != BandKind::kNone && p->causal_offset != 0) {
       return report(err, err_len, GEMMGEN_INVALID_ARGUMENT,
                     "variable lengths: the diagonal is top-left (causal_offset 0) or bottom-right per sequence "
@@ -594,6 +602,14 @@ int run(const GemmgenAttnBwdParams* p, cudaStream_t stream, char* err, int err_l
   const int64_t rows = b * h * nq;
   const Packed packed_seqs =
       packed ? Packed{p->cu_seqlens_q, p->cu_seqlens_k, p->batch, p->align_per_sequence} : Packed{};
+  const Band band = Band::of(Cfg::kKind, p->causal_offset, p->window_left, p->window_right);
+  const int64_t key_tiles = (nk + Cfg::kBlockN - 1) / Cfg::kBlockN;
+  if (p->deterministic && packed) {
+    packed_turns_kernel<Cfg::kBlockM, Cfg::kBlockN><<<static_cast<unsigned>((query_tiles + 127) / 128), 128, 0, stream>>>(
+        turns, h, static_cast<int>(query_tiles), static_cast<int>(key_tiles), packed_seqs, band, static_cast<int>(nk));
+    e = cudaGetLastError();
+    if (e != cudaSuccess) return cuda_failed("turn counters launch");
+  }
   {
     constexpr int kRowsPerBlock = 128 / (D / kVec);
     const int64_t blocks = std::min<int64_t>((rows + kRowsPerBlock - 1) / kRowsPerBlock, int64_t(1) << 20);
@@ -635,7 +651,6 @@ int run(const GemmgenAttnBwdParams* p, cudaStream_t stream, char* err, int err_l
   auto* dk0 = static_cast<Element*>(const_cast<void*>(vdk.ptr));
   auto* dv0 = static_cast<Element*>(const_cast<void*>(vdv.ptr));
   const int64_t rp = ws.rows_padded;
-  const Band band = Band::of(Cfg::kKind, p->causal_offset, p->window_left, p->window_right);
   // (batch, head, row, 1) in elements: the int strides CUTLASS's arguments take.
   auto s3 = [](const View& t) { return make_stride(int(t.sb), int(t.sh), int(t.sr), _1{}); };
   // Chunks keep batch and heads within the grid's y and z limits (causal: the batch in z, the key
@@ -643,7 +658,6 @@ int run(const GemmgenAttnBwdParams* p, cudaStream_t stream, char* err, int err_l
   // a chunk's first query head reads its key/value head h0 / group. A packed call's CTA reads the
   // rows of its own sequence only: its heads' working set is counted per sequence (max_seqlen_q),
   // as a fixed-length call's is per batch entry.
-  const int64_t key_tiles = (nk + Cfg::kBlockN - 1) / Cfg::kBlockN;
   const int64_t rows_per_head = packed ? int64_t(p->seqlen_q) : nq;
   const int64_t head_step = std::max(
       group,

@@ -151,8 +151,9 @@ struct SplitDqMainloop
   struct Params : Base::Params {
     Band band;
     int group = 1;
-    // Deterministic calls: one counter per (batch, head, query tile), zero at the launch; nullptr
-    // otherwise. A query tile's dQ additions go in key-tile order (see reduce).
+    // Deterministic calls: one counter per (batch, head, query tile), zero at the launch (packed:
+    // the tile's first key tile, launch.h's packed_turns_kernel); nullptr otherwise. A query tile's dQ
+    // additions go in key-tile order (see reduce).
     int* turns = nullptr;
     int64_t turns_batch_stride = 0;  // counters per batch entry (heads * query tiles)
     int turns_head_stride = 0;       // counters per head (query tiles)
@@ -204,6 +205,22 @@ struct SplitDqMainloop
     return band;
   }
 
+  // The direction of the CTA's walk over its query tiles, which the load warp, the math groups and
+  // the reducer take alike (+1 a tile: from the range's first; -1: from its last). Deterministic
+  // calls walk down. Their additions to a query tile go in key-tile order, and a lower key tile's
+  // range ends no later than a higher one's (both ends of the band's and the packed ranges never
+  // decrease with the key tile): walking down, a lower key tile reaches each tile of a higher one's
+  // range no later than the higher one does, so a chain's CTAs add in step. Walking up, a higher key
+  // tile's first tile comes late in the lower ones' walks: causal CTAs would wait at their first
+  // tile for the diagonal's lower key tiles, and in a packed call the key tile that holds the last
+  // keys of sequence A and the first of B would add B's first tiles only after all of A's, holding
+  // every later key tile of B behind it (NOTES 108).
+  CUTLASS_DEVICE static int walk_step(Params const& params) { return params.turns != nullptr ? -1 : 1; }
+
+  CUTLASS_DEVICE static int walk_start(QueryTiles const& tiles, Params const& params) {
+    return walk_step(params) > 0 ? tiles.first : tiles.first + tiles.count - 1;
+  }
+
   // The load warp: the CTA's K and V halves (one pair per math group; K and V of the query head's
   // key/value head, head / group) and, per query tile of its range, Q with its LSE in one pipeline
   // stage and dO with its D in the next. The first loads go K0, Q, V0, K1, dO, V1, so that group 0's
@@ -222,7 +239,7 @@ struct SplitDqMainloop
     int kv_count = NumMmaWarpGroups;
     int q_count = tiles.count;
     auto kv_tile = cute::make_coord_iterator(kv_count);
-    TileIndex q_tile{tiles.first};
+    TileIndex q_tile{walk_start(tiles, params), walk_step(params)};
 
     typename Base::LoadQ load_q{params.tma_load_q, pipeline_inner, storage.smem_q};
     auto state_q = load_q.init_state(block_rank_in_cluster, problem_size, TileShapeNM{}, blk_coord, q_count);
@@ -277,10 +294,12 @@ struct SplitDqMainloop
   //
   // Deterministic calls (params.turns): the key tiles that hold a query tile add into its dQ one
   // after another in key-tile order, so the fp32 sums never depend on scheduling. The reducer waits
-  // for the tile's counter to reach its turn (its key tile less the first that holds the query tile),
-  // adds, waits for the addition to complete in global memory, and advances the counter. A key
-  // tile's CTA waits only on CTAs of lower key tiles of its (batch, head), which the grid starts
-  // before it (key tiles are the faster grid coordinate in both schedules), so the waits end.
+  // for the tile's counter to reach its turn (its key tile less the first that holds the query tile;
+  // packed: its key tile, the counter starting at the first), adds, waits for the addition to
+  // complete in global memory, and advances the counter. A key tile's CTA waits only on CTAs of lower
+  // key tiles of its (batch, head), which the grid starts before it (key tiles are the faster grid
+  // coordinate in both schedules), so the waits end. A packed key tile without rows inside a query
+  // tile's range of key tiles takes its turn there without adding (band.h).
   template <class BlkCoord, class ProblemShape, class PipelineReducer, class StateReducer>
   CUTLASS_DEVICE void reduce(BlkCoord const& blk_coord, Params const& params, ProblemShape const& problem_size,
                              PipelineReducer& pipeline_reducer, StateReducer& smem_pipe_read_reducer,
@@ -299,7 +318,15 @@ struct SplitDqMainloop
     int* turns = params.turns == nullptr ? nullptr
                                          : params.turns + int64_t(get<2, 0>(blk_coord)) * params.turns_batch_stride +
                                                int64_t(get<2, 1>(blk_coord)) * params.turns_head_stride;
+    bool takes_turns = turns != nullptr && !tiles.empty;
+    if constexpr (kPacked) {
+      if (turns != nullptr && tiles.empty && lane_predicate) {
+        takes_turns = packed_tile_takes_turn(params.packed, params.band, key_tile, tiles.first, kBlockN, kBlockM,
+                                             int(get<3>(problem_size)));
+      }
+    }
     StateReducer smem_pipe_release_reducer = smem_pipe_read_reducer;
+    int q_tile = walk_start(tiles, params);
     for (int t = 0; t < tiles.count; ++t) {
       pipeline_reducer.consumer_wait(smem_pipe_read_reducer);
       if (lane_predicate) tma_store_wait<1>();  // the previous tile's reduction has read its stage
@@ -307,15 +334,18 @@ struct SplitDqMainloop
         pipeline_reducer.consumer_release(smem_pipe_release_reducer);
         ++smem_pipe_release_reducer;
       }
-      if (lane_predicate && !tiles.empty) {
-        const int q_tile = tiles.first + t;
-        if (turns != nullptr) {
-          wait_turn(turns + q_tile, key_tile - first_key_tile(params.band, q_tile, kBlockM, kBlockN));
+      if (lane_predicate) {
+        if (takes_turns) {
+          wait_turn(turns + q_tile,
+                    kPacked ? key_tile : key_tile - first_key_tile(params.band, q_tile, kBlockM, kBlockN));
         }
-        copy(params.tma_red_dq, tDQsDQ(_, _, _, smem_pipe_read_reducer.index()), tDQgDQ(_, _, _, q_tile));
-        tma_store_arrive();
-        if (turns != nullptr) pass_turn(turns + q_tile);
+        if (!tiles.empty) {
+          copy(params.tma_red_dq, tDQsDQ(_, _, _, smem_pipe_read_reducer.index()), tDQgDQ(_, _, _, q_tile));
+          tma_store_arrive();
+        }
+        if (takes_turns) pass_turn(turns + q_tile);
       }
+      q_tile += walk_step(params);
       ++smem_pipe_read_reducer;
     }
     if (lane_predicate) tma_store_wait<0>();
@@ -437,11 +467,12 @@ struct SplitDqMainloop
       }
     }
 
-    // The CTA's range of query tiles, as the load warp and the reducer walk it.
+    // The CTA's range of query tiles, walked as the load warp and the reducer walk it.
     const QueryTiles tiles = cta_query_tiles(blk_coord, params, problem_size);
-    tScS.data() = tScS.data() + E<1>{} * tiles.first * get<1>(TileShapeNM{});
+    int q_tile = walk_start(tiles, params);
+    const int q_step = walk_step(params);
+    tScS.data() = tScS.data() + E<1>{} * q_tile * get<1>(TileShapeNM{});
     int inner_tile_count = tiles.count;
-    [[maybe_unused]] int q_tile = tiles.first;
     int parity = 0;
     // A tile's Q and dO stages are released once its dK GEMM has completed.
     bool release_pending = false;
@@ -655,8 +686,8 @@ struct SplitDqMainloop
       --inner_tile_count;
       release_pending = true;
 
-      tScS.data() = tScS.data() + E<1>{} * get<1>(TileShapeNM{});
-      ++q_tile;
+      tScS.data() = tScS.data() + E<1>{} * (q_step * get<1>(TileShapeNM{}));
+      q_tile += q_step;
       parity ^= 1;
     }
 
