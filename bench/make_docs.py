@@ -29,6 +29,7 @@ CURRENT = {
     "decode_grid_h100.md": "Decode and key-value caches against torch SDPA, the whole grid, on an H100",
     "decode_grid_h200.md": "Decode and key-value caches against torch SDPA, the whole grid (before NOTES 71's combine)",
     "decode_h200.md": "Decode and key-value caches against torch SDPA, the quick grid",
+    "decode_small_h100.md": "Decode at small shapes (B 1 and 8, Nk 1024 and 8192, Nq 1) against torch SDPA on an H100",
     "gqa_prefill_h200.md": "GQA prefill and chunked prefill against torch SDPA",
     "model_h100.md": "A GPT-style model's training step and generation, torch SDPA with and without gemmgen",
     "bwd_sweep_padded_h100.md": "The backward at head dims 80 and 96, run padded to 128, against torch SDPA's backward",

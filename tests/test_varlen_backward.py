@@ -498,7 +498,7 @@ def test_varlen_backward_problem_and_selection(monkeypatch, tmp_path, restore_bu
     """The varlen backward's problem carries the varlen flag and the maxima, K with Q's heads: the
     Hopper backward's split-dQ instance runs it, example 88's loop is rejected with its reason,
     dropout needs mea_bwd_sm80's dropout instance."""
-    from gemmgen.generator.families import fmha_bwd_sm90, mea_bwd_sm80
+    from gemmgen.generator.families import fa2_bwd_sm80, fmha_bwd_sm90, mea_bwd_sm80
     from gemmgen.select import calls, selection
 
     synthetic_build(tmp_path, monkeypatch, (*mea_bwd_sm80.DEFAULT, *fmha_bwd_sm90.DEFAULT))
@@ -520,8 +520,10 @@ def test_varlen_backward_problem_and_selection(monkeypatch, tmp_path, restore_bu
     assert hopper and all("split-dQ instances" in r for r in hopper), reasons
     with pytest.raises(gemmgen.NoInstanceError, match="built without dropout"):
         selection.select(calls.problem_for_bwd_varlen(q, kk, 3, 17, 30, True, dropout=True))
-    # Deterministic packed calls: the split-dQ instances take turns per query tile.
-    synthetic_build(tmp_path / "det", monkeypatch, (*mea_bwd_sm80.DEFAULT, *fmha_bwd_sm90.DEFAULT))
+    # Deterministic packed calls: the split-dQ instances take turns per query tile, ahead of
+    # fa2_bwd_sm80's, which do too.
+    synthetic_build(tmp_path / "det", monkeypatch, (*mea_bwd_sm80.DEFAULT, *fa2_bwd_sm80.DEFAULT,
+                                                    *fmha_bwd_sm90.DEFAULT))
     det = calls.problem_for_bwd_varlen(q, kk, 3, 17, 30, True, tensors=(q, kk), deterministic=True)
     assert det.deterministic and det.functional_key == "bwd_bf16_d64_causal_a16_varlen_det"
     assert selection.decide(det).winner.name == "fmha_bwd_sm90_bf16_d64_causal_m128n128_sq"

@@ -269,3 +269,58 @@ def test_deterministic_training_picks_hopper(d, alignment):
         assert first.stride() == x.stride(), f"{name} is not in its input's layout"
         for i, g in enumerate(again, 2):
             assert torch.equal(g, first), f"d{d} {alignment} {name}: step {i} differs from step 1"
+
+
+def test_deterministic_packed_training_compiled_and_captured():
+    """deterministic=True on packed sequences through torch.compile(fullgraph=True) and through a CUDA
+    graph of the forward and backward: each against float64, and bitwise equal from one compiled call
+    (one graph replay) to the next."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Hopper families run on sm_90 only")
+    if not [n for n in built("fmha_bwd_sm90") if n.startswith("fmha_bwd_sm90_bf16_d128_causal_") and n.endswith("_sq")]:
+        pytest.skip("no fmha_bwd_sm90_bf16_d128_causal_*_sq instance is built (gemmgen generate --arch sm90)")
+    dtype, lens = torch.bfloat16, DET_LENS
+    q, k, v, do = make(8, 2, 128, dtype, ("det-graph",), "packed", lens=lens)
+    cu_q, cu_k, max_q, max_k = offsets(DET_LENS_Q), offsets(DET_LENS_K), max(DET_LENS_Q), max(DET_LENS_K)
+    ref = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    want_o, _ = per_sequence(*ref, causal=True, alignment="bottom_right", lens=lens)
+    want = torch.autograd.grad(want_o, ref, do.double(), materialize_grads=True)
+
+    def attend(q, k, v):
+        return gemmgen.fused_attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal=True,
+                                              causal_alignment="bottom_right", deterministic=True)
+
+    compiled = torch.compile(attend, fullgraph=True)
+    runs = []
+    for _ in range(2):
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        runs.append(torch.autograd.grad(compiled(*leaves), leaves, do))
+    for name, w, first, again in zip(("dQ", "dK", "dV"), want, *runs):
+        assert_close(f"compiled deterministic {name}", first, w, dtype)
+        assert torch.equal(first, again), f"compiled deterministic {name}: the second call differs"
+
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+
+    def step():
+        for t in leaves:
+            t.grad = None if t.grad is None else t.grad.zero_()
+        attend(*leaves).backward(do)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    replays = []
+    for _ in range(2):
+        for t in leaves:
+            t.grad.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        replays.append([t.grad.clone() for t in leaves])
+    for name, w, first, again in zip(("dQ", "dK", "dV"), want, *replays):
+        assert_close(f"captured deterministic {name}", first, w, dtype)
+        assert torch.equal(first, again), f"captured deterministic {name}: the second replay differs"
