@@ -42,6 +42,8 @@ CURRENT = {
     "varlen_bwd_fmha_bwd_sm90_launches_h100.md": "The backward of packed sequences on fmha_bwd_sm90 against the same tokens dense and torch's varlen_attn on an H100",
     "varlen_bwd_deterministic_h100.md": "The backward of packed sequences with deterministic=True (fmha_bwd_sm90) against the same tokens dense, deterministic too, and torch's varlen_attn on an H100",
     "varlen_bwd_deterministic_baseline_h100.md": "The same packed backward without deterministic=True, same H100 run",
+    "varlen_bwd_deterministic_h200.md": "The backward of packed sequences with deterministic=True (fmha_bwd_sm90) on an H200",
+    "varlen_bwd_deterministic_baseline_h200.md": "The same packed backward without deterministic=True, same H200 run",
     "bwd_deterministic_h100.md": "The backward with deterministic=True on an H100",
     "varlen_bwd_fmha_bwd_sm90_h100.md": "The backward of packed sequences on fmha_bwd_sm90 before NOTES 88's launches, on an H100",
     "varlen_fwd_fmha_sm90_h100.md": "Packed sequences on fmha_sm90 (the Hopper forward) against the same tokens dense and torch's varlen_attn on an H100",
