@@ -148,7 +148,7 @@ def main() -> int:
                     sides = {s: backward_alone(f, inputs.get(s, (q, k, v))) for s, f in sides.items()}
                 if grad:
                     problem = calls.problem_for_bwd_varlen(q.detach(), k.detach(), len(lens), n_max, n_max, causal,
-                                                           deterministic=args.deterministic)
+                                                           window=window, deterministic=args.deterministic)
                 else:
                     problem = calls.problem_for_varlen(q, k, v, len(lens), n_max, n_max, causal, window=window,
                                                        short_keys=offsets.short_keys(cu, cu,
