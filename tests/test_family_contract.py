@@ -32,7 +32,7 @@ PINNED = {
                  ("fa2_sm80_bf16_d128_causal_m128n64w4s1_sc", "1fe5e1b3646b7416")],
     "fmha_sm90": [("fmha_sm90_fp16_d32_none_tma_m64n64s4", "020906f25fcacb00"),
                   ("fmha_sm90_bf16_d64_none_pingpong_m256n64s5_lr_q2", "15879f09a322b54d"),
-                  ("fmha_sm90_bf16_d256_causal_pingpong_m128n64s3_lr", "5b30828d0dee902d"),
+                  ("fmha_sm90_bf16_d256_causal_pingpong_m128n64s5_lr", "1e34a4e2058ec328"),
                   ("fmha_sm90_fp8_d128_none_pingpong_m128n128s5_lr", "9e2350bfe8b9e6ab")],
     "mea_sm80": [("mea_sm80_fp16_k64_q32k128_aligned", "363ebe8e53846213"),
                  ("mea_sm80_bf16_k64_q64k64_aligned", "c57ce76b17bd2661"),
@@ -60,7 +60,7 @@ PINNED = {
                      ("mea_bwd_sm80_bf16_k128_q128k128_preload_dropout", "457025b1e68956e7"),
                      ("mea_bwd_sm80_bf16_k256_q128k64", "c4de8ed16290850b")],
 }
-SPACE_SIZES = {"fa2_sm80": 1104, "fmha_sm90": 1380, "mea_sm80": 36, "decode_sm80": 566, "gemm_sm80": 1312, "gemm_sm90": 2576,
+SPACE_SIZES = {"fa2_sm80": 1104, "fmha_sm90": 1874, "mea_sm80": 36, "decode_sm80": 566, "gemm_sm80": 1312, "gemm_sm90": 2576,
                "softmax_sm80": 4, "fmha_bwd_sm90": 68, "fa2_bwd_sm80": 188,
                "mea_bwd_sm80": 72}
 

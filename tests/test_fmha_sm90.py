@@ -106,10 +106,36 @@ def test_every_instance_fits_and_is_built_only_for_sm90():
     assert not any(i.family == fam.FAMILY for i in space.select_instances(Arch.SM80, all_instances=True))
 
 
+def test_wide_head_dims_take_128x64_on_short_sequences(tmp_path):
+    """With the default build only, d160 causal and d192 run the buffered 128x64 tile on short
+    sequences (128x96's direct stores and 96-key rounding cost it 8% or more in the estimate there)
+    and 128x96 from N = 4096; d160 without a mask has no short tile (128x96 led at every length,
+    NOTES 113)."""
+    from conftest import make_entry, write_build_dir
+    from gemmgen.select import device, registry, selection
+    from gemmgen.select.problem import Problem
+
+    entries = [dataclasses.replace(make_entry(i), gencode=["-gencode=arch=compute_90a,code=sm_90a"])
+               for i in fam.DEFAULT if i.head_dim in (160, 192) and i.dtype.value == "bf16"]
+    registry.set_build_dirs([write_build_dir(tmp_path, entries)])
+    h100 = device.synthetic((9, 0), 132, "NVIDIA H100 80GB HBM3")
+    try:
+        for d, causal, n, tile in ((192, True, 1024, "m128n64s5"), (192, False, 1024, "m128n64s5"),
+                                   (160, True, 1024, "m128n64s5"), (160, False, 1024, "m128n96s5"),
+                                   (192, True, 4096, "m128n96s4"), (192, False, 4096, "m128n96s4"),
+                                   (160, True, 16384, "m128n96s5"), (160, False, 512, "m128n96s5")):
+            problem = Problem(dtype="bf16", head_dim=d, causal=causal, device=h100,
+                              batch_heads=16384 // n * (2048 // d), seqlen_q=n, seqlen_k=n)
+            decision = selection.decide(problem)
+            assert decision.source == "heuristic" and tile in decision.winner.name, (d, causal, n, decision.report())
+    finally:
+        registry.set_build_dirs(None)
+
+
 @pytest.mark.parametrize("change, reason", [
     (dict(block_m=128, schedule=Schedule.TMA), "128 rows"),
     (dict(block_m=64, schedule=Schedule.COOPERATIVE), "32 rows"),
-    (dict(block_n=192, stages=3), None),  # one of the two tiles the causal rule removes
+    (dict(block_n=192, stages=4), None),  # one of the two tiles the causal rule removes (O from registers)
     (dict(head_dim=96), None),  # 96, 160 and 192 run as well (bench/NOTES.md, experiment 60)
     (dict(head_dim=80), "head_dim 80"),
     (dict(block_n=256), "tile 128x256"),
@@ -129,8 +155,12 @@ def test_every_instance_fits_and_is_built_only_for_sm90():
     (dict(head_dim=64, block_m=64), "2 to 4 consumer warp groups"),
     (dict(head_dim=64, block_m=256, block_n=64, q_buffers=2), None),  # a second Q buffer per group
     (dict(head_dim=64, schedule=Schedule.TMA, block_m=64, stages=4, q_buffers=2), "second Q buffer"),
-    (dict(q_buffers=2), "shared memory"),  # at d128 the Q buffers cost a K/V stage
-    (dict(q_buffers=2, stages=4), None),
+    (dict(q_buffers=2), None),  # at d128 the Q buffers and O's cost a K/V stage: O from registers
+    (dict(q_buffers=2, stages=4), "stages 4: this tile uses 5"),
+    (dict(block_n=96), None),
+    (dict(head_dim=192, block_n=96, stages=4), None),  # O from registers: 4 stages (3 beside its buffer)
+    (dict(head_dim=192, block_n=96, stages=3), "stages 3: this tile uses 4"),
+    (dict(block_n=112), "tile 128x112"),  # half of 96's rate on an H100 (bench/NOTES.md, 113)
 ])
 def test_invalid_reason(change, reason):
     base = FmhaSm90Instance(DType.BF16, 128, Mask.NONE, Schedule.PINGPONG, 128, 128, 5)
@@ -257,8 +287,33 @@ def test_rendered_text(suffix, lazy):
     assert "Schedule::kPingpong" in text and "/*Causal=*/true, /*StagesKV=*/5," in text
     assert f"/*Lazy=*/{lazy}, /*QBuffers=*/1,\n" in text
     assert f"/*Speculate=*/{lazy},\n" in text  # the d128 128x128 ping-pong tile speculates with our softmax
-    assert "/*Local=*/false,\n" in text and "/*Softcap=*/false,\n" in text and "/*Bias=*/false>" in text
+    assert "/*Local=*/false,\n" in text and "/*Softcap=*/false,\n" in text and "/*Bias=*/false,\n" in text and "/*DirectO=*/false>" in text
     assert f"GEMMGEN_EXPORT int {inst.symbol}(const GemmgenAttnParams* params" in text
+
+
+@pytest.mark.parametrize("name, direct", [
+    ("fmha_sm90_bf16_d192_none_pingpong_m128n96s4_lr", True),  # 3 stages beside the buffer, 4 without
+    ("fmha_sm90_bf16_d160_causal_pingpong_m128n96s5_lr", True),  # 4 and 5
+    ("fmha_sm90_bf16_d256_local_pingpong_m128n64s5_lr", True),  # 3 and 5
+    ("fmha_sm90_fp8_d256_none_pingpong_m128n128s5_lr", True),  # 4 and 5
+    ("fmha_sm90_bf16_d192_none_pingpong_m128n64s5_lr", False),  # 5 fit beside the buffer
+    ("fmha_sm90_bf16_d128_causal_pingpong_m128n128s5_lr", False),
+    ("fmha_sm90_bf16_d256_none_coop_m128n64s5_lr", False),  # CUTLASS's epilogue, in the mainloop's space
+])
+def test_direct_store(name, direct):
+    """O goes from registers straight to memory exactly where its buffer would cost K/V stages;
+    the rule is in the build key, the rendered source and the shared-memory figure."""
+    inst = next(i for i in fam.SPACE if i.name == name)
+    assert inst.direct_store is direct
+    assert inst.params().get("direct_store", False) is direct
+    tc = render.Toolchain(flags=("-O3",), nvcc_version="13.0.88", cutlass_version="4.2.0")
+    assert f"/*DirectO=*/{'true' if direct else 'false'}>" in render.render_text(inst, tc)
+    if inst.persistent:
+        buffers = inst.consumer_groups * 64 * inst.head_dim * 2
+        assert inst._smem_bytes(inst.stages, True) - inst._smem_bytes(inst.stages, False) == buffers
+        assert inst.smem_bytes == inst._smem_bytes(inst.stages, not direct)
+        fits = [s for s in (3, 4, 5) if inst._smem_bytes(s, True) <= Arch.SM90.max_smem_bytes]
+        assert direct == (max(fits, default=0) < inst.stages)
 
 
 @pytest.mark.parametrize("name, speculates", [
@@ -285,6 +340,8 @@ def test_speculates(name, speculates):
     ("fmha_sm90_bf16_d128_none_pingpong_m128n128s5_lr", (128, 128, 128, 0)),
     # three consumer groups, and CUTLASS's softmax
     ("fmha_sm90_bf16_d32_causal_pingpong_m192n128s5", (32, 192, 128, 1)),
+    # O stored from registers (direct_store): no output buffers in the shared memory
+    ("fmha_sm90_bf16_d192_none_pingpong_m128n96s4_lr", (192, 128, 96, 0)),
 ])
 def test_real_build_and_info(tmp_path, name, shape):
     """nvcc compiles an sm_90a instance; its library loads without a GPU and reports what the

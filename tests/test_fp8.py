@@ -313,11 +313,13 @@ def test_fp8_instances_of_the_family():
         assert "fp8" in inst.name and inst.name.startswith(stem), inst.name
         assert inst.name.endswith("_lr") or "_lr_" in inst.name
         assert inst.params()["dtype"] == "fp8" and fam.INSTANCE.from_params(inst.params()) == inst
-        # Q and K/V tiles in one byte per element, O's buffers in bf16, and 256 bytes of factor slots.
+        # Q and K/V tiles in one byte per element, O's buffers (where it has them) in bf16, and 256
+        # bytes of factor slots.
         bf16 = fam.FmhaSm90Instance(DType.BF16, inst.head_dim, inst.mask, inst.schedule, inst.block_m,
                                     inst.block_n, inst.stages, inst.lazy_rescale, inst.q_buffers)
-        assert bf16.smem_bytes - inst.smem_bytes == (inst.q_buffers * inst.block_m + inst.stages * inst.block_n) \
-            * inst.head_dim - 256
+        buffers = not inst.direct_store
+        assert bf16._smem_bytes(inst.stages, buffers) - inst.smem_bytes == (
+            inst.q_buffers * inst.block_m + inst.stages * inst.block_n) * inst.head_dim - 256
     assert {(i.head_dim, i.mask) for i in insts} == {(d, m) for d in fam.FP8_HEAD_DIMS for m in fam.FP8_MASKS}
     preferred = [i for i in fam.PREFERRED_DEFAULT if i.dtype is DType.FP8]
     assert sorted((i.head_dim, i.mask.value) for i in preferred) == sorted(

@@ -126,7 +126,7 @@ def test_local_instances_and_their_source():
     assert all(i.persistent and not i.speculates for i in sm90_local)
     text = render.render_text(next(i for i in sm90_local if i.head_dim == 128), TC)
     assert "/*Causal=*/false" in text and "/*Speculate=*/false,\n" in text and "/*Local=*/true,\n" in text
-    assert "/*Softcap=*/false,\n" in text and "/*Bias=*/false>" in text
+    assert "/*Softcap=*/false,\n" in text and "/*Bias=*/false,\n" in text
     coop = dataclasses.replace(sm90_local[0], schedule=fmha_sm90.Schedule.COOPERATIVE, block_m=128, block_n=64)
     assert "persistent schedule" in fmha_sm90.invalid_reason(coop)
 

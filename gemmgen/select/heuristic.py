@@ -12,7 +12,8 @@ CostInputs: block_m, block_n, stages, threads and shared memory), rebuilt from t
   ASSUMED_REGS_PER_THREAD, what ptxas gives fa2_sm80's tiles, unless the family measured others)
   allocated per warp in units of 256.
 - Pipeline: a CTA's first K/V loads are exposed, as if it computed PROLOGUE_COLS more key columns,
-  divided by the instance's `stages`: K/V buffers loading ahead hide them.
+  divided by the instance's `stages`: K/V buffers loading ahead hide them. An epilogue that is not
+  overlapped adds the instance's `epilogue_cols` per row tile (fmha_sm90's O stored from registers).
 - Time: waves = ceil(CTAs / (SMs * CTAs per SM)), each as long as the mean CTA work divided by
   the CTA's share of the SM (warps / 8, no more than 1: 8 resident warps keep an SM busy), and
   by the family's RELATIVE_SPEED (its measured throughput per unit of this work against fa2_sm80's):
@@ -217,7 +218,7 @@ def estimate(inst: AttentionInstance, problem: Problem) -> Estimate:
     per_sm = ctas_per_sm(cost.smem_bytes, cost.threads, problem, cost.regs_per_thread)
     waves = -(-ctas // (problem.device.sm_count * per_sm)) if ctas else 0
     share = min(1.0, (cost.threads / 32) / WARPS_TO_FILL_SM)
-    mean_work = block_m * (cols / row_tiles + PROLOGUE_COLS / cost.stages) if row_tiles else 0.0
+    mean_work = block_m * (cols / row_tiles + PROLOGUE_COLS / cost.stages + cost.epilogue_cols) if row_tiles else 0.0
     return Estimate(ctas=ctas, ctas_per_sm=per_sm, waves=waves, padded_rows=row_tiles * block_m,
                     time=waves * mean_work / share / family_named(inst.family).RELATIVE_SPEED)
 

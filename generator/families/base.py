@@ -83,6 +83,8 @@ class CostInputs:
     threads: int  # per CTA
     smem_bytes: int  # per CTA
     regs_per_thread: int = 255  # what ptxas gives the kernel (the residency limit by registers)
+    # Key columns of work a row tile's epilogue costs beyond its mainloop (0: overlapped with it).
+    epilogue_cols: float = 0.0
 
     def __post_init__(self) -> None:
         if min(self.block_m, self.block_n, self.stages, self.threads, self.regs_per_thread) < 1 or self.smem_bytes < 0:

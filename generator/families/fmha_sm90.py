@@ -28,8 +28,8 @@ import itertools
 import math
 
 from gemmgen.arch import Arch
-from gemmgen.generator.families.base import (ADDED, AttentionInstance, DType, Mask, axis_reason, feature_reason,
-                                             smem_reason)
+from gemmgen.generator.families.base import (ADDED, AttentionInstance, CostInputs, DType, Mask, axis_reason,
+                                             feature_reason, smem_reason)
 
 FAMILY = "fmha_sm90"
 KIND = "attention"
@@ -62,8 +62,10 @@ HEAD_DIMS = (32, 64, 96, 128, 160, 192, 256)
 # (its bounds and offset are launch parameters), on the persistent schedule.
 MASKS = tuple(Mask)
 SCHEDULES = tuple(Schedule)
-TILES = ((64, 64), (64, 128), (128, 64), (128, 128), (128, 192), (192, 64), (192, 128), (256, 64),
-         (128, 256))  # (block_m, block_n); 128x256 for fp8 only
+# (block_m, block_n); 128x256 for fp8 only. 128x112 ran at half of 128x96's rate on an H100 (bench/NOTES.md,
+# experiment 113): not offered.
+TILES = ((64, 64), (64, 128), (128, 64), (128, 96), (128, 128), (128, 192), (192, 64), (192, 128), (256, 64),
+         (128, 256))
 FP8_ONLY_TILES = ((128, 256),)
 # K/V pipeline stages (one stage holds a K or a V tile). Two are not offered: every 2-stage tile
 # tried hung at its first call on an H100 (ping-pong with one or two Q buffers and cooperative, head
@@ -95,6 +97,10 @@ MAX_SMEM = Arch.SM90.max_smem_bytes
 CONSUMER_REGS = {1: 240, 2: 240, 3: 160, 4: 112}
 SOFTMAX_REGS = 48
 INT32_MAX = 2**31 - 1
+# What O stored from registers costs a row tile, in key columns of the heuristic's work (its epilogue
+# is not overlapped as the TMA store is): 128x64 with the direct stores ran 6-9% behind its buffered
+# twin at N = 1024 on an H100 (about 64 of 1050 columns), 1-6% at 4096 (bench/NOTES.md, 113).
+DIRECT_STORE_COLS = 64.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,6 +159,11 @@ class FmhaSm90Instance(AttentionInstance):
         return self.block_n + self.head_dim // 2 + 16 <= CONSUMER_REGS[self.consumer_groups]
 
     @property
+    def cost_inputs(self) -> CostInputs:
+        """The base's, and the cost of O stored from registers (direct_store): DIRECT_STORE_COLS."""
+        return dataclasses.replace(super().cost_inputs, epilogue_cols=DIRECT_STORE_COLS if self.direct_store else 0.0)
+
+    @property
     def threads(self) -> int:
         # The TMA schedule is one warp group; the others add a producer warp group.
         return 128 * (self.consumer_groups + (0 if self.schedule is Schedule.TMA else 1))
@@ -161,16 +172,34 @@ class FmhaSm90Instance(AttentionInstance):
     def smem_bytes(self) -> int:
         """Shared memory of CUTLASS's SharedStorage (the compiled instances report the same figure;
         a test checks one): the Q stages, the K/V stages (K and V share them), pipeline barriers, and
-        for the persistent schedule a whole-tile output buffer per consumer group beside them (the
-        others reuse the mainloop's space)."""
+        for the persistent schedule a whole-tile output buffer per consumer group beside them unless
+        it stores O from registers (direct_store; the other schedules reuse the mainloop's space)."""
+        return self._smem_bytes(self.stages, self.persistent and not self.direct_store)
+
+    def _smem_bytes(self, stages: int, o_buffers: bool) -> int:
         e = self.dtype.itemsize
         rows_q = self.block_m // self.consumer_groups
         q = self.q_buffers * self.consumer_groups * rows_q * self.head_dim * e
-        kv = self.stages * self.block_n * self.head_dim * e
+        kv = stages * self.block_n * self.head_dim * e
         if self.persistent:  # O's buffers hold the output type (fp8's is bf16); the factor or bias slots
-            return (q + kv + self.consumer_groups * rows_q * self.head_dim * max(e, 2) + 1536
+            return (q + kv + (self.consumer_groups * rows_q * self.head_dim * max(e, 2) if o_buffers else 0) + 1536
                     + (256 if self.dtype is DType.FP8 else 0) + (1024 if self.bias else 0))
         return q + kv + 512
+
+    @property
+    def direct_store(self) -> bool:
+        """Whether the persistent epilogue stores O from registers (4-byte stores per thread) instead
+        of through a shared-memory buffer and one TMA store per consumer group: where that buffer
+        would cost the K/V pipeline a stage, i.e. fewer than CUTLASS's default stages fit beside it and
+        more fit without it (the large head dims' wide tiles; K and V stages are what the ping-pong
+        mainloop runs short of, bench/NOTES.md, experiments 60 and 113)."""
+        if not self.persistent:
+            return False
+        default = DEFAULT_STAGES[self.schedule]
+
+        def most(o_buffers: bool) -> int:
+            return max((s for s in range(1, default + 1) if self._smem_bytes(s, o_buffers) <= MAX_SMEM), default=0)
+        return most(False) > most(True)
 
     @property
     def persistent(self) -> bool:
@@ -195,12 +224,14 @@ class FmhaSm90Instance(AttentionInstance):
                 **({"bias": True} if self.bias else {}),
                 # Derived, and kept here so that the build key changes with the rule that derives it.
                 **({"speculate": True} if self.speculates else {}),
+                **({"direct_store": True} if self.direct_store else {}),
                 **({"varlen": True} if self.runs_varlen else {})}
 
     def template_values(self) -> dict:
         return {**super().template_values(), "schedule_cpp": SCHEDULE_CPP[self.schedule], "causal": self.causal,
                 "local": self.mask is Mask.LOCAL, "lazy_rescale": self.lazy_rescale, "q_buffers": self.q_buffers,
-                "speculate": self.speculates, "softcap": self.softcap, "bias": self.bias}
+                "speculate": self.speculates, "softcap": self.softcap, "bias": self.bias,
+                "direct_store": self.direct_store}
 
 
 INSTANCE = FmhaSm90Instance
@@ -320,15 +351,17 @@ SPACE: tuple[FmhaSm90Instance, ...] = tuple(
 # whose softmax speculates, is the fastest or within 1% at 10 of the 12 sweep shapes of each mask,
 # the causal TMA 64x64 tile 10% ahead of it at N = 512); d32 keeps the TMA tile (within 1-5% of the
 # 192- and 256-row tiles, experiment 32), d256 CUTLASS's own choice (the only warp-specialized tile
-# whose stages fit); d96 and d160/d192 the fastest of the tiles timed at N = 1024 and 4096 (bf16,
-# experiment 60: ping-pong 128x128 at d96, 128x64 at d160 and d192).
+# whose stages fit); d96 the fastest of the tiles timed at N = 1024 and 4096 (bf16, experiment 60:
+# ping-pong 128x128); d160 and d192 ping-pong 128x96 with O stored from registers (direct_store: 5
+# and 4 K/V stages, 3 beside O's buffers), +12-30% over 128x64 from N = 4096 on an H100, 3% ahead
+# to 6% behind it at N = 1024 (experiment 113).
 DEFAULT_TILE = {
     (32, False): (Schedule.TMA, 64, 128, 1), (32, True): (Schedule.TMA, 64, 128, 1),
     (64, False): (Schedule.PINGPONG, 256, 64, 2), (64, True): (Schedule.PINGPONG, 256, 64, 2),
     (96, False): (Schedule.PINGPONG, 128, 128, 1), (96, True): (Schedule.PINGPONG, 128, 128, 1),
     (128, False): (Schedule.PINGPONG, 128, 128, 1), (128, True): (Schedule.PINGPONG, 128, 128, 1),
-    (160, False): (Schedule.PINGPONG, 128, 64, 1), (160, True): (Schedule.PINGPONG, 128, 64, 1),
-    (192, False): (Schedule.PINGPONG, 128, 64, 1), (192, True): (Schedule.PINGPONG, 128, 64, 1),
+    (160, False): (Schedule.PINGPONG, 128, 96, 1), (160, True): (Schedule.PINGPONG, 128, 96, 1),
+    (192, False): (Schedule.PINGPONG, 128, 96, 1), (192, True): (Schedule.PINGPONG, 128, 96, 1),
     (256, False): (Schedule.COOPERATIVE, 128, 64, 1), (256, True): (Schedule.COOPERATIVE, 128, 64, 1),
 }
 
@@ -336,19 +369,27 @@ DEFAULT_TILE = {
 # persistent, else the ping-pong tile of the nearest head dims (128x128 at d32, 128x64 at d256). Of
 # the other d64 and d128 tiles timed on the H100 none was ahead at every window and length
 # (bench/NOTES.md, experiment 74: d64 192x128 +3-8% from N = 8192, -4% to -32% at N = 4096).
-LOCAL_TILE = {d: tile if tile[0] is Schedule.PINGPONG else (Schedule.PINGPONG, 128, 128 if d <= 128 else 64, 1)
-              for (d, causal), tile in DEFAULT_TILE.items() if not causal}
+# At d160 and d192 the window keeps 128x64 with its output buffer: 128x96 (O from registers) ran
+# even at N = 1024 and 3-4% behind at 4096 and 16384 with a 1024-key window (experiment 113).
+LOCAL_TILE = {**{d: tile if tile[0] is Schedule.PINGPONG else (Schedule.PINGPONG, 128, 128 if d <= 128 else 64, 1)
+                 for (d, causal), tile in DEFAULT_TILE.items() if not causal},
+              160: (Schedule.PINGPONG, 128, 64, 1), 192: (Schedule.PINGPONG, 128, 64, 1)}
 
 # Built by default beside the default tile, weighed on the heuristic's estimate alone (no
 # preference): the causal d64 TMA 64x64 tile, 12% ahead of the 256x64 tile at N = 512 and even at
 # N = 1024, 15% behind from N = 2048 on (bench/NOTES.md, experiment 64); the estimate takes it at
-# N <= 1024 only (its padded causal work is 8% lower or more there).
-SHORT_SEQUENCE_TILES = {(64, True): (Schedule.TMA, 64, 64, 1)}
+# N <= 1024 only (its padded causal work is 8% lower or more there). At d160 causal and d192 the
+# 128x64 tile with its output buffer, 6-12% ahead of 128x96 at N = 1024 and 4-10% behind from 4096
+# (experiment 113); the estimate takes it up to about N = 1500 (128x96's direct stores and
+# rounding to 96 keys cost it 8% more there).
+SHORT_SEQUENCE_TILES = {(64, True): (Schedule.TMA, 64, 64, 1), (160, True): (Schedule.PINGPONG, 128, 64, 1),
+                        (192, False): (Schedule.PINGPONG, 128, 64, 1), (192, True): (Schedule.PINGPONG, 128, 64, 1)}
 
 # fp8 (the persistent schedule only) per (head dim, causal): of the tiles timed on the H100
 # (bench/NOTES.md, experiment 90), the fastest at N = 4096 and 16384: d64 the 16-bit tile; d128
-# 128x192 without a mask, 128x128 causal (128x256 behind both); d256 128x128 with 4 stages (the
-# 16-bit default is CUTLASS's cooperative kernel; 128x64 behind it from N = 4096).
+# 128x192 without a mask, 128x128 causal (128x256 behind both); d256 128x128 (the 16-bit default is
+# CUTLASS's cooperative kernel; 128x64 behind it from N = 4096), 5 stages with O stored from registers
+# since experiment 113 (4 beside its buffer: +12-20% from N = 4096, causal 9% behind at 1024).
 FP8_TILE = {
     (64, False): (Schedule.PINGPONG, 256, 64, 2), (64, True): (Schedule.PINGPONG, 256, 64, 2),
     (128, False): (Schedule.PINGPONG, 128, 192, 1), (128, True): (Schedule.PINGPONG, 128, 128, 1),
@@ -383,7 +424,7 @@ DEFAULT: tuple[FmhaSm90Instance, ...] = PREFERRED_DEFAULT + tuple(
     inst for inst in SPACE
     if (inst.schedule, inst.block_m, inst.block_n, inst.q_buffers) == SHORT_SEQUENCE_TILES.get((inst.head_dim, inst.causal))
     and inst.lazy_rescale and inst.stages == DEFAULT_STAGES[inst.schedule] and inst.dtype is not DType.FP8
-    and not inst.softcap and not inst.bias
+    and not inst.softcap and not inst.bias and inst.mask is not Mask.LOCAL
 )
 
 # Throughput per unit of tile work against fa2_sm80's on the H200 sweep (the heuristic's weight

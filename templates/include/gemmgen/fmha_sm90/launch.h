@@ -66,9 +66,10 @@ using FusionOf =
 // Speculate: whether our softmax takes its speculative step (softmax.h), decided per instance by
 // FmhaSm90Instance.speculates (gemmgen/families/fmha_sm90.py) from the registers it needs.
 template <class Element, class TileShape, class Stride, class StrideV, Schedule S, bool Causal, int StagesKV,
-          bool Lazy, int QBuffers, bool Speculate, bool Local, bool Softcap, bool Bias>
+          bool Lazy, int QBuffers, bool Speculate, bool Local, bool Softcap, bool Bias, bool DirectO>
 struct KernelOf {  // CUTLASS's own composition of the kernel (the TMA and cooperative schedules)
   static_assert(!Local && !Bias, "sliding windows and additive masks run on the persistent schedule");
+  static_assert(!DirectO, "O stored from registers is our persistent epilogue's option");
   // CUTLASS's epilogue stores O in the input type: 8-bit inputs (O in bf16) need ours.
   static_assert(sizeof(Element) == 2, "fp8 inputs run on the persistent schedule");
   using type = typename cutlass::fmha::kernel::FmhaBuilder<
@@ -80,9 +81,9 @@ struct KernelOf {  // CUTLASS's own composition of the kernel (the TMA and coope
 };
 
 template <class Element, class TileShape, class Stride, class StrideV, bool Causal, int StagesKV, bool Lazy,
-          int QBuffers, bool Speculate, bool Local, bool Softcap, bool Bias>
+          int QBuffers, bool Speculate, bool Local, bool Softcap, bool Bias, bool DirectO>
 struct KernelOf<Element, TileShape, Stride, StrideV, Schedule::kPingpong, Causal, StagesKV, Lazy, QBuffers, Speculate,
-                Local, Softcap, Bias> {
+                Local, Softcap, Bias, DirectO> {
   // CUTLASS's persistent mainloop in our kernel (persistent.h); 64 rows per consumer warp group;
   // causal row tiles go in pairs.
   using Tag = cutlass::fmha::kernel::Tag;
@@ -98,7 +99,7 @@ struct KernelOf<Element, TileShape, Stride, StrideV, Schedule::kPingpong, Causal
       Opt<Tag::kNumMmaWarpGroups, Groups>>;
   using Fixed = std::conditional_t<Causal, PairedScheduler, cutlass::fmha::kernel::PersistentTileScheduler>;
   template <class Scheduler>
-  using With = PersistentKernel<Mainloop, Fusion, Scheduler, Opt<Tag::kStagesKV, Int<StagesKV>>,
+  using With = PersistentKernel<Mainloop, Fusion, DirectO, Scheduler, Opt<Tag::kStagesKV, Int<StagesKV>>,
                                 Opt<Tag::kStagesQ, StagesQ>, Opt<Tag::kIsPersistent, cute::true_type>,
                                 Opt<Tag::kLoadsQSeparately, cute::true_type>, Opt<Tag::kNumMmaWarpGroups, Groups>>;
   using type = With<Fixed>;
@@ -112,7 +113,7 @@ struct KernelOf<Element, TileShape, Stride, StrideV, Schedule::kPingpong, Causal
 
 template <class Element_, int BlockM, int BlockN, int HeadDim, Schedule S, bool Causal, int StagesKV,
           bool Lazy = false, int QBuffers = 1, bool Speculate = false, bool Local = false, bool Softcap = false,
-          bool Bias = false>
+          bool Bias = false, bool DirectO = false>
 struct Config {
   using Element = Element_;  // of q, k, v
   // 8-bit inputs (fp8 e4m3) give O in bf16, and their V is read transposed: wgmma reads 8-bit
@@ -133,7 +134,7 @@ struct Config {
   static_assert(!Bias || (Lazy && !Speculate && !Local && !kFp8 && S == Schedule::kPingpong),
                 "an additive mask runs in our plain step on the persistent schedule, 16-bit, without a window");
   using Kernels = KernelOf<Element, TileShape, Stride, StrideV, S, Causal, StagesKV, Lazy, QBuffers, Speculate,
-                           Local, Softcap, Bias>;
+                           Local, Softcap, Bias, DirectO>;
   using Kernel = typename Kernels::type;
   using PackedKernel = typename Kernels::packed_type;  // void: no packed sequences
   static constexpr int kHeadDim = HeadDim;

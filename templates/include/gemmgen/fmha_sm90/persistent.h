@@ -102,7 +102,10 @@ struct PairedScheduler {
 // first thread; the group synchronizes on its own named barrier, so the two groups run their
 // epilogues at the same time. The store is left in flight: the next call waits for it to have read
 // the buffer before rewriting it, and the kernel calls drain() before it exits.
-template <class Element, class TileShapePV>  // (rows, d, keys) of one consumer group
+// Direct: no buffer; the threads store O to global memory themselves, 16 bytes per thread and row
+// (store_direct). A group's buffer is rows x d of shared memory (24 KB at d = 192), which for the
+// large head dims' wide tiles costs the K/V pipeline a stage or more (FmhaSm90Instance.direct_store).
+template <class Element, class TileShapePV, bool Direct = false>  // (rows, d, keys) of one consumer group
 struct GroupEpilogue {
   static constexpr int kRows = size<0>(TileShapePV{});
   static constexpr int kCols = size<1>(TileShapePV{});
@@ -119,9 +122,11 @@ struct GroupEpilogue {
       make_tensor(make_gmem_ptr(static_cast<Element*>(nullptr)), make_shape(0, 0, make_shape(0, 0)), StrideO{}),
       SmemLayout{}, TileMN{}, _1{}));
 
-  struct TensorStorage {
+  struct BufferStorage {
     cute::array_aligned<Element, cute::cosize_v<SmemLayout>, 128> smem_o;
   };
+  struct NoStorage {};
+  using TensorStorage = std::conditional_t<Direct, NoStorage, BufferStorage>;
   // CUTLASS's kernel storage names an epilogue load pipeline; this epilogue loads nothing.
   using LoadPipeline = cutlass::PipelineTransactionAsync<1>;
   using PipelineStorage = typename LoadPipeline::SharedStorage;
@@ -157,7 +162,9 @@ struct GroupEpilogue {
   }
 
   // Before the CTA exits: its last stores have read shared memory.
-  CUTLASS_DEVICE static void drain() { cute::tma_store_wait<0>(); }
+  CUTLASS_DEVICE static void drain() {
+    if constexpr (!Direct) cute::tma_store_wait<0>();
+  }
 
   // blk: (row block of kRows rows, 0, (batch, head)); result: (O accumulators, LSE per held row).
   // ps: the tile's problem (a packed sequence's own lengths). q_row0 >= 0: a packed sequence whose
@@ -169,16 +176,91 @@ struct GroupEpilogue {
                                  ProblemShape const& ps, Params const& params, TensorStorage& smem,
                                  int q_row0 = -1) const {
     const int tid = threadIdx.x % kThreads;
-    // One named barrier per consumer warp group (1-4; NamedBarrier adds CUTLASS's reserved count, so
-    // hardware ids 9-12 of 16: __syncthreads' 0 and the reserved ones stay free).
-    const int barrier = threadIdx.x / kThreads;
     auto const& acc = get<0>(result);
     auto const& lse = get<1>(result);
 
     Tensor out = make_fragment_like<Element>(acc);
     CUTLASS_PRAGMA_UNROLL
     for (int i = 0; i < size(acc); ++i) out(i) = static_cast<Element>(acc(i));
+    // (row, column) of each accumulator in the group's tile.
+    Tensor coord = mma.get_thread_slice(tid).partition_C(make_identity_tensor(TileMN{}));
+    const int rows_left = get<2>(ps) - get<0>(blk) * kRows;  // this tile's rows within the problem
 
+    if constexpr (Direct) {
+      store_direct(blk, out, coord, rows_left, params, q_row0);
+    } else {
+      store_buffered(blk, out, mma, ps, params, smem, q_row0, rows_left);
+    }
+
+    // LSE: the thread holding column 0 of a row writes it.
+    Tensor coord_mn = make_tensor(coord.data(), cutlass::fmha::collective::layout_acc_mn(mma, coord.layout()));
+    if (get<1>(coord_mn(0, 0)) == 0) {
+      float* lse_bh = params.ptr_LSE + get<0>(get<2>(blk)) * get<0>(get<1>(params.dLSE)) +
+                      get<1>(get<2>(blk)) * get<1>(get<1>(params.dLSE));
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < size<0>(coord_mn); ++i) {
+        const int row = get<0>(blk) * kRows + get<0>(coord_mn(i, 0));
+        if (row < get<2>(ps)) lse_bh[row] = lse(i);
+      }
+    }
+  }
+
+  // Direct stores, 16 bytes per thread and row. A wgmma accumulator holds value c + 2r + 4j of a
+  // thread at row r * 8 + (its row) and column 8j + 2t + c (t: the thread's place in its quad of
+  // four lanes), so each 8-column chunk of a row lies in one quad, 4 bytes per thread. Four chunks
+  // at a time, the quad transposes its 4 x 4 words with three shuffles, after which thread t holds
+  // all 16 bytes of chunk t: a warp's store then covers 8 rows x 64 bytes (whole 32-byte sectors),
+  // a quarter of the store instructions of 4-byte stores. Rows past the problem's are not written.
+  // q_row0 >= 0: the rows of a packed sequence from its first row in the [total rows, H, d] O (no
+  // batch stride).
+  template <class BlkCoord, class Out, class Coord>
+  CUTLASS_DEVICE static void store_direct(BlkCoord const& blk, Out const& out, Coord const& coord, int rows_left,
+                                          Params const& params, int q_row0) {
+    static_assert(sizeof(Element) == 2);
+    constexpr int kChunks = kCols / 8;  // 8-column chunks of a row
+    static_assert(kChunks % 4 == 0 && decltype(size(out))::value == 4 * kChunks,
+                  "a thread holds 2 columns x 2 rows of each 8-column chunk");
+    Tensor words = recast<uint32_t>(out);  // word r + 2j: the pair (c = 0, 1) of row half r, chunk j
+    const int lane = threadIdx.x % cutlass::NumThreadsPerWarp;
+    const int t = lane % 4, quad = lane & ~3;
+    const int64_t b = q_row0 < 0 ? get<0>(get<2>(blk)) : 0;
+    Element* o_tile = params.ptr_O + int64_t(b) * get<0>(get<2>(params.dO)) +
+                      int64_t(get<1>(get<2>(blk))) * get<1>(get<2>(params.dO)) +
+                      int64_t((q_row0 < 0 ? 0 : q_row0) + get<0>(blk) * kRows) * get<0>(params.dO);
+    CUTLASS_PRAGMA_UNROLL
+    for (int r = 0; r < 2; ++r) {
+      const int row = get<0>(coord(2 * r));  // (the same row for every chunk of this half)
+      CUTLASS_PRAGMA_UNROLL
+      for (int g = 0; g < kChunks / 4; ++g) {
+        uint32_t w[4], d[4] = {0, 0, 0, 0};
+        CUTLASS_PRAGMA_UNROLL
+        for (int c = 0; c < 4; ++c) w[c] = words(r + 2 * (4 * g + c));
+        // Round k: this thread sends its word of chunk (t + k) % 4 and receives from thread
+        // s = (t - k) % 4 its word of chunk t, columns 2s and 2s + 1 of that chunk.
+        CUTLASS_PRAGMA_UNROLL
+        for (int k = 0; k < 4; ++k) {
+          const int send = (t + k) & 3, from = (t - k) & 3;
+          const uint32_t x = send == 0 ? w[0] : send == 1 ? w[1] : send == 2 ? w[2] : w[3];
+          const uint32_t y = k == 0 ? x : __shfl_sync(0xffffffff, x, quad | from);
+          CUTLASS_PRAGMA_UNROLL
+          for (int s = 0; s < 4; ++s) d[s] = s == from ? y : d[s];
+        }
+        if (row < rows_left) {
+          *reinterpret_cast<uint4*>(o_tile + int64_t(row) * get<0>(params.dO) + 8 * (4 * g + t)) =
+              make_uint4(d[0], d[1], d[2], d[3]);
+        }
+      }
+    }
+  }
+
+  template <class BlkCoord, class Out, class TiledMma, class ProblemShape>
+  CUTLASS_DEVICE void store_buffered(BlkCoord const& blk, Out const& out, TiledMma const& mma,
+                                     ProblemShape const& ps, Params const& params, TensorStorage& smem,
+                                     int q_row0, int rows_left) const {
+    const int tid = threadIdx.x % kThreads;
+    // One named barrier per consumer warp group (1-4; NamedBarrier adds CUTLASS's reserved count, so
+    // hardware ids 9-12 of 16: __syncthreads' 0 and the reserved ones stay free).
+    const int barrier = threadIdx.x / kThreads;
     Tensor sO = make_tensor(make_smem_ptr(smem.smem_o.data()), SmemLayout{});
     // stmatrix: each lane's fragment lands in other lanes' rows, so the copy needs the tiled op.
     auto r2s = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{}, mma);
@@ -188,7 +270,6 @@ struct GroupEpilogue {
     copy(r2s, thr_r2s.retile_S(out), thr_r2s.partition_D(sO));
     cute::tma_store_fence();  // the writes are visible to the TMA unit
     cutlass::arch::NamedBarrier::sync(kThreads, barrier);
-    const int rows_left = get<2>(ps) - get<0>(blk) * kRows;  // this tile's rows within the problem
     if (q_row0 < 0) {
       if (tid == 0) {
         Tensor mO = params.tma_store.get_tma_tensor(shape_o(ps));
@@ -221,19 +302,6 @@ struct GroupEpilogue {
             *reinterpret_cast<uint4 const*>(&sO(r, c));
       }
     }
-
-    // LSE: the thread holding column 0 of a row writes it.
-    Tensor coord = mma.get_thread_slice(tid).partition_C(make_identity_tensor(TileMN{}));
-    Tensor coord_mn = make_tensor(coord.data(), cutlass::fmha::collective::layout_acc_mn(mma, coord.layout()));
-    if (get<1>(coord_mn(0, 0)) == 0) {
-      float* lse_bh = params.ptr_LSE + get<0>(get<2>(blk)) * get<0>(get<1>(params.dLSE)) +
-                      get<1>(get<2>(blk)) * get<1>(get<1>(params.dLSE));
-      CUTLASS_PRAGMA_UNROLL
-      for (int i = 0; i < size<0>(coord_mn); ++i) {
-        const int row = get<0>(blk) * kRows + get<0>(coord_mn(i, 0));
-        if (row < get<2>(ps)) lse_bh[row] = lse(i);
-      }
-    }
   }
 };
 
@@ -245,12 +313,12 @@ using OutputOf = std::conditional_t<sizeof(Element) == 1, cutlass::bfloat16_t, E
 // The producer warp group's warp 1 loads K and V, warp 2 Q; the consumer groups take the tile
 // scheduler's row tiles in turn, 64 rows each, and order only their first Q K^T per tile (CUTLASS's
 // sequence barrier, which staggers their tensor-core work).
-template <class Mainloop, class Fusion, class Scheduler, class... Options>
+template <class Mainloop, class Fusion, bool DirectO, class Scheduler, class... Options>
 struct PersistentKernel
     : cutlass::fmha::kernel::FmhaKernelTmaWarpSpecialized<
-          Mainloop, GroupEpilogue<OutputOf<typename Mainloop::Element>, typename Mainloop::TileShapePV>, Scheduler,
-          Options...> {
-  using Epilogue = GroupEpilogue<OutputOf<typename Mainloop::Element>, typename Mainloop::TileShapePV>;
+          Mainloop, GroupEpilogue<OutputOf<typename Mainloop::Element>, typename Mainloop::TileShapePV, DirectO>,
+          Scheduler, Options...> {
+  using Epilogue = GroupEpilogue<OutputOf<typename Mainloop::Element>, typename Mainloop::TileShapePV, DirectO>;
   static constexpr bool kFp8 = sizeof(typename Mainloop::Element) == 1;
   using Base = cutlass::fmha::kernel::FmhaKernelTmaWarpSpecialized<Mainloop, Epilogue, Scheduler, Options...>;
   using typename Base::Arguments;
