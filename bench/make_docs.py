@@ -39,6 +39,7 @@ CURRENT = {
     "bwd_fa2bwd_h100.md": "fa2_bwd_sm80 at head dims 160, 192 and 256 against torch SDPA's backward on an H100",
     "fa_sweep_hd_picks_h100.md": "Head dims 160 and 192 on the sm90 default set (the registry's picks) against torch SDPA on an H100",
     "fa_sweep_hd_h100.md": "Head dims 160 and 192: the 128x96 tiles with O stored from registers against torch SDPA on an H100",
+    "fa_sweep_d256_h100.md": "Head dim 256: the cooperative and ping-pong 128x64 tiles against torch SDPA on an H100",
     "varlen_fwd_h100.md": "Packed sequences on fa2_sm80 (before fmha_sm90 ran them) against the same tokens dense and torch's varlen_attn on an H100",
     "varlen_bwd_h100.md": "The backward of packed sequences on fa2_bwd_sm80 (before fmha_bwd_sm90 ran them) against the same tokens dense and torch's varlen_attn on an H100",
     "varlen_bwd_fmha_bwd_sm90_launches_h100.md": "The backward of packed sequences on fmha_bwd_sm90 against the same tokens dense and torch's varlen_attn on an H100",
