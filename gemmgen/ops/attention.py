@@ -440,9 +440,9 @@ def fused_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
     non-contiguous cu_seqlens view is copied to a contiguous one (the kernel
     reads the offsets as an array). fa2_sm80 runs every mask and softcap here on every GPU;
     fmha_sm90 on Hopper at head dims 64-192 and d256 with a causal mask or a window (windows but
-    on d64's four-group tile, softcaps where its `_sc` instances are built), where every sequence with queries has keys (causal or a window: at least
-    as many as queries), the offsets readable (not under CUDA graph capture); mea_sm80 (built on
-    request) runs dropout and top-left causal.
+    on d64's four-group tile, softcaps where its `_sc` instances are built), where every sequence
+    with queries has keys (causal or a window: at least as many as queries), the offsets readable
+    (not under CUDA graph capture); mea_sm80 (built on request) runs dropout and top-left causal.
 
     Differentiable: when q, k or v require grad (grad mode on), autograd gets dQ, dK and dV (summed
     over each group for GQA/MQA; zero for rows of sequences without keys, and for keys of sequences

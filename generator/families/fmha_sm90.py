@@ -188,11 +188,12 @@ class FmhaSm90Instance(AttentionInstance):
 
     @property
     def direct_store(self) -> bool:
-        """Whether the persistent epilogue stores O from registers (4-byte stores per thread) instead
-        of through a shared-memory buffer and one TMA store per consumer group: where that buffer
-        would cost the K/V pipeline a stage, i.e. fewer than CUTLASS's default stages fit beside it and
-        more fit without it (the large head dims' wide tiles; K and V stages are what the ping-pong
-        mainloop runs short of, bench/NOTES.md, experiments 60 and 113)."""
+        """Whether the persistent epilogue stores O from registers (16 bytes per thread and row, after
+        a transpose within each quad) instead of through a shared-memory buffer and one TMA store per
+        consumer group: where that buffer would cost the K/V pipeline a stage, i.e. fewer than
+        CUTLASS's default stages fit beside it and more fit without it (the large head dims' wide
+        tiles; K and V stages are what the ping-pong mainloop runs short of, bench/NOTES.md,
+        experiments 60 and 113)."""
         if not self.persistent:
             return False
         default = DEFAULT_STAGES[self.schedule]
@@ -355,8 +356,8 @@ SPACE: tuple[FmhaSm90Instance, ...] = tuple(
 # cooperative tile at N = 1k / 2k / 4k / 16k causal on an H100, -8 / -10 / +4 / +3% without a mask
 # (experiment 114); d96 the fastest of the tiles timed at N = 1024 and 4096 (bf16, experiment 60:
 # ping-pong 128x128); d160 and d192 ping-pong 128x96 with O stored from registers (direct_store: 5
-# and 4 K/V stages, 3 beside O's buffers), +12-30% over 128x64 from N = 4096 on an H100, 3% ahead
-# to 6% behind it at N = 1024 (experiment 113).
+# and 4 K/V stages, 3 beside O's buffers), 4-31% ahead of 128x64 from N = 4096 on H100s, 3% ahead
+# to 12% behind it at N = 1024 (experiment 113; hence the short-sequence tiles below).
 DEFAULT_TILE = {
     (32, False): (Schedule.TMA, 64, 128, 1), (32, True): (Schedule.TMA, 64, 128, 1),
     (64, False): (Schedule.PINGPONG, 256, 64, 2), (64, True): (Schedule.PINGPONG, 256, 64, 2),
@@ -382,8 +383,8 @@ LOCAL_TILE = {**{d: tile if tile[0] is Schedule.PINGPONG else (Schedule.PINGPONG
 # N = 1024, 15% behind from N = 2048 on (bench/NOTES.md, experiment 64); the estimate takes it at
 # N <= 1024 only (its padded causal work is 8% lower or more there). At d160 causal and d192 the
 # 128x64 tile with its output buffer, 6-12% ahead of 128x96 at N = 1024 and 4-10% behind from 4096
-# (experiment 113); the estimate takes it up to about N = 1500 (128x96's direct stores and
-# rounding to 96 keys cost it 8% more there).
+# (experiment 113); the estimate takes it up to about N = 1500, 2048 causal (128x96's direct stores
+# and rounding to 96 keys cost it 8% more there).
 SHORT_SEQUENCE_TILES = {(64, True): (Schedule.TMA, 64, 64, 1), (160, True): (Schedule.PINGPONG, 128, 64, 1),
                         (192, False): (Schedule.PINGPONG, 128, 64, 1), (192, True): (Schedule.PINGPONG, 128, 64, 1)}
 
