@@ -266,7 +266,7 @@ def test_list_shows_every_known_build(here, tmp_path, monkeypatch, capsys):
     rows = [line.split(None, 3) for line in capsys.readouterr().out.splitlines()]
     assert rows[0] == ["folder", "arch", "instances", "states"]
     assert [str(here / "two"), "sm80", "86", "86 rendered"] in rows
-    assert [str(here / "two"), "sm90", "106", "106 rendered"] in rows
+    assert [str(here / "two"), "sm90", "122", "122 rendered"] in rows
     assert [str(tmp_path / "one"), "sm80", "1", "1 rendered"] in rows
     assert app.main(["list", "--out", str(tmp_path / "one")]) == 0
     assert INSTANCE.name in capsys.readouterr().out

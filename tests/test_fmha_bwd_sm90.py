@@ -32,7 +32,7 @@ def test_family_keeps_the_contract_and_is_registered():
 
 def test_space_names_unique_and_stable():
     names = [inst.name for inst in fam.SPACE]
-    assert len(names) == len(set(names)) == 68
+    assert len(names) == len(set(names)) == 80
     assert all("bwd" in n and n.startswith("fmha_bwd_sm90_") for n in names)
     assert "fmha_bwd_sm90_bf16_d128_causal_m64n128" in names
     assert "fmha_bwd_sm90_fp16_d64_none_m128n128" in names
@@ -43,6 +43,9 @@ def test_space_names_unique_and_stable():
         f"fmha_bwd_sm90_{dt}_d{d}_{m}_m{bm}n128_sq" for dt in ("fp16", "bf16") for m in ("none", "causal", "local")
         for d, bm in ((64, 64), (64, 128), (128, 64))}
     assert not any("_local_" in n and "_sq" not in n for n in names)  # example 88's loop has no window
+    # Dropout: the split-dQ tiles without a mask or causal, each a plain tile's twin.
+    assert {n.removesuffix("_dropout") for n in names if n.endswith("_dropout")} == {
+        n for n in names if n.endswith("_sq") and "_local_" not in n}
     # A bias on the split-dQ mainloop, without a softcap or a window.
     assert {n.removesuffix("_bias") for n in names if n.endswith("_bias")} == {
         n for n in names if n.endswith("_sq") and "_local_" not in n}
@@ -50,12 +53,14 @@ def test_space_names_unique_and_stable():
 
 
 def test_default_covers_every_dtype_head_dim_mask_once():
-    keys = [(i.dtype, i.head_dim, i.mask, i.softcap, i.bias) for i in fam.DEFAULT]
+    keys = [(i.dtype, i.head_dim, i.mask, i.softcap, i.bias, i.dropout) for i in fam.DEFAULT]
     assert len(keys) == len(set(keys))
-    assert set(keys) == {(dt, d, m, sc, bias) for dt in fam.DTYPES for d in fam.HEAD_DIMS for m in fam.MASKS
-                         for sc in (False, True) for bias in (False, True)
+    assert set(keys) == {(dt, d, m, sc, bias, drop) for dt in fam.DTYPES for d in fam.HEAD_DIMS for m in fam.MASKS
+                         for sc in (False, True) for bias in (False, True) for drop in (False, True)
                          if not (d == 32 and m is Mask.LOCAL) and (not sc or d in fam.SOFTCAP_DEFAULT_HEAD_DIMS)
-                         and (not bias or (d in fam.BIAS_DEFAULT_HEAD_DIMS and m is not Mask.LOCAL and not sc))}
+                         and (not bias or (d in fam.BIAS_DEFAULT_HEAD_DIMS and m is not Mask.LOCAL and not sc))
+                         and (not drop or (d in fam.DROPOUT_DEFAULT_HEAD_DIMS and m is not Mask.LOCAL
+                                           and not sc and not bias))}
     assert set(fam.DEFAULT) <= set(fam.SPACE)
     # The split-dQ mainloop wherever it runs (d64, d128), example 88's at d32.
     assert all(i.split_dq == (i.head_dim != 32) for i in fam.DEFAULT)
@@ -190,6 +195,28 @@ def test_bias_on_bias_instances_only():
         assert words in fam.invalid_reason(dataclasses.replace(bias_64, **change))
 
 
+def test_dropout_on_dropout_instances_only():
+    """A dropout call's backward goes to `_dropout` instances (the forward's mask drawn again), which
+    run nothing else, at fixed lengths with fewer than 2^31 weights per head, deterministic
+    included; built by default beside the default split-dQ tiles of d64 and d128."""
+    drop_64 = dataclasses.replace(CAUSAL_64_SQ, dropout=True)
+    assert drop_64.name == "fmha_bwd_sm90_bf16_d64_causal_m64n128_sq_dropout"
+    assert "varlen" not in drop_64.params() and drop_64.params()["dropout"] is True
+    for kw in (dict(causal=True), dict(causal=True, causal_alignment="bottom_right", seqlen_q=77),
+               dict(causal=True, deterministic=True)):
+        assert fam.problem_reason(drop_64, problem(dropout=True, **kw)) is None
+    assert "the problem has none" in fam.problem_reason(drop_64, problem(causal=True))
+    assert "`_dropout`" in fam.problem_reason(CAUSAL_64_SQ, problem(causal=True, dropout=True))
+    assert "fixed lengths only" in fam.problem_reason(drop_64, problem(causal=True, dropout=True, varlen=True))
+    assert "2^31" in fam.problem_reason(drop_64, problem(causal=True, dropout=True, seqlen_q=46341, seqlen_k=46341))
+    for change in (dict(softcap=True), dict(mask=Mask.LOCAL), dict(split_dq=False), dict(bias=True)):
+        assert "dropout runs on the split-dQ mainloop" in fam.invalid_reason(dataclasses.replace(drop_64, **change))
+    built = {(i.dtype, i.head_dim, i.mask) for i in fam.DEFAULT if i.dropout}
+    assert built == {(dt, d, m) for dt in fam.DTYPES for d in fam.DROPOUT_DEFAULT_HEAD_DIMS
+                     for m in (Mask.NONE, Mask.CAUSAL)}
+    assert all(dataclasses.replace(i, dropout=False) in fam.DEFAULT for i in fam.DEFAULT if i.dropout)
+
+
 def test_packed_sequences_on_split_dq_instances_only():
     """The split-dQ instances carry the `varlen` and `deterministic_varlen` marks and run packed
     calls, deterministic ones too; example 88's loop runs none, and neither does a `_bias` one."""
@@ -243,13 +270,15 @@ def test_rendered_text():
     assert '#include "gemmgen/fmha_bwd_sm90/launch.h"' in text
     assert "Config<cutlass::bfloat16_t, /*BlockM=*/64, /*BlockN=*/128," in text
     assert "/*HeadDim=*/128,\n" in text and "/*Kind=*/gemmgen::fmha_bwd_sm90::BandKind::kCausal," in text
-    assert "/*SplitDq=*/false,\n" in text and "/*Softcap=*/false," in text and "/*Bias=*/false>;" in text
+    assert "/*SplitDq=*/false,\n" in text and "/*Softcap=*/false," in text and "/*Bias=*/false,\n" in text
+    assert "/*Dropout=*/false>;" in text
     split = next(i for i in fam.SPACE if i.name == "fmha_bwd_sm90_bf16_d128_causal_m64n128_sq")
     assert "/*SplitDq=*/true," in render.render_text(split, tc)
     capped = next(i for i in fam.SPACE if i.name == "fmha_bwd_sm90_bf16_d128_causal_m64n128_sq_sc")
     assert "/*Softcap=*/true," in render.render_text(capped, tc) and "softcap" not in split.params()
     biased = next(i for i in fam.SPACE if i.name == "fmha_bwd_sm90_bf16_d128_causal_m64n128_sq_bias")
-    assert "/*Bias=*/true>;" in render.render_text(biased, tc)
+    assert "/*Bias=*/true,\n" in render.render_text(biased, tc)
+    assert "/*Dropout=*/true>;" in render.render_text(dataclasses.replace(split, dropout=True), tc)
     local = next(i for i in fam.SPACE if i.name == "fmha_bwd_sm90_bf16_d128_local_m64n128_sq")
     assert "BandKind::kLocal," in render.render_text(local, tc)
     sym = inst.symbol
@@ -292,9 +321,9 @@ def test_real_build_workspace(built):
     (dict(seqlen_k=0), "bad sizes"),
     (dict(heads_kv=1), "heads_kv 1 != heads 3"),
     (dict(deterministic=1), "deterministic"),
-    (dict(dropout_p=0.1), "no dbias or dropout"),
+    (dict(dropout_p=0.1), "this instance runs no dropout"),
     (dict(bias=0x1000), "this instance runs no additive mask"),
-    (dict(dbias=0x1000), "no dbias or dropout"),
+    (dict(dbias=0x1000), "this family runs no dbias"),
     (dict(cu_seqlens_q=0x1000), "variable lengths"),
     (dict(scale=-0.5), "scales >= 0"),
     (dict(scale=float("nan")), "scales >= 0"),

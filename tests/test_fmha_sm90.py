@@ -30,7 +30,8 @@ def test_space_names_unique_and_stable():
                                                     "fmha_sm90_bf16_d64_causal_pingpong_m256n64s5_lr_q2"}
     assert all(inst.lazy_rescale for inst in fam.DEFAULT)  # our softmax (experiment 41)
     plain = [i for i in fam.SPACE
-             if i.mask is not Mask.LOCAL and i.dtype is not DType.FP8 and not i.softcap and not i.bias]
+             if i.mask is not Mask.LOCAL and i.dtype is not DType.FP8 and not i.softcap and not i.bias
+             and not i.dropout]
     assert len(plain) == 2 * sum(not inst.lazy_rescale for inst in plain)  # both softmaxes per tile
     # An additive mask: our plain step (no speculation) on the persistent schedule, fixed lengths,
     # 16-bit, no window; each a plain tile's twin.
@@ -56,14 +57,16 @@ def test_default_covers_every_dtype_head_dim_mask_once():
     """One preferred default tile per (dtype, head dim, mask) (fp8: per head dim and mask it runs);
     the other default tiles are the 16-bit short-sequence tiles, one per dtype for each (head dim,
     mask) that has one."""
-    keys = [(i.dtype, i.head_dim, i.mask, i.softcap, i.bias) for i in fam.PREFERRED_DEFAULT]
+    keys = [(i.dtype, i.head_dim, i.mask, i.softcap, i.bias, i.dropout) for i in fam.PREFERRED_DEFAULT]
     assert sorted(keys, key=str) == sorted(set(keys), key=str)
     wide = [dt for dt in fam.DTYPES if dt is not DType.FP8]
-    assert set(keys) == ({(dt, d, m, False, False) for dt in wide for d in fam.HEAD_DIMS for m in Mask}
-                         | {(DType.FP8, d, m, False, False) for d in fam.FP8_HEAD_DIMS for m in fam.FP8_MASKS}
-                         | {(dt, d, m, True, False) for dt in wide for d in fam.SOFTCAP_DEFAULT_HEAD_DIMS
+    assert set(keys) == ({(dt, d, m, False, False, False) for dt in wide for d in fam.HEAD_DIMS for m in Mask}
+                         | {(DType.FP8, d, m, False, False, False) for d in fam.FP8_HEAD_DIMS for m in fam.FP8_MASKS}
+                         | {(dt, d, m, True, False, False) for dt in wide for d in fam.SOFTCAP_DEFAULT_HEAD_DIMS
                             for m in (Mask.NONE, Mask.CAUSAL)}
-                         | {(dt, d, m, False, True) for dt in wide for d in fam.BIAS_DEFAULT_HEAD_DIMS
+                         | {(dt, d, m, False, True, False) for dt in wide for d in fam.BIAS_DEFAULT_HEAD_DIMS
+                            for m in (Mask.NONE, Mask.CAUSAL)}
+                         | {(dt, d, m, False, False, True) for dt in wide for d in fam.DROPOUT_DEFAULT_HEAD_DIMS
                             for m in (Mask.NONE, Mask.CAUSAL)})
     capped = [i for i in fam.PREFERRED_DEFAULT if i.softcap]  # the tiles of the plain defaults
     assert all(dataclasses.replace(i, softcap=False) in fam.PREFERRED_DEFAULT for i in capped)
@@ -241,6 +244,35 @@ def test_additive_masks_only_on_bias_instances():
         assert "additive mask" in (fam.invalid_reason(bad) or "")
 
 
+def test_dropout_only_on_dropout_instances():
+    """A `_dropout` instance runs dropout calls only, with fixed lengths and fewer than 2^31 weights
+    per head (the mask's 32-bit positions); the others none."""
+    dropped = dataclasses.replace(CAUSAL_128, dropout=True)
+    assert dropped.name.endswith("_lr_dropout") and dropped.params()["dropout"] is True
+    assert "dropout" not in CAUSAL_128.params()
+    assert fam.problem_reason(dropped, problem(dropout=True)) is None
+    assert fam.problem_reason(dropped, problem(dropout=True, causal=True, causal_alignment="bottom_right",
+                                               seqlen_q=17)) is None
+    assert "has none" in fam.problem_reason(dropped, problem())
+    assert "`_dropout`" in fam.problem_reason(CAUSAL_128, problem(dropout=True))
+    assert "fixed lengths" in fam.problem_reason(dropped, problem(dropout=True, varlen=True))
+    assert "2^31" in fam.problem_reason(dropped, problem(dropout=True, seqlen_q=46341, seqlen_k=46341))
+    assert fam.problem_reason(dropped, problem(dropout=True, seqlen_q=46340, seqlen_k=46340)) is None
+    assert not dropped.speculates and not dropped.runs_varlen
+    assert dropped.smem_bytes == CAUSAL_128.smem_bytes + 768  # the dropout slots
+    assert fam.invalid_reason(dropped) is None
+    for bad in (dataclasses.replace(dropped, schedule=Schedule.COOPERATIVE),
+                dataclasses.replace(dropped, mask=Mask.LOCAL), dataclasses.replace(dropped, lazy_rescale=False),
+                dataclasses.replace(dropped, dtype=DType.FP8), dataclasses.replace(dropped, bias=True),
+                dataclasses.replace(dropped, softcap=True)):
+        assert "dropout runs" in (fam.invalid_reason(bad) or ""), bad.name
+    built = [i for i in fam.DEFAULT if i.dropout]
+    assert {(i.dtype, i.head_dim, i.mask) for i in built} == {
+        (dt, d, m) for dt in (DType.FP16, DType.BF16) for d in fam.DROPOUT_DEFAULT_HEAD_DIMS
+        for m in (Mask.NONE, Mask.CAUSAL)}
+    assert all((i.schedule, i.block_m, i.block_n, i.q_buffers) == fam.DROPOUT_TILE[i.head_dim] for i in built)
+
+
 def test_varlen_only_on_the_persistent_16_bit_schedule():
     """Packed sequences run on the persistent 16-bit instances, sliding windows included; those carry
     the `varlen` mark (a build from before lacks it and is refused them by the registry)."""
@@ -288,7 +320,8 @@ def test_rendered_text(suffix, lazy):
     assert "Schedule::kPingpong" in text and "/*Causal=*/true, /*StagesKV=*/5," in text
     assert f"/*Lazy=*/{lazy}, /*QBuffers=*/1,\n" in text
     assert f"/*Speculate=*/{lazy},\n" in text  # the d128 128x128 ping-pong tile speculates with our softmax
-    assert "/*Local=*/false,\n" in text and "/*Softcap=*/false,\n" in text and "/*Bias=*/false,\n" in text and "/*DirectO=*/false>" in text
+    assert "/*Local=*/false,\n" in text and "/*Softcap=*/false,\n" in text and "/*Bias=*/false,\n" in text and "/*DirectO=*/false,\n" in text
+    assert "/*Dropout=*/false>" in text
     assert f"GEMMGEN_EXPORT int {inst.symbol}(const GemmgenAttnParams* params" in text
 
 
@@ -308,7 +341,7 @@ def test_direct_store(name, direct):
     assert inst.direct_store is direct
     assert inst.params().get("direct_store", False) is direct
     tc = render.Toolchain(flags=("-O3",), nvcc_version="13.0.88", cutlass_version="4.2.0")
-    assert f"/*DirectO=*/{'true' if direct else 'false'}>" in render.render_text(inst, tc)
+    assert f"/*DirectO=*/{'true' if direct else 'false'},\n" in render.render_text(inst, tc)
     if inst.persistent:
         buffers = inst.consumer_groups * 64 * inst.head_dim * 2
         assert inst._smem_bytes(inst.stages, True) - inst._smem_bytes(inst.stages, False) == buffers

@@ -424,6 +424,27 @@ def feature_reason(family: str, problem: Any,
     return None
 
 
+# The dropout mask's position of weight (i, j) within a head is 32-bit (templates/include/gemmgen/
+# philox/philox.h: i * Nk + j, as CUTLASS's memory-efficient kernel computes it): Nq * Nk stays below
+# 2^31 wherever an instance draws it.
+DROPOUT_MAX_SCORES = 2**31 - 1
+
+
+def dropout_reason(inst: Any, problem: Any) -> str | None:
+    """The dropout rule of families whose instances are built for dropout or not (`inst.dropout`,
+    suffix `_dropout`): such an instance runs dropout calls only, at fixed lengths, with Nq * Nk
+    below 2^31; the others run none. None when `inst` runs `problem`'s dropout (or its lack)."""
+    if bool(problem.dropout) != inst.dropout:
+        return ("built for dropout; the problem has none" if inst.dropout else
+                f"{inst.name} has no dropout (only instances built for it, `_dropout`, run it)")
+    if inst.dropout and problem.varlen:
+        return f"{inst.name} runs dropout at fixed lengths only"
+    if inst.dropout and problem.seqlen_q * problem.seqlen_k > DROPOUT_MAX_SCORES:
+        return (f"{inst.family} dropout positions are 32-bit within a head: seqlen_q * seqlen_k "
+                f"({problem.seqlen_q} x {problem.seqlen_k}) must stay below 2^31")
+    return None
+
+
 # Per kind: the members its module declares and the base of its instance type.
 KINDS: dict[str, tuple[type, type[Instance]]] = {
     "attention": (AttentionFamily, AttentionInstance),

@@ -19,7 +19,8 @@ Packed sequences (variable lengths) run on the split-dQ instances as one batch e
 tensors, each key masked to its own sequence's query rows (band.h's Packed; NOTES 86). Additive
 masks (attn_mask, no dBias) run on the `_bias` instances (split_dq.h's kBias; a shared mask's tiles
 sorted first as the forward sorts them, each key tile's query range cut to the tiles it sees; NOTES
-99).
+99). Dropout runs on the `_dropout` instances (split_dq.h's kDropout: the forward's Philox mask drawn
+again, templates/include/gemmgen/fmha_bwd_sm90/dropout.h; fixed lengths; NOTES 115).
 
 One instance = one (dtype, head_dim, mask, tile): block_m queries per step of a CTA's loop, block_n
 keys per CTA (example 88's TileShape (block_m, block_n, head_dim)). `problem_reason` states what a
@@ -32,13 +33,14 @@ import itertools
 
 from gemmgen.arch import Arch
 from gemmgen.generator.families.base import (ADDED, AttentionInstance, CostInputs, DType, Mask, axis_reason,
-                                             feature_reason, smem_reason)
+                                             dropout_reason, feature_reason, smem_reason)
 
 FAMILY = "fmha_bwd_sm90"
 KIND = "attention_bwd"
 BUILT_BY_DEFAULT = True
 TEMPLATE = "fmha_bwd_sm90.cu.jinja"
-HEADER_DIRS = ("fmha_bwd_sm90", "fmha_sm90")  # fmha_sm90/cutlass_launch.h: the shared launch
+# fmha_sm90/cutlass_launch.h: the shared launch; philox: the dropout mask
+HEADER_DIRS = ("fmha_bwd_sm90", "fmha_sm90", "philox")
 ARCHS = (Arch.SM90,)
 # Features its kernel reads that a build from before did not: instances say so in their params, and
 # the registry keeps the feature from an entry without the mark (registry.MARKS).
@@ -63,6 +65,11 @@ SOFTCAP_DEFAULT_HEAD_DIMS = (128,)  # Gemma 2's largest model and Grok-1 (d256 h
 # forward's `_bias` defaults that this family's tiles serve.
 BIASES = (False, True)
 BIAS_DEFAULT_HEAD_DIMS = (64, 128)
+# The forward's dropout (split-dQ mainloop, no softcap, bias or window, fixed lengths; suffix
+# `_dropout`): built by default beside the default tiles of these head dims without a mask and
+# causal, the forward's `_dropout` defaults (fmha_sm90.DROPOUT_DEFAULT_HEAD_DIMS).
+DROPOUTS = (False, True)
+DROPOUT_DEFAULT_HEAD_DIMS = (64, 128)
 THREADS = 384  # a producer warp group and two math warp groups of block_n / 2 keys each
 MAX_SMEM = Arch.SM90.max_smem_bytes
 INT32_MAX = 2**31 - 1
@@ -86,11 +93,15 @@ class FmhaBwdSm90Instance(AttentionInstance):
     # The forward's additive mask (a launch parameter, the bias tensor; no dbias): such an instance
     # runs calls with one only, the others none.
     bias: bool = dataclasses.field(default=False, metadata={ADDED: True})
+    # The forward's dropout (a launch parameter, 0 < p < 1; the mask drawn again): such an instance
+    # runs dropout calls only, the others none.
+    dropout: bool = dataclasses.field(default=False, metadata={ADDED: True})
 
     @property
     def name(self) -> str:
         return (f"{self.name_stem}_m{self.block_m}n{self.block_n}" + ("_sq" if self.split_dq else "")
-                + ("_sc" if self.softcap else "") + ("_bias" if self.bias else ""))
+                + ("_sc" if self.softcap else "") + ("_bias" if self.bias else "")
+                + ("_dropout" if self.dropout else ""))
 
     @property
     def stages(self) -> int:
@@ -121,12 +132,12 @@ class FmhaBwdSm90Instance(AttentionInstance):
     def params(self) -> dict:
         """The fields, and on split-dQ instances the marks of packed sequences and of deterministic
         ones (MARKED), which their mainloop runs (band.h's Packed; not with a bias)."""
-        packs = self.split_dq and not self.bias
+        packs = self.split_dq and not self.bias and not self.dropout
         return {**super().params(), **({mark: True for mark in MARKED} if packs else {})}
 
     def template_values(self) -> dict:
         return {**super().template_values(), "band_kind": BAND_KIND[self.mask], "split_dq": self.split_dq,
-                "softcap": self.softcap, "bias": self.bias}
+                "softcap": self.softcap, "bias": self.bias, "dropout": self.dropout}
 
 
 INSTANCE = FmhaBwdSm90Instance
@@ -146,14 +157,19 @@ def invalid_reason(inst: FmhaBwdSm90Instance, arch: Arch = Arch.SM90) -> str | N
         return "a softcap runs on the split-dQ mainloop only"
     if inst.bias and (not inst.split_dq or inst.softcap or inst.mask is Mask.LOCAL):
         return "a bias runs on the split-dQ mainloop, without a softcap or a window"
+    if inst.dropout and (not inst.split_dq or inst.softcap or inst.bias or inst.mask is Mask.LOCAL):
+        return "dropout runs on the split-dQ mainloop, without a softcap, bias or window"
     return smem_reason(inst, arch)
 
 
 def problem_reason(inst: FmhaBwdSm90Instance, problem) -> str | None:
-    """What a built instance cannot run (the registry's reason), None when it can: no dropout or
-    dbias; a bias (the forward's additive mask) on `_bias` instances only, which run nothing else, at
-    fixed lengths; packed sequences on the split-dQ instances, deterministic ones too."""
-    if reason := feature_reason(FAMILY, problem, ("dropout", "kv_cache")):
+    """What a built instance cannot run (the registry's reason), None when it can: no dbias; a bias
+    (the forward's additive mask) on `_bias` instances only, which run nothing else, at fixed
+    lengths; dropout likewise on `_dropout` instances, with Nq * Nk below 2^31; packed sequences on
+    the split-dQ instances, deterministic ones too."""
+    if reason := feature_reason(FAMILY, problem, ("kv_cache",)):
+        return reason
+    if reason := dropout_reason(inst, problem):
         return reason
     if bool(problem.bias) != inst.bias:
         return ("built for an additive mask; the problem has none" if inst.bias else
@@ -190,9 +206,9 @@ SPACE: tuple[FmhaBwdSm90Instance, ...] = tuple(
     inst
     for inst in itertools.starmap(
         FmhaBwdSm90Instance,
-        ((dt, d, mask, bm, bn, sq, sc, bias)
-         for dt, d, mask, (bm, bn), sq, sc, bias in itertools.product(DTYPES, HEAD_DIMS, MASKS, TILES, SPLIT_DQ,
-                                                                       SOFTCAPS, BIASES)))
+        ((dt, d, mask, bm, bn, sq, sc, bias, drop)
+         for dt, d, mask, (bm, bn), sq, sc, bias, drop in itertools.product(DTYPES, HEAD_DIMS, MASKS, TILES, SPLIT_DQ,
+                                                                             SOFTCAPS, BIASES, DROPOUTS)))
     if invalid_reason(inst) is None
 )
 
@@ -209,6 +225,7 @@ DEFAULT: tuple[FmhaBwdSm90Instance, ...] = tuple(
     if (inst.block_m, inst.block_n) == DEFAULT_TILE[inst.head_dim] and inst.split_dq == (inst.head_dim in (64, 128))
     and (not inst.softcap or inst.head_dim in SOFTCAP_DEFAULT_HEAD_DIMS)
     and (not inst.bias or (inst.head_dim in BIAS_DEFAULT_HEAD_DIMS and inst.mask in (Mask.NONE, Mask.CAUSAL)))
+    and (not inst.dropout or (inst.head_dim in DROPOUT_DEFAULT_HEAD_DIMS and inst.mask in (Mask.NONE, Mask.CAUSAL)))
 )
 
 # Throughput per unit of the cost model's tile work against fa2_sm80's forward: the forward Hopper

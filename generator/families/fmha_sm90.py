@@ -19,6 +19,11 @@ our softmax, each thread loading its scores' mask values one key tile ahead; a m
 or batch entries has its tiles sorted and listed first by kernels of the instance's own, so that
 hidden key tiles are skipped and only mixed ones read (templates/include/gemmgen/fmha_sm90/bias.h);
 fixed lengths, no mask or causal, on the persistent schedule.
+
+Dropout instances (`_dropout`) drop the probabilities in our softmax by gemmgen's Philox mask
+(templates/include/gemmgen/philox/philox.h), the mask mea_sm80 and mea_bwd_sm80 draw for the same
+(seed, offset): a forward here trains with either family's backward. Fixed lengths, no mask or
+causal, on the persistent schedule.
 """
 from __future__ import annotations
 
@@ -29,13 +34,13 @@ import math
 
 from gemmgen.arch import Arch
 from gemmgen.generator.families.base import (ADDED, AttentionInstance, CostInputs, DType, Mask, axis_reason,
-                                             feature_reason, smem_reason)
+                                             dropout_reason, feature_reason, smem_reason)
 
 FAMILY = "fmha_sm90"
 KIND = "attention"
 BUILT_BY_DEFAULT = True
 TEMPLATE = "fmha_sm90.cu.jinja"
-HEADER_DIRS = ("fmha_sm90",)
+HEADER_DIRS = ("fmha_sm90", "philox")
 ARCHS = (Arch.SM90,)
 # Features its kernel reads that a build from before did not: instances say so in their params, and
 # the registry keeps the feature from an entry without the mark (registry.MARKS).
@@ -80,12 +85,17 @@ LAZY_RESCALES = (False, True)
 Q_BUFFERS = (1, 2)
 SOFTCAPS = (False, True)
 BIASES = (False, True)
+DROPOUTS = (False, True)
 # Head dims whose default tiles are also built with an additive mask (`_bias`): the models that pass
 # padding masks most (GPT-2-style d64, Llama-style d128, Gemma-style d256).
 BIAS_DEFAULT_HEAD_DIMS = (64, 128, 256)
 # Head dims whose default tiles are also built with a logit softcap (`_sc`): Gemma 2's (256, and 128
 # in its largest model), as fa2_sm80 builds them.
 SOFTCAP_DEFAULT_HEAD_DIMS = (128, 256)
+# Head dims whose dropout instances are built by default (`_dropout`, the two-group 128x128 tile):
+# the models trained with attention dropout most (BERT- and GPT-2-style d64, d128); the others run
+# dropout on mea_sm80.
+DROPOUT_DEFAULT_HEAD_DIMS = (64, 128)
 
 # CUTLASS's defaults; an instance with fewer stages exists only when the default does not fit.
 DEFAULT_STAGES = {Schedule.TMA: 4, Schedule.COOPERATIVE: 5, Schedule.PINGPONG: 5}
@@ -126,12 +136,16 @@ class FmhaSm90Instance(AttentionInstance):
     # An additive mask (attn_mask; a launch parameter, the bias tensor): such an instance runs calls
     # with one only, the others none (suffix `_bias`).
     bias: bool = dataclasses.field(default=False, metadata={ADDED: True})
+    # Dropout (a launch parameter, 0 < p < 1; the softmax draws the mask): such an instance runs
+    # dropout calls only, the others none (suffix `_dropout`).
+    dropout: bool = dataclasses.field(default=False, metadata={ADDED: True})
 
     @property
     def name(self) -> str:
         return (f"{self.name_stem}_{self.schedule.value}_m{self.block_m}n{self.block_n}s{self.stages}"
                 + ("_lr" if self.lazy_rescale else "") + (f"_q{self.q_buffers}" if self.q_buffers > 1 else "")
-                + ("_sc" if self.softcap else "") + ("_bias" if self.bias else ""))
+                + ("_sc" if self.softcap else "") + ("_bias" if self.bias else "")
+                + ("_dropout" if self.dropout else ""))
 
     @property
     def consumer_groups(self) -> int:
@@ -151,10 +165,11 @@ class FmhaSm90Instance(AttentionInstance):
         (4 groups) a 40-byte spill, +7-14%; d64 192x128 (3 groups) a 280-byte spill and a loss.
         Head dims above 128 were not measured, so they keep the plain step."""
         if (not self.lazy_rescale or self.schedule is Schedule.TMA or self.head_dim > 128 or self.mask is Mask.LOCAL
-                or self.bias):
+                or self.bias or self.dropout):
             # (a window's first key tile or a bias may hide all of a row's keys; a bias instance also
             # holds the next key tile's bias in registers: with speculation the d128 tile spilled and
-            # ran 14% slower, bench/NOTES.md, experiment 93)
+            # ran 14% slower, bench/NOTES.md, experiment 93; dropout's Philox draws need the
+            # registers the second score tile would take)
             return False
         return self.block_n + self.head_dim // 2 + 16 <= CONSUMER_REGS[self.consumer_groups]
 
@@ -181,9 +196,10 @@ class FmhaSm90Instance(AttentionInstance):
         rows_q = self.block_m // self.consumer_groups
         q = self.q_buffers * self.consumer_groups * rows_q * self.head_dim * e
         kv = stages * self.block_n * self.head_dim * e
-        if self.persistent:  # O's buffers hold the output type (fp8's is bf16); the factor or bias slots
+        if self.persistent:  # O's buffers hold the output type (fp8's is bf16); the factor, bias or dropout slots
             return (q + kv + (self.consumer_groups * rows_q * self.head_dim * max(e, 2) if o_buffers else 0) + 1536
-                    + (256 if self.dtype is DType.FP8 else 0) + (1024 if self.bias else 0))
+                    + (256 if self.dtype is DType.FP8 else 0) + (1024 if self.bias else 0)
+                    + (768 if self.dropout else 0))
         return q + kv + 512
 
     @property
@@ -212,7 +228,7 @@ class FmhaSm90Instance(AttentionInstance):
         16-bit inputs, but windows on four-group (256-row) tiles: the d64 local tile ran a mixed
         packing at 0.66x (256 keys) and 0.90x (1024) fa2_sm80's local instance on an H100, its 256-row
         tiles mostly past the short sequences' rows (bench/NOTES.md, experiment 92)."""
-        return (self.persistent and self.dtype is not DType.FP8 and not self.bias
+        return (self.persistent and self.dtype is not DType.FP8 and not self.bias and not self.dropout
                 and not (self.mask is Mask.LOCAL and self.consumer_groups == 4))
 
     def params(self) -> dict:
@@ -223,6 +239,7 @@ class FmhaSm90Instance(AttentionInstance):
                 **({"q_buffers": self.q_buffers} if self.q_buffers > 1 else {}),
                 **({"softcap": True} if self.softcap else {}),
                 **({"bias": True} if self.bias else {}),
+                **({"dropout": True} if self.dropout else {}),
                 # Derived, and kept here so that the build key changes with the rule that derives it.
                 **({"speculate": True} if self.speculates else {}),
                 **({"direct_store": True} if self.direct_store else {}),
@@ -232,7 +249,7 @@ class FmhaSm90Instance(AttentionInstance):
         return {**super().template_values(), "schedule_cpp": SCHEDULE_CPP[self.schedule], "causal": self.causal,
                 "local": self.mask is Mask.LOCAL, "lazy_rescale": self.lazy_rescale, "q_buffers": self.q_buffers,
                 "speculate": self.speculates, "softcap": self.softcap, "bias": self.bias,
-                "direct_store": self.direct_store}
+                "direct_store": self.direct_store, "dropout": self.dropout}
 
 
 INSTANCE = FmhaSm90Instance
@@ -260,6 +277,11 @@ def invalid_reason(inst: FmhaSm90Instance, arch: Arch = Arch.SM90) -> str | None
                           and inst.dtype is not DType.FP8):
         return ("an additive mask runs in our softmax (lazy_rescale) on the persistent schedule, 16-bit, "
                 "without a window")
+    if inst.dropout and not (inst.lazy_rescale and inst.persistent and inst.mask is not Mask.LOCAL
+                             and inst.dtype is not DType.FP8 and not inst.bias and not inst.softcap
+                             and inst.block_n % 16 == 0):
+        return ("dropout runs in our softmax (lazy_rescale) on the persistent schedule, 16-bit, without a "
+                "window, bias or softcap, on tiles of whole 16-key groups")
     if (inst.block_m, inst.block_n) in FP8_ONLY_TILES and inst.dtype is not DType.FP8:
         return f"tile {inst.block_m}x{inst.block_n}: an fp8 tile (its 8-bit K/V stages of 256 keys fit five deep)"
     if inst.dtype is DType.FP8:
@@ -306,11 +328,14 @@ def invalid_reason(inst: FmhaSm90Instance, arch: Arch = Arch.SM90) -> str | None
 
 
 def problem_reason(inst: FmhaSm90Instance, problem) -> str | None:
-    """What a built instance cannot run (the registry's reason), None when it can: no dropout or
-    key-value cache; an additive mask (bias) on `_bias` instances only, which run nothing else, with
-    fixed lengths; packed sequences on the persistent 16-bit schedule, when every sequence with
-    queries has keys, and with a causal mask or a window at least as many as queries."""
-    if reason := feature_reason(FAMILY, problem, ("dropout", "kv_cache")):
+    """What a built instance cannot run (the registry's reason), None when it can: no key-value
+    cache; an additive mask (bias) on `_bias` instances only, which run nothing else, with fixed
+    lengths; dropout likewise on `_dropout` instances only, with fixed lengths and Nq * Nk below
+    2^31; packed sequences on the persistent 16-bit schedule, when every sequence with queries has
+    keys, and with a causal mask or a window at least as many as queries."""
+    if reason := feature_reason(FAMILY, problem, ("kv_cache",)):
+        return reason
+    if reason := dropout_reason(inst, problem):
         return reason
     if bool(problem.bias) != inst.bias:
         return ("built for an additive mask; the problem has none" if inst.bias else
@@ -340,9 +365,10 @@ SPACE: tuple[FmhaSm90Instance, ...] = tuple(
     inst
     for inst in itertools.starmap(
         FmhaSm90Instance,
-        ((dt, d, mask, sched, bm, bn, st, e, qb, sc, bias)
-         for dt, d, mask, sched, (bm, bn), st, e, qb, sc, bias in itertools.product(
-             DTYPES, HEAD_DIMS, MASKS, SCHEDULES, TILES, STAGES, LAZY_RESCALES, Q_BUFFERS, SOFTCAPS, BIASES)))
+        ((dt, d, mask, sched, bm, bn, st, e, qb, sc, bias, drop)
+         for dt, d, mask, sched, (bm, bn), st, e, qb, sc, bias, drop in itertools.product(
+             DTYPES, HEAD_DIMS, MASKS, SCHEDULES, TILES, STAGES, LAZY_RESCALES, Q_BUFFERS, SOFTCAPS, BIASES,
+             DROPOUTS)))
     if invalid_reason(inst) is None
 )
 
@@ -405,11 +431,17 @@ FP8_TILE = {
 # registers per consumer thread, none here).
 BIAS_TILE = {**LOCAL_TILE, 64: (Schedule.PINGPONG, 128, 128, 1)}
 
+# Dropout (the persistent schedule only): the two-group 128x128 tile at d64 and d128 (the Philox
+# draws' registers beside the four-group 256x64 tile's 112 per consumer thread would spill).
+DROPOUT_TILE = {64: (Schedule.PINGPONG, 128, 128, 1), 128: (Schedule.PINGPONG, 128, 128, 1)}
+
 
 # The tiles the heuristic prefers within its margin, one per (dtype, head dim, mask).
 def _default_tile(inst: FmhaSm90Instance) -> tuple | None:
     if inst.dtype is DType.FP8:
         return FP8_TILE.get((inst.head_dim, inst.causal))
+    if inst.dropout:
+        return DROPOUT_TILE.get(inst.head_dim)
     if inst.bias:
         return BIAS_TILE[inst.head_dim]
     if inst.mask is Mask.LOCAL:
@@ -422,12 +454,13 @@ PREFERRED_DEFAULT: tuple[FmhaSm90Instance, ...] = tuple(
     if (inst.schedule, inst.block_m, inst.block_n, inst.q_buffers) == _default_tile(inst) and inst.lazy_rescale
     and (not inst.softcap or inst.head_dim in SOFTCAP_DEFAULT_HEAD_DIMS)
     and (not inst.bias or (inst.head_dim in BIAS_DEFAULT_HEAD_DIMS and not inst.softcap))
+    and (not inst.dropout or inst.head_dim in DROPOUT_DEFAULT_HEAD_DIMS)
 )
 DEFAULT: tuple[FmhaSm90Instance, ...] = PREFERRED_DEFAULT + tuple(
     inst for inst in SPACE
     if (inst.schedule, inst.block_m, inst.block_n, inst.q_buffers) == SHORT_SEQUENCE_TILES.get((inst.head_dim, inst.causal))
     and inst.lazy_rescale and inst.stages == DEFAULT_STAGES[inst.schedule] and inst.dtype is not DType.FP8
-    and not inst.softcap and not inst.bias and inst.mask is not Mask.LOCAL
+    and not inst.softcap and not inst.bias and not inst.dropout and inst.mask is not Mask.LOCAL
 )
 
 # Throughput per unit of tile work against fa2_sm80's on the H200 sweep (the heuristic's weight

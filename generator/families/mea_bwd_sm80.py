@@ -22,14 +22,14 @@ import dataclasses
 import itertools
 
 from gemmgen.arch import Arch
-from gemmgen.generator.families.base import AttentionInstance, BoundedHeadDim, DType, Warps
+from gemmgen.generator.families.base import DROPOUT_MAX_SCORES, AttentionInstance, BoundedHeadDim, DType, Warps
 
 FAMILY = "mea_bwd_sm80"
 KIND = "attention_bwd"
 BUILT_BY_DEFAULT = True
 TEMPLATE = "mea_bwd_sm80.cu.jinja"
 # mea_sm80: the Philox generator and its (seed, offset) stand-ins the dropout mask comes from.
-HEADER_DIRS = ("mea_bwd_sm80", "mea_sm80")
+HEADER_DIRS = ("mea_bwd_sm80", "mea_sm80", "philox")
 ARCHS = (Arch.SM80,)
 
 DTYPES = (DType.FP16, DType.BF16)
@@ -43,8 +43,7 @@ HEAD_DIM_MULTIPLE = 8  # 16-byte vectors of 2-byte elements along the head dim
 # What the family serves: every multiple of HEAD_DIM_MULTIPLE up to the largest bound.
 HEAD_DIMS = tuple(range(HEAD_DIM_MULTIPLE, max(MAX_HEAD_DIMS) + 1, HEAD_DIM_MULTIPLE))
 # The dropout mask's generator position of weight (i, j) is computed in 32-bit arithmetic by the
-# kernel (row * seqlen_k + key): seqlen_q * seqlen_k must stay below 2^31.
-DROPOUT_MAX_SCORES = 2**31 - 1
+# kernel (row * seqlen_k + key): seqlen_q * seqlen_k stays below 2^31 (base.DROPOUT_MAX_SCORES).
 
 
 @dataclasses.dataclass(frozen=True)

@@ -23,7 +23,7 @@ FAMILY = "mea_sm80"
 KIND = "attention"
 BUILT_BY_DEFAULT = False  # see the module doc
 TEMPLATE = "mea_sm80.cu.jinja"
-HEADER_DIRS = ("mea_sm80",)
+HEADER_DIRS = ("mea_sm80", "philox")
 ARCHS = (Arch.SM80,)
 
 # Axes. Tiles: kQueriesPerBlock x kKeysPerBlock, one 32x32 warp tile per warp. kKeysPerBlock 256

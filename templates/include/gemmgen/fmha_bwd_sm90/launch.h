@@ -145,28 +145,30 @@ struct BwdMask {
 // SplitDq: split_dq.h's mainloop (dQ computed half by each math warp group, the mask a band given
 // at launch), else example 88's (no mask or causal top-left, kLocal not available).
 template <class Element_, int BlockM, int BlockN, int HeadDim, BandKind Kind, bool SplitDq = false,
-          bool Softcap = false, bool Bias = false>
+          bool Softcap = false, bool Bias = false, bool Dropout = false>
 struct Config {
   static_assert(SplitDq || Kind != BandKind::kLocal, "the local mask runs on the split-dQ mainloop");
   static_assert(SplitDq || !Softcap, "a softcap runs on the split-dQ mainloop");
   static_assert(!Bias || (SplitDq && !Softcap && Kind != BandKind::kLocal),
                 "a bias runs on the split-dQ mainloop, without a softcap or a window");
+  static_assert(!Dropout || (SplitDq && !Softcap && !Bias && Kind != BandKind::kLocal),
+                "dropout runs on the split-dQ mainloop, without a softcap, bias or window");
   static constexpr bool Causal = Kind == BandKind::kCausal;
   using Element = Element_;
   // (queries per step, keys per CTA, head dim): example 88's TileShape order. Two math warp groups
   // take block_n / 2 keys each.
   using TileShape = Shape<Int<BlockM>, Int<BlockN>, Int<HeadDim>>;
   using Mainloop = std::conditional_t<
-      SplitDq, SplitDqMainloop<Element, TileShape, Kind, Softcap, false, Bias>,
+      SplitDq, SplitDqMainloop<Element, TileShape, Kind, Softcap, false, Bias, Dropout>,
       cutlass::fmha::collective::FmhaBwdMainloopTmaWarpSpecialized<Element, float, TileShape, BwdMask<Causal>>>;
   using Epilogue = cutlass::fmha::collective::FmhaBwdEpilogueKV<Element, float, typename Mainloop::TileShapePV>;
   using Scheduler = cutlass::fmha::kernel::TileSchedulerBwdAdapter<std::conditional_t<
       Causal, gemmgen::fmha_bwd_sm90::CausalKeyTileOrder, cutlass::fmha::kernel::IndividualTileScheduler>>;
   using Kernel = cutlass::fmha::kernel::FmhaKernelTmaWarpSpecialized<Mainloop, Epilogue, Scheduler>;
-  // Packed sequences (split-dQ instances without a bias): the same kernel with split_dq.h's kPacked
-  // mainloop.
+  // Packed sequences (split-dQ instances without a bias or dropout): the same kernel with
+  // split_dq.h's kPacked mainloop.
   using PackedKernel = std::conditional_t<
-      SplitDq && !Bias,
+      SplitDq && !Bias && !Dropout,
       cutlass::fmha::kernel::FmhaKernelTmaWarpSpecialized<SplitDqMainloop<Element, TileShape, Kind, Softcap, true>,
                                                           Epilogue, Scheduler>,
       void>;
@@ -179,6 +181,7 @@ struct Config {
   static constexpr BandKind kKind = Kind;
   static constexpr bool kSoftcap = Softcap;
   static constexpr bool kBias = Bias;  // the forward's additive mask (no dbias)
+  static constexpr bool kDropout = Dropout;  // the forward's dropout (its mask drawn again)
 };
 
 constexpr int64_t kInt32Max = 2147483647;
@@ -446,8 +449,18 @@ int run(const GemmgenAttnBwdParams* p, cudaStream_t stream, char* err, int err_l
                   "heads / heads_kv %d: at most %lld query heads per key/value head", p->heads / p->heads_kv,
                   static_cast<long long>(kMaxGridYZ));
   }
-  if (p->dbias != nullptr || p->dropout_p != 0.f) {
-    return report(err, err_len, GEMMGEN_INVALID_ARGUMENT, "this family runs no dbias or dropout");
+  if (p->dbias != nullptr) {
+    return report(err, err_len, GEMMGEN_INVALID_ARGUMENT, "this family runs no dbias");
+  }
+  if (Cfg::kDropout ? !(p->dropout_p > 0.f && p->dropout_p < 1.f) : p->dropout_p != 0.f) {
+    return report(err, err_len, GEMMGEN_INVALID_ARGUMENT,
+                  Cfg::kDropout ? "dropout_p %g: this instance runs the backward of dropout in (0, 1)"
+                                : "dropout_p %g: this instance runs no dropout (a `_dropout` one does)", p->dropout_p);
+  }
+  if (Cfg::kDropout && (int64_t(p->seqlen_q) * p->seqlen_k > kInt32Max || p->cu_seqlens_q != nullptr ||
+                        p->cu_seqlens_k != nullptr)) {
+    return report(err, err_len, GEMMGEN_INVALID_ARGUMENT,
+                  "dropout: fixed lengths with seqlen_q * seqlen_k below 2^31 (the mask's positions are 32-bit)");
   }
   if ((p->bias != nullptr) != Cfg::kBias) {
     return report(err, err_len, GEMMGEN_INVALID_ARGUMENT,
@@ -708,6 +721,10 @@ int run(const GemmgenAttnBwdParams* p, cudaStream_t stream, char* err, int err_l
                                                b0 * params.mainloop.ranges_sb + h0 * params.mainloop.ranges_sh;
               }
             }
+            if constexpr (Cfg::kDropout) {  // philox.h's mask over the call's [B, H, Nq, Nk] weights
+              params.mainloop.dropout = philox::launch_mask(p->dropout_p, p->dropout_seed, p->dropout_offset, p->heads,
+                                                            p->seqlen_q, p->seqlen_k, b0, h0);
+            }
             if (p->deterministic) {
               params.mainloop.turns = turns + vec0 * query_tiles;
               params.mainloop.turns_batch_stride = h * query_tiles;
@@ -721,7 +738,7 @@ int run(const GemmgenAttnBwdParams* p, cudaStream_t stream, char* err, int err_l
     return GEMMGEN_OK;
   };
   int status = GEMMGEN_OK;
-  if constexpr (Cfg::kBand && !Cfg::kBias) {
+  if constexpr (Cfg::kBand && !Cfg::kBias && !Cfg::kDropout) {
     status = packed ? run_main(KernelTag<typename Cfg::PackedKernel>{})
                     : run_main(KernelTag<Kernel>{});
   } else {

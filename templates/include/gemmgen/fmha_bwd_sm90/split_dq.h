@@ -41,6 +41,7 @@
 
 #include "gemmgen/fmha_bwd_sm90/band.h"
 #include "gemmgen/fmha_sm90/bias.h"
+#include "gemmgen/fmha_bwd_sm90/dropout.h"
 #include "gemmgen/softcap.h"
 
 namespace gemmgen::fmha_bwd_sm90 {
@@ -88,8 +89,10 @@ struct NoFusion {};
 // With the sort, a CTA's range of query tiles is cut to the tiles from its first to its last one
 // that some group of its keys does not see hidden (launch.h's bias_query_ranges), outside
 // deterministic calls, whose dQ turns need the band's ranges.
+// kDropout: the forward's dropout (fixed lengths, no softcap or bias): its mask (dropout.h), drawn
+// again, gives dV += (P * Z)^T dO and dS = P * (Z * dP - D), Z the kept weights times 1 / (1 - p).
 template <class Element_, class TileShape_, BandKind Kind, bool Softcap = false, bool kPacked = false,
-          bool kBias = false>
+          bool kBias = false, bool kDropout = false>
 struct SplitDqMainloop
     : cutlass::fmha::collective::FmhaBwdMainloopTmaWarpSpecialized<Element_, float, TileShape_, NoFusion> {
   using Base = cutlass::fmha::collective::FmhaBwdMainloopTmaWarpSpecialized<Element_, float, TileShape_, NoFusion>;
@@ -173,6 +176,7 @@ struct SplitDqMainloop
     // see hidden (first > last: none), strides per batch and head (0 where the bias broadcasts).
     const int2* query_ranges = nullptr;
     int64_t ranges_sb = 0, ranges_sh = 0;
+    philox::Mask dropout{};  // kDropout: the forward's mask (philox.h)
   };
 
   template <class ProblemShape>
@@ -467,6 +471,10 @@ struct SplitDqMainloop
       }
     }
 
+    // Dropout instances: this (batch, head)'s place in the mask's stream.
+    [[maybe_unused]] const uint64_t dropout_base =
+        kDropout ? params.dropout.head_base(uint32_t(get<2, 0>(blk_coord)), uint32_t(get<2, 1>(blk_coord))) : 0;
+
     // The CTA's range of query tiles, walked as the load warp and the reducer walk it.
     const QueryTiles tiles = cta_query_tiles(blk_coord, params, problem_size);
     int q_tile = walk_start(tiles, params);
@@ -520,6 +528,10 @@ struct SplitDqMainloop
       cutlass::fmha::collective::gemm_zero_acc(tiled_mma_nm, tDPrV(_, _, _, smem_pipe_read_v.index()),
                                                tDPrDO(_, _, _, smem_pipe_read_do.index()), acc_DP);
       warpgroup_commit_batch();
+
+      // Dropout: this tile's kept weights, drawn while the S and dP GEMMs run.
+      [[maybe_unused]] uint64_t kept = 0;
+      if constexpr (kDropout) kept = kept_transposed(tScS, params.dropout, dropout_base);
 
       // Bias instances: the class of this group's tile, and (kBiasAhead) its bias values.
       [[maybe_unused]] auto bias_r = make_fragment_like<Element>(acc_S);
@@ -611,18 +623,25 @@ struct SplitDqMainloop
         }
       }
 
-      // dS = P * (dP - D) * scale, in the element type.
+      // dS = P * (dP - D) * scale, in the element type (dropout: dP of the kept weights, times
+      // 1 / (1 - p); the dropped ones' is 0).
       warpgroup_wait<0>();
       warpgroup_fence_operand(acc_DP);
       auto acc_DS = make_fragment_like<Element>(acc_DP);
       CUTLASS_PRAGMA_UNROLL
       for (int i = 0; i < size(acc_DS); ++i) {
-        float ds = acc_P(i) * params.scale_softmax * (acc_DP(i) - tDPsODO(_, _, _, smem_pipe_read_do.index())(i));
+        float dp = acc_DP(i);
+        if constexpr (kDropout) dp = (kept >> i) & 1 ? dp * params.dropout.scale : 0.f;
+        float ds = acc_P(i) * params.scale_softmax * (dp - tDPsODO(_, _, _, smem_pipe_read_do.index())(i));
         if constexpr (Softcap) ds *= i % 2 ? __high2float(acc_cap[i / 2]) : __low2float(acc_cap[i / 2]);
         acc_DS(i) = ds;
       }
 
-      // dV += P^T dO, issued before dS goes to shared memory.
+      // dV += P^T dO, issued before dS goes to shared memory (dropout: the kept weights times 1 / (1 - p)).
+      if constexpr (kDropout) {
+        CUTLASS_PRAGMA_UNROLL
+        for (int i = 0; i < size(acc_P); ++i) acc_P(i) = (kept >> i) & 1 ? acc_P(i) * params.dropout.scale : 0.f;
+      }
       auto op_P = cutlass::fmha::collective::make_acc_into_op<Element>(acc_P, typename TiledMmaND::LayoutA_TV{});
       warpgroup_fence_operand(acc_DV);
       warpgroup_fence_operand(op_P);

@@ -31,6 +31,7 @@
 #include "gemmgen/fmha_sm90/softmax.h"
 #include "gemmgen/fmha_sm90/transpose.h"
 #include "gemmgen/fmha_sm90/varlen.h"
+#include "gemmgen/philox/philox.h"
 #include "gemmgen/report.h"
 
 namespace gemmgen::fmha_sm90 {
@@ -55,20 +56,22 @@ using MaskOf = std::conditional_t<Local, LocalWindow<BlockM, BlockN>,
                                   std::conditional_t<Causal, BottomRightCausal, cutlass::fmha::collective::ResidualFusion>>;
 // Descaled (fp8): the softmax takes each row tile's factors (TileFactors, softmax.h). Softcap: it
 // caps the scores first (softmax.h; the launch passes the cap in scale_softmax_log2).
-// BiasElement: an additive mask in that type (void: none; the persistent schedule only).
+// BiasElement: an additive mask in that type (void: none; the persistent schedule only). Dropout:
+// the softmax drops probabilities by gemmgen's Philox mask (the persistent schedule only).
 template <bool Causal, bool Lazy, bool Speculate = false, bool Local = false, int BlockM = 0, int BlockN = 0,
-          bool Descaled = false, bool Softcap = false, class BiasElement = void>
+          bool Descaled = false, bool Softcap = false, class BiasElement = void, bool Dropout = false>
 using FusionOf =
     std::conditional_t<Lazy, LazyRescale<MaskOf<Causal, Local, BlockM, BlockN>, Speculate, Descaled, Softcap,
-                                         BiasElement, BlockN>,
+                                         BiasElement, BlockN, Dropout>,
                        MaskOf<Causal, Local, BlockM, BlockN>>;
 
 // Speculate: whether our softmax takes its speculative step (softmax.h), decided per instance by
 // FmhaSm90Instance.speculates (gemmgen/families/fmha_sm90.py) from the registers it needs.
 template <class Element, class TileShape, class Stride, class StrideV, Schedule S, bool Causal, int StagesKV,
-          bool Lazy, int QBuffers, bool Speculate, bool Local, bool Softcap, bool Bias, bool DirectO>
+          bool Lazy, int QBuffers, bool Speculate, bool Local, bool Softcap, bool Bias, bool DirectO, bool Dropout>
 struct KernelOf {  // CUTLASS's own composition of the kernel (the TMA and cooperative schedules)
-  static_assert(!Local && !Bias, "sliding windows and additive masks run on the persistent schedule");
+  static_assert(!Local && !Bias && !Dropout,
+                "sliding windows, additive masks and dropout run on the persistent schedule");
   static_assert(!DirectO, "O stored from registers is our persistent epilogue's option");
   // CUTLASS's epilogue stores O in the input type: 8-bit inputs (O in bf16) need ours.
   static_assert(sizeof(Element) == 2, "fp8 inputs run on the persistent schedule");
@@ -81,9 +84,9 @@ struct KernelOf {  // CUTLASS's own composition of the kernel (the TMA and coope
 };
 
 template <class Element, class TileShape, class Stride, class StrideV, bool Causal, int StagesKV, bool Lazy,
-          int QBuffers, bool Speculate, bool Local, bool Softcap, bool Bias, bool DirectO>
+          int QBuffers, bool Speculate, bool Local, bool Softcap, bool Bias, bool DirectO, bool Dropout>
 struct KernelOf<Element, TileShape, Stride, StrideV, Schedule::kPingpong, Causal, StagesKV, Lazy, QBuffers, Speculate,
-                Local, Softcap, Bias, DirectO> {
+                Local, Softcap, Bias, DirectO, Dropout> {
   // CUTLASS's persistent mainloop in our kernel (persistent.h); 64 rows per consumer warp group;
   // causal row tiles go in pairs.
   using Tag = cutlass::fmha::kernel::Tag;
@@ -92,7 +95,7 @@ struct KernelOf<Element, TileShape, Stride, StrideV, Schedule::kPingpong, Causal
   using StagesQ = Int<Groups::value * QBuffers>;  // Q buffers per consumer group
   static_assert(sizeof(Element) == 2 || Lazy, "fp8 inputs take their factors in our softmax (lazy_rescale)");
   using Fusion = FusionOf<Causal, Lazy, Speculate, Local, size<0>(TileShape{}), size<1>(TileShape{}),
-                          sizeof(Element) == 1, Softcap, std::conditional_t<Bias, Element, void>>;
+                          sizeof(Element) == 1, Softcap, std::conditional_t<Bias, Element, void>, Dropout>;
   using Mainloop = cutlass::fmha::collective::FmhaMainloopTmaWarpSpecialized<
       Element, float, float, TileShape, Stride, Stride, StrideV, Fusion, Opt<Tag::kStagesKV, Int<StagesKV>>,
       Opt<Tag::kStagesQ, StagesQ>, Opt<Tag::kIsPersistent, cute::true_type>, Opt<Tag::kLoadsQSeparately, cute::true_type>,
@@ -107,13 +110,13 @@ struct KernelOf<Element, TileShape, Stride, StrideV, Schedule::kPingpong, Causal
   // additive masks (FmhaSm90Instance.runs_varlen says why): a second kernel, so that the
   // fixed-length one keeps its registers (the packed scheduler and problem cost the 4-group d64 tile
   // 36 -> 100 bytes of spill in one kernel).
-  static constexpr bool kPacked = sizeof(Element) == 2 && !(Local && Groups::value == 4) && !Bias;
+  static constexpr bool kPacked = sizeof(Element) == 2 && !(Local && Groups::value == 4) && !Bias && !Dropout;
   using packed_type = std::conditional_t<kPacked, With<VarlenScheduler<Causal, size<0>(TileShape{}), Local>>, void>;
 };
 
 template <class Element_, int BlockM, int BlockN, int HeadDim, Schedule S, bool Causal, int StagesKV,
           bool Lazy = false, int QBuffers = 1, bool Speculate = false, bool Local = false, bool Softcap = false,
-          bool Bias = false, bool DirectO = false>
+          bool Bias = false, bool DirectO = false, bool Dropout = false>
 struct Config {
   using Element = Element_;  // of q, k, v
   // 8-bit inputs (fp8 e4m3) give O in bf16, and their V is read transposed: wgmma reads 8-bit
@@ -133,8 +136,12 @@ struct Config {
   // fixed lengths, no window.
   static_assert(!Bias || (Lazy && !Speculate && !Local && !kFp8 && S == Schedule::kPingpong),
                 "an additive mask runs in our plain step on the persistent schedule, 16-bit, without a window");
+  // Dropout (gemmgen's Philox mask, philox.h) in our softmax on the persistent schedule, 16-bit,
+  // fixed lengths, no window, bias or softcap.
+  static_assert(!Dropout || (Lazy && !Local && !kFp8 && !Bias && !Softcap && S == Schedule::kPingpong),
+                "dropout runs in our softmax on the persistent schedule, 16-bit, without a window, bias or softcap");
   using Kernels = KernelOf<Element, TileShape, Stride, StrideV, S, Causal, StagesKV, Lazy, QBuffers, Speculate,
-                           Local, Softcap, Bias, DirectO>;
+                           Local, Softcap, Bias, DirectO, Dropout>;
   using Kernel = typename Kernels::type;
   using PackedKernel = typename Kernels::packed_type;  // void: no packed sequences
   static constexpr int kHeadDim = HeadDim;
@@ -144,6 +151,7 @@ struct Config {
   static constexpr bool kLocal = Local;
   static constexpr bool kSoftcap = Softcap;
   static constexpr bool kBias = Bias;
+  static constexpr bool kDropout = Dropout;
   static constexpr bool kPersistent = S == Schedule::kPingpong;
   static constexpr bool kVarlen = !std::is_void_v<PackedKernel>;  // runs packed sequences (varlen.h)
 };
@@ -356,8 +364,22 @@ int run(const GemmgenAttnParams* p, cudaStream_t stream, char* err, int err_len)
                   "bad sizes: batch %d heads %d heads_kv %d seqlen_q %d seqlen_k %d", p->batch, p->heads,
                   p->heads_kv, p->seqlen_q, p->seqlen_k);
   }
-  if (p->dropout_p != 0.f || p->seqlens_k != nullptr || p->block_table != nullptr) {
-    return report(err, err_len, GEMMGEN_INVALID_ARGUMENT, "this family runs no dropout or key-value cache");
+  if (p->seqlens_k != nullptr || p->block_table != nullptr) {
+    return report(err, err_len, GEMMGEN_INVALID_ARGUMENT, "this family runs no key-value cache");
+  }
+  if (Cfg::kDropout ? !(p->dropout_p > 0.f && p->dropout_p < 1.f) : p->dropout_p != 0.f) {
+    return report(err, err_len, GEMMGEN_INVALID_ARGUMENT,
+                  Cfg::kDropout ? "dropout_p %g: this instance runs dropout in (0, 1)"
+                                : "dropout_p %g: this instance runs none (a `_dropout` one does)", p->dropout_p);
+  }
+  if (Cfg::kDropout) {  // the mask's position of weight (i, j) within a head is 32-bit (philox.h)
+    if (int64_t(p->seqlen_q) * p->seqlen_k > kInt32Max) {
+      return report(err, err_len, GEMMGEN_INVALID_ARGUMENT,
+                    "dropout: seqlen_q * seqlen_k must stay below 2^31 (got %d x %d)", p->seqlen_q, p->seqlen_k);
+    }
+    if (p->cu_seqlens_q != nullptr || p->cu_seqlens_k != nullptr) {
+      return report(err, err_len, GEMMGEN_INVALID_ARGUMENT, "dropout: fixed lengths only (cu_seqlens set)");
+    }
   }
   if (Cfg::kBias != (p->bias != nullptr)) {
     return report(err, err_len, GEMMGEN_INVALID_ARGUMENT,
@@ -520,6 +542,11 @@ int run(const GemmgenAttnParams* p, cudaStream_t stream, char* err, int err_len)
         e = launch_with_scale<Kernel>(args, scale, kSmem, stream,
                                       [packed, p, b0, qh, kvh, hkv, lists](auto& params) {
           if constexpr (Cfg::kPersistent) params.kv_group = static_cast<int>(packed);
+          if constexpr (Cfg::kDropout) {  // philox.h's mask over the call's [B, H, Nq, Nk] weights
+            params.dropout = philox::launch_mask(p->dropout_p, p->dropout_seed, p->dropout_offset, p->heads,
+                                                 p->seqlen_q, p->seqlen_k, b0, qh);
+            params.mainloop.rp_dropout = params.dropout.scale;
+          }
           if constexpr (Cfg::kSoftcap) params.mainloop.scale_softmax_log2 = p->softcap;  // (softmax.h's cap)
           if constexpr (Cfg::kBias) {  // this chunk's first batch entry and query head
             params.bias = static_cast<const typename Cfg::Element*>(p->bias) + b0 * p->bias_batch_stride +

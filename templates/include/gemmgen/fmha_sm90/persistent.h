@@ -344,14 +344,18 @@ struct PersistentKernel
     const uint32_t* bias_lists = nullptr;
     int64_t lists_batch_stride = 0, lists_head_stride = 0;
     int list_stride = 0;
+    philox::Mask dropout{};  // the softmax's kDropout: the call's mask (philox.h)
   };
 
   // Bias instances (the softmax's LazyRescale has a BiasElement): each row tile's bias rows reach the
   // softmax through TileBias (softmax.h).
   template <class F> struct BiasOf { using type = void; };
-  template <class M, bool S, bool D, bool C, class B, int N> struct BiasOf<LazyRescale<M, S, D, C, B, N>> {
+  template <class M, bool S, bool D, bool C, class B, int N, bool X> struct BiasOf<LazyRescale<M, S, D, C, B, N, X>> {
     using type = B;
   };
+  template <class F, class = void> struct DropsOf : cute::false_type {};
+  template <class F> struct DropsOf<F, std::void_t<decltype(F::kDrops)>> : cute::bool_constant<F::kDrops> {};
+  static constexpr bool kDropout = DropsOf<Fusion>::value;
   using BiasElement = typename BiasOf<Fusion>::type;
   static constexpr bool kBias = !std::is_void_v<BiasElement>;
   // The slot of row tile `blk` for its consumer group `group` (the producer's: group 0).
@@ -727,6 +731,15 @@ struct PersistentKernel
       if constexpr (kFp8) {  // this warp's slot: set after its last tile's reads, read after this write
         __syncwarp();
         if (cute::elect_one_sync()) tile_factors() = factors_of(params, blk);
+        __syncwarp();
+      }
+      if constexpr (kDropout) {  // likewise: the row tile's (batch, query head) in the Philox stream
+        __syncwarp();
+        if (cute::elect_one_sync()) {
+          const philox::Mask& d = params.dropout;
+          tile_dropout() = TileDropout{d.seed, d.head_base(get<0>(get<2>(blk)), get<1>(get<2>(blk))), d.seqlen_k,
+                                       d.threshold};
+        }
         __syncwarp();
       }
       auto result = mainloop.compute(blk, group_blk, params.mainloop, problem, pipe_kv, read_kv, pipe_q, read_q,

@@ -31,6 +31,7 @@
 #include "88_hopper_fmha/collective/fmha_common.hpp"
 
 #include "gemmgen/fmha_sm90/bias.h"
+#include "gemmgen/philox/philox.h"
 #include "gemmgen/softcap.h"
 
 namespace gemmgen::fmha_sm90 {
@@ -43,9 +44,13 @@ namespace gemmgen::fmha_sm90 {
 // scaled (and capped) scores before the mask (void: none); kBlockN the key tile's width.
 // With a sorted bias a row tile runs its listed key tiles only (bias.h): the trip counts of the
 // tiles before the mask's masked ones are the list's, which the warp's TileBias slot holds.
+// kDropout: the probabilities are dropped by gemmgen's Philox mask (philox.h) after the row sums
+// take them (the sums, LSE and normalization are of the weights before dropout; O's final factor
+// holds 1 / (1 - p)), the row tile's stream position read from the warp's TileDropout slot.
 template <class Mask, bool kSpeculate = false, bool kDescaled = false, bool kSoftcap = false,
-          class BiasElement = void, int kBlockN = 0>
+          class BiasElement = void, int kBlockN = 0, bool kDropout = false>
 struct LazyRescale : Mask {
+  static constexpr bool kDrops = kDropout;
   CUTLASS_DEVICE static uint32_t const* list() {
     if constexpr (std::is_void_v<BiasElement>) {
       return nullptr;
@@ -82,6 +87,19 @@ CUTLASS_DEVICE TileFactors& tile_factors() {
   return slots[threadIdx.x / 32];
 }
 
+// Dropout instances: the row tile's place in the Philox stream (philox.h), in a shared-memory slot
+// per warp that the consumer warps set before each compute(), as the fp8 factors' slots.
+struct TileDropout {
+  uint64_t seed;
+  uint64_t base;       // the stream position of the row tile's (batch, head) weight (0, 0)
+  uint32_t seqlen_k;   // the stream's row length: the call's keys
+  uint32_t threshold;  // a weight is kept iff its output is at least this (philox::keep_threshold)
+};
+CUTLASS_DEVICE TileDropout& tile_dropout() {
+  __shared__ TileDropout slots[32];  // by the CTA's warp (768 bytes; FmhaSm90Instance.smem_bytes counts them)
+  return slots[threadIdx.x / 32];
+}
+
 // Probabilities are taken against a row maximum up to this far below the true one: at most 2^8,
 // which fp32 sums and fp16/bf16 probabilities hold with their full relative precision.
 constexpr float kRescaleAbove = 8.f;
@@ -90,11 +108,14 @@ constexpr float kRescaleAbove = 8.f;
 
 namespace cutlass::fmha::collective {
 
-template <class Mask, bool kSpeculate, bool kDescaled, bool kSoftcap, class BiasElement, int kBlockN, class Params>
+template <class Mask, bool kSpeculate, bool kDescaled, bool kSoftcap, class BiasElement, int kBlockN, bool kDropout,
+          class Params>
 struct CollectiveSoftmax<float,
-                         gemmgen::fmha_sm90::LazyRescale<Mask, kSpeculate, kDescaled, kSoftcap, BiasElement, kBlockN>,
+                         gemmgen::fmha_sm90::LazyRescale<Mask, kSpeculate, kDescaled, kSoftcap, BiasElement, kBlockN,
+                                                         kDropout>,
                          Params> {
-  using Fusion = gemmgen::fmha_sm90::LazyRescale<Mask, kSpeculate, kDescaled, kSoftcap, BiasElement, kBlockN>;
+  using Fusion =
+      gemmgen::fmha_sm90::LazyRescale<Mask, kSpeculate, kDescaled, kSoftcap, BiasElement, kBlockN, kDropout>;
   static constexpr float kBound = float(1 << int(gemmgen::fmha_sm90::kRescaleAbove));  // 2^kRescaleAbove
   // Bias instances add the bias where the scores are made ready (prepare), without the speculative
   // step: it assumes every row sees key 0, which a bias may hide (a left-padded row's first keys),
@@ -323,9 +344,83 @@ struct CollectiveSoftmax<float,
     }
   }
 
-  // The first key tile of a row tile.
+  // Dropout: the probabilities of one key tile (a 64-row group's, 2 rows of kBlockN / 8 pairs of
+  // adjacent keys per thread: wgmma's accumulator layout, element i at row + 8 * ((i >> 1) & 1),
+  // key + 8 * (i >> 2) + (i & 1)) zeroed where the mask drops them. The four threads of a quad hold
+  // one row's keys between them, a stream of kBlockN consecutive outputs: each draws every fourth
+  // Philox counter of it (kBlockN / 16 + 1 each, against kBlockN / 8 for the pairs it holds alone),
+  // keeps the comparisons as bits, and the quad merges the bits with two shuffles per word.
+  template <class AccQK, class CountQK>
+  CUTLASS_DEVICE void drop(AccQK& acc_qk, CountQK const& count) const {
+    if constexpr (kDropout) {
+      static_assert(kBlockN % 16 == 0, "dropout tiles hold whole 16-key groups");
+      static_assert(decltype(size(acc_qk))::value == kBlockN / 2, "a 64-row group's tile of kBlockN keys");
+      constexpr int kCounters = kBlockN / 16 + 1;   // per thread: 4 * kCounters >= kBlockN / 4 + 1
+      constexpr int kWords = (kCounters + 1) / 2;    // 32-bit words of the row's bits (16 per counter pair)
+      constexpr int kKeptWords = kBlockN / 32 > 0 ? kBlockN / 32 : 1;
+      gemmgen::fmha_sm90::TileDropout const& slot = gemmgen::fmha_sm90::tile_dropout();
+      const uint64_t seed = slot.seed, base = slot.base;
+      const uint32_t nk = slot.seqlen_k, threshold = slot.threshold;
+      const int first_key = int(get<1>(count(0)));  // this thread's: the tile's first + 2 * its quad lane
+      const int lane2 = first_key % 8;
+      const uint32_t quad_lane = uint32_t(lane2) / 2;
+      CUTLASS_PRAGMA_UNROLL
+      for (int half = 0; half < 2; ++half) {
+        const uint32_t row = uint32_t(get<0>(count(2 * half)));
+        // The stream position of (row, the tile's first key), 32-bit within the head as the mask's.
+        const uint64_t at = base + uint32_t(row * nk + uint32_t(first_key - lane2));
+        const uint64_t counter0 = at >> 2;
+        uint32_t words[kWords];
+        CUTLASS_PRAGMA_UNROLL
+        for (int w = 0; w < kWords; ++w) words[w] = 0u;
+        CUTLASS_PRAGMA_UNROLL
+        for (int m = 0; m < kCounters; ++m) {
+          const uint4 r = gemmgen::philox::outputs(counter0 + quad_lane + 4u * m, seed);
+          const uint32_t nib = uint32_t(r.x >= threshold) | uint32_t(r.y >= threshold) << 1 |
+                               uint32_t(r.z >= threshold) << 2 | uint32_t(r.w >= threshold) << 3;
+          words[m / 2] |= nib << (4u * quad_lane + 16u * (m % 2));  // counter 4m + lane: bits 16m + 4 lane
+        }
+        CUTLASS_PRAGMA_UNROLL
+        for (int w = 0; w < kWords; ++w) {
+          words[w] |= __shfl_xor_sync(0xffffffffu, words[w], 1);
+          words[w] |= __shfl_xor_sync(0xffffffffu, words[w], 2);
+        }
+        // Bit x of kept[]: this thread's key first_key + x (its stream position at + lane2 + x).
+        const uint32_t shift = uint32_t(at & 3) + uint32_t(lane2);  // 0..9
+        uint32_t kept[kKeptWords];
+        CUTLASS_PRAGMA_UNROLL
+        for (int w = 0; w < kKeptWords; ++w) {
+          kept[w] = __funnelshift_r(words[w], w + 1 < kWords ? words[w + 1] : 0u, shift);
+        }
+        CUTLASS_PRAGMA_UNROLL
+        for (int i = 0; i < size(acc_qk); ++i) {
+          if (((i >> 1) & 1) != half) continue;
+          const int x = 8 * (i >> 2) + (i & 1);
+          if (!((kept[x / 32] >> (x % 32)) & 1u)) acc_qk(i) = 0.f;
+        }
+      }
+    }
+  }
+
+  // One key tile's probabilities, dropped where dropout applies (drop): the first of a row tile,
+  // or a later one (the warp-specialized mainloops).
   template <class AccQK, class TiledMmaQK, class CountQK, class State, class ProblemShape>
   CUTLASS_DEVICE void step(AccQK& acc_qk, TiledMmaQK const& mma_qk, CountQK const& count_qk, State& state,
+                           ProblemShape const& problem_shape) {
+    first_probabilities(acc_qk, mma_qk, count_qk, state, problem_shape);
+    drop(acc_qk, count_qk);
+  }
+  template <bool kUseFusion = true, class AccQK, class TiledMmaQK, class CountQK, class State, class AccPV,
+            class TiledMmaPV, class ProblemShape>
+  CUTLASS_DEVICE void step(AccQK& acc_qk, TiledMmaQK const& mma_qk, CountQK const& count_qk, State& state,
+                           AccPV& acc_pv, TiledMmaPV const& mma_pv, ProblemShape const& problem_shape) {
+    probabilities<kUseFusion>(acc_qk, mma_qk, count_qk, state, acc_pv, mma_pv, problem_shape);
+    drop(acc_qk, count_qk);
+  }
+
+  // The first key tile of a row tile.
+  template <class AccQK, class TiledMmaQK, class CountQK, class State, class ProblemShape>
+  CUTLASS_DEVICE void first_probabilities(AccQK& acc_qk, TiledMmaQK const& mma_qk, CountQK const& count_qk, State& state,
                            ProblemShape const& problem_shape) {
     auto& row_max = get<0>(state);
     auto& row_sum = get<1>(state);
@@ -348,7 +443,7 @@ struct CollectiveSoftmax<float,
   // bound), probabilities, sums.
   template <bool kUseFusion = true, class AccQK, class TiledMmaQK, class CountQK, class State, class AccPV,
             class TiledMmaPV, class ProblemShape>
-  CUTLASS_DEVICE void step(AccQK& acc_qk, TiledMmaQK const& mma_qk, CountQK const& count_qk, State& state,
+  CUTLASS_DEVICE void probabilities(AccQK& acc_qk, TiledMmaQK const& mma_qk, CountQK const& count_qk, State& state,
                            AccPV& acc_pv, TiledMmaPV const& mma_pv, ProblemShape const& problem_shape) {
     int shift;
     if (prepare(acc_qk, count_qk, problem_shape, /*first=*/false, shift)) {  // a hidden tile: P = 0
@@ -393,6 +488,7 @@ struct CollectiveSoftmax<float,
   CUTLASS_DEVICE void step_interleave_begin(AccQK& acc_qk, TiledMmaQK const& mma_qk, CountQK const& count_qk,
                                             State& state, AccPV& acc_pv, TiledMmaPV const& mma_pv,
                                             ProblemShape const& problem_shape) {
+    static_assert(!kDropout, "dropout runs on the warp-specialized mainloops");
     int shift;
     prepare(acc_qk, count_qk, problem_shape, /*first=*/false, shift);  // (no bias on the TMA mainloop)
     if constexpr (kUseFusion) Fusion{}.before_softmax(acc_qk, count_qk, problem_shape);

@@ -4,6 +4,8 @@
 #pragma once
 #include <cuda_runtime.h>
 
+#include "gemmgen/philox/philox.h"
+
 struct curandStatePhilox4_32_10 {
   uint4 ctr;
   uint4 output;
@@ -13,29 +15,6 @@ struct curandStatePhilox4_32_10 {
 typedef struct curandStatePhilox4_32_10 curandStatePhilox4_32_10_t;
 
 namespace gemmgen::philox {
-
-// The round multipliers and Weyl key increments of Philox4x32.
-constexpr unsigned int kMul0 = 0xD2511F53u;
-constexpr unsigned int kMul1 = 0xCD9E8D57u;
-constexpr unsigned int kWeyl0 = 0x9E3779B9u;
-constexpr unsigned int kWeyl1 = 0xBB67AE85u;
-constexpr int kRounds = 10;
-constexpr float kTwoPow32Inv = 2.3283064e-10f;  // 2^-32: a 32-bit output scaled into (0, 1]
-
-__device__ __forceinline__ uint4 philox_round(uint4 ctr, uint2 key) {
-  const unsigned int hi0 = __umulhi(kMul0, ctr.x), lo0 = kMul0 * ctr.x;
-  const unsigned int hi1 = __umulhi(kMul1, ctr.z), lo1 = kMul1 * ctr.z;
-  return make_uint4(hi1 ^ ctr.y ^ key.x, lo1, hi0 ^ ctr.w ^ key.y, lo0);
-}
-
-__device__ __forceinline__ uint4 block(uint4 ctr, uint2 key) {
-#pragma unroll
-  for (int r = 0; r < kRounds; ++r) {
-    if (r > 0) key = make_uint2(key.x + kWeyl0, key.y + kWeyl1);
-    ctr = philox_round(ctr, key);
-  }
-  return ctr;
-}
 
 // Advance the 128-bit counter's low 64 bits by n (carrying into the high 64).
 __device__ __forceinline__ void advance(curandStatePhilox4_32_10_t* s, unsigned long long n) {
@@ -94,8 +73,7 @@ __device__ __forceinline__ uint4 curand4(curandStatePhilox4_32_10_t* s) {
 
 // Four uniform floats in (0, 1].
 __device__ __forceinline__ float4 curand_uniform4(curandStatePhilox4_32_10_t* s) {
-  using gemmgen::philox::kTwoPow32Inv;
+  using gemmgen::philox::uniform;
   const uint4 r = curand4(s);
-  return make_float4(r.x * kTwoPow32Inv + kTwoPow32Inv / 2.0f, r.y * kTwoPow32Inv + kTwoPow32Inv / 2.0f,
-                     r.z * kTwoPow32Inv + kTwoPow32Inv / 2.0f, r.w * kTwoPow32Inv + kTwoPow32Inv / 2.0f);
+  return make_float4(uniform(r.x), uniform(r.y), uniform(r.z), uniform(r.w));
 }
