@@ -59,7 +59,8 @@ def paste(command: str, *extra: str) -> int:
     (Problem("fp16", 80, False, A100), "mea_sm80"),
     (Problem("bf16", 80, True, A100), "mea_sm80"),
     (Problem("fp16", 64, True, A100), "fa2_sm80"),
-    (Problem("bf16", 128, False, H100, dropout=True), "mea_sm80"),
+    (Problem("bf16", 128, False, H100, dropout=True), "fmha_sm90"),  # its `_dropout` instances
+    (Problem("bf16", 96, False, H100, dropout=True), "mea_sm80"),
     (Problem("fp16", 128, True, A100, dropout=True), "mea_sm80"),
     (Problem("bf16", 256, False, RTX), "fa2_sm80"),  # not in the default set: needs --all
 ], ids=lambda v: v.describe() if isinstance(v, Problem) else v)

@@ -60,7 +60,7 @@ PINNED = {
                      ("mea_bwd_sm80_bf16_k128_q128k128_preload_dropout", "457025b1e68956e7"),
                      ("mea_bwd_sm80_bf16_k256_q128k64", "c4de8ed16290850b")],
 }
-SPACE_SIZES = {"fa2_sm80": 1104, "fmha_sm90": 2124, "mea_sm80": 36, "decode_sm80": 566, "gemm_sm80": 1312, "gemm_sm90": 2576,
+SPACE_SIZES = {"fa2_sm80": 1104, "fmha_sm90": 1962, "mea_sm80": 36, "decode_sm80": 566, "gemm_sm80": 1312, "gemm_sm90": 2576,
                "softmax_sm80": 4, "fmha_bwd_sm90": 80, "fa2_bwd_sm80": 188,
                "mea_bwd_sm80": 72}
 

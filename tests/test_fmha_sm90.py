@@ -66,7 +66,7 @@ def test_default_covers_every_dtype_head_dim_mask_once():
                             for m in (Mask.NONE, Mask.CAUSAL)}
                          | {(dt, d, m, False, True, False) for dt in wide for d in fam.BIAS_DEFAULT_HEAD_DIMS
                             for m in (Mask.NONE, Mask.CAUSAL)}
-                         | {(dt, d, m, False, False, True) for dt in wide for d in fam.DROPOUT_DEFAULT_HEAD_DIMS
+                         | {(dt, d, m, False, False, True) for dt in wide for d in fam.DROPOUT_HEAD_DIMS
                             for m in (Mask.NONE, Mask.CAUSAL)})
     capped = [i for i in fam.PREFERRED_DEFAULT if i.softcap]  # the tiles of the plain defaults
     assert all(dataclasses.replace(i, softcap=False) in fam.PREFERRED_DEFAULT for i in capped)
@@ -264,11 +264,11 @@ def test_dropout_only_on_dropout_instances():
     for bad in (dataclasses.replace(dropped, schedule=Schedule.COOPERATIVE),
                 dataclasses.replace(dropped, mask=Mask.LOCAL), dataclasses.replace(dropped, lazy_rescale=False),
                 dataclasses.replace(dropped, dtype=DType.FP8), dataclasses.replace(dropped, bias=True),
-                dataclasses.replace(dropped, softcap=True)):
+                dataclasses.replace(dropped, softcap=True), dataclasses.replace(dropped, head_dim=96)):
         assert "dropout runs" in (fam.invalid_reason(bad) or ""), bad.name
     built = [i for i in fam.DEFAULT if i.dropout]
     assert {(i.dtype, i.head_dim, i.mask) for i in built} == {
-        (dt, d, m) for dt in (DType.FP16, DType.BF16) for d in fam.DROPOUT_DEFAULT_HEAD_DIMS
+        (dt, d, m) for dt in (DType.FP16, DType.BF16) for d in fam.DROPOUT_HEAD_DIMS
         for m in (Mask.NONE, Mask.CAUSAL)}
     assert all((i.schedule, i.block_m, i.block_n, i.q_buffers) == fam.DROPOUT_TILE[i.head_dim] for i in built)
 

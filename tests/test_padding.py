@@ -101,8 +101,9 @@ def test_out_of_a_padded_call_is_checked_against_q(stand_in):
 def test_the_backward_pads_to_a_faster_familys_head_dim(tmp_path):
     """selection.padded_backward_head_dim on a build without libraries: at head dim 96 on Hopper
     only mea_bwd_sm80 runs the exact call, fmha_bwd_sm90 runs 128 (1.8 / 0.2 weighs more than the
-    third more columns); 64 has an fmha_bwd_sm90 tile; an Ampere GPU and dropout keep mea_bwd_sm80 at
-    96; deterministic calls pad too (the split-dQ instances run them)."""
+    third more columns); 64 has an fmha_bwd_sm90 tile; an Ampere GPU keeps mea_bwd_sm80 at 96;
+    deterministic calls and dropout pad too (the split-dQ instances run them: `_dropout` at 128, the
+    mask independent of the head dim)."""
     import dataclasses
 
     from conftest import make_entry, write_build_dir
@@ -126,7 +127,7 @@ def test_the_backward_pads_to_a_faster_familys_head_dim(tmp_path):
         assert selection.padded_backward_head_dim(problem(64)) == 64
         assert selection.padded_backward_head_dim(problem(40)) == 64
         assert selection.padded_backward_head_dim(problem(96, a100)) == 96
-        assert selection.padded_backward_head_dim(problem(96, dropout=True)) == 96
+        assert selection.padded_backward_head_dim(problem(96, dropout=True)) == 128
         assert selection.padded_backward_head_dim(problem(96, deterministic=True)) == 128  # split-dQ takes turns
         assert selection.padded_backward_head_dim(problem(192)) == 192  # no Hopper backward tile above
     finally:

@@ -67,7 +67,7 @@ BIASES = (False, True)
 BIAS_DEFAULT_HEAD_DIMS = (64, 128)
 # The forward's dropout (split-dQ mainloop, no softcap, bias or window, fixed lengths; suffix
 # `_dropout`): built by default beside the default tiles of these head dims without a mask and
-# causal, the forward's `_dropout` defaults (fmha_sm90.DROPOUT_DEFAULT_HEAD_DIMS).
+# causal, the forward's `_dropout` instances (fmha_sm90.DROPOUT_HEAD_DIMS).
 DROPOUTS = (False, True)
 DROPOUT_DEFAULT_HEAD_DIMS = (64, 128)
 THREADS = 384  # a producer warp group and two math warp groups of block_n / 2 keys each

@@ -23,7 +23,7 @@ fixed lengths, no mask or causal, on the persistent schedule.
 Dropout instances (`_dropout`) drop the probabilities in our softmax by gemmgen's Philox mask
 (templates/include/gemmgen/philox/philox.h), the mask mea_sm80 and mea_bwd_sm80 draw for the same
 (seed, offset): a forward here trains with either family's backward. Fixed lengths, no mask or
-causal, on the persistent schedule.
+causal, head dims 64 and 128, on the persistent schedule.
 """
 from __future__ import annotations
 
@@ -92,10 +92,10 @@ BIAS_DEFAULT_HEAD_DIMS = (64, 128, 256)
 # Head dims whose default tiles are also built with a logit softcap (`_sc`): Gemma 2's (256, and 128
 # in its largest model), as fa2_sm80 builds them.
 SOFTCAP_DEFAULT_HEAD_DIMS = (128, 256)
-# Head dims whose dropout instances are built by default (`_dropout`, the two-group 128x128 tile):
-# the models trained with attention dropout most (BERT- and GPT-2-style d64, d128); the others run
-# dropout on mea_sm80.
-DROPOUT_DEFAULT_HEAD_DIMS = (64, 128)
+# Head dims of the dropout instances (`_dropout`), all built by default on the two-group 128x128
+# tile: the models trained with attention dropout most (BERT- and GPT-2-style d64, d128), and the
+# head dims whose backward fmha_bwd_sm90 has; the others run dropout on mea_sm80.
+DROPOUT_HEAD_DIMS = (64, 128)
 
 # CUTLASS's defaults; an instance with fewer stages exists only when the default does not fit.
 DEFAULT_STAGES = {Schedule.TMA: 4, Schedule.COOPERATIVE: 5, Schedule.PINGPONG: 5}
@@ -279,9 +279,9 @@ def invalid_reason(inst: FmhaSm90Instance, arch: Arch = Arch.SM90) -> str | None
                 "without a window")
     if inst.dropout and not (inst.lazy_rescale and inst.persistent and inst.mask is not Mask.LOCAL
                              and inst.dtype is not DType.FP8 and not inst.bias and not inst.softcap
-                             and inst.block_n % 16 == 0):
+                             and inst.block_n % 16 == 0 and inst.head_dim in DROPOUT_HEAD_DIMS):
         return ("dropout runs in our softmax (lazy_rescale) on the persistent schedule, 16-bit, without a "
-                "window, bias or softcap, on tiles of whole 16-key groups")
+                f"window, bias or softcap, on tiles of whole 16-key groups, at head dims {DROPOUT_HEAD_DIMS}")
     if (inst.block_m, inst.block_n) in FP8_ONLY_TILES and inst.dtype is not DType.FP8:
         return f"tile {inst.block_m}x{inst.block_n}: an fp8 tile (its 8-bit K/V stages of 256 keys fit five deep)"
     if inst.dtype is DType.FP8:
@@ -454,7 +454,7 @@ PREFERRED_DEFAULT: tuple[FmhaSm90Instance, ...] = tuple(
     if (inst.schedule, inst.block_m, inst.block_n, inst.q_buffers) == _default_tile(inst) and inst.lazy_rescale
     and (not inst.softcap or inst.head_dim in SOFTCAP_DEFAULT_HEAD_DIMS)
     and (not inst.bias or (inst.head_dim in BIAS_DEFAULT_HEAD_DIMS and not inst.softcap))
-    and (not inst.dropout or inst.head_dim in DROPOUT_DEFAULT_HEAD_DIMS)
+    and (not inst.dropout or inst.head_dim in DROPOUT_HEAD_DIMS)
 )
 DEFAULT: tuple[FmhaSm90Instance, ...] = PREFERRED_DEFAULT + tuple(
     inst for inst in SPACE

@@ -165,7 +165,7 @@ def test_causal_backward_over_twice_l2(d, heads, heads_kv):
         pytest.skip("this GPU's L2 holds the problem in one launch")
     cands = [c for c in backward_candidates() if c.entry.family == "fmha_bwd_sm90"
              and c.instance.head_dim == d and c.instance.causal and not c.instance.softcap
-             and not c.instance.bias]  # (`_bias` instances run calls with a mask only)
+             and not c.instance.bias and not c.instance.dropout]  # (`_bias`, `_dropout`: those calls only)
     if not cands:
         pytest.skip(f"no causal d{d} fmha_bwd_sm90 instance is built")
     group = heads // heads_kv

@@ -18,15 +18,16 @@ pytestmark = pytest.mark.gpu
 
 
 def _built() -> list[str]:
-    """The built 16-bit instances of the no-mask and causal masks without a softcap or an additive
-    mask (tests/gpu/test_window_gpu.py runs the sliding-window ones, tests/gpu/test_fp8_gpu.py the fp8
-    ones, tests/gpu/test_softcap_gpu.py the `_sc` ones, tests/gpu/test_bias_fmha_sm90_gpu.py the
-    `_bias` ones)."""
+    """The built 16-bit instances of the no-mask and causal masks without a softcap, an additive mask
+    or dropout (tests/gpu/test_window_gpu.py runs the sliding-window ones, tests/gpu/test_fp8_gpu.py
+    the fp8 ones, tests/gpu/test_softcap_gpu.py the `_sc` ones, tests/gpu/test_bias_fmha_sm90_gpu.py
+    the `_bias` ones, tests/gpu/test_dropout_hopper_gpu.py the `_dropout` ones)."""
     try:
         return sorted(c.name for c in registry.load()[0]
                       if c.entry.family == "fmha_sm90" and c.entry.state == "built"
                       and c.entry.params.get("mask") != "local" and c.entry.params.get("dtype") != "fp8"
-                      and not c.entry.params.get("softcap") and not c.entry.params.get("bias"))
+                      and not c.entry.params.get("softcap") and not c.entry.params.get("bias")
+                      and not c.entry.params.get("dropout"))
     except Exception:  # no manifest: the tests below skip
         return []
 

@@ -120,7 +120,8 @@ def mask_of(causal, window) -> str:
     return "local" if window is not None else "causal" if causal else "none"
 
 
-@pytest.mark.parametrize("name", [n for n in built("fmha_bwd_sm90") if "_sq" in n and "_bias" not in n] or ["(none built)"])
+@pytest.mark.parametrize("name", [n for n in built("fmha_bwd_sm90") if "_sq" in n and "_bias" not in n
+                                  and "_dropout" not in n] or ["(none built)"])
 def test_backward_instance_on_packed_sequences(name):
     """fmha_bwd_sm90's split-dQ instances on packed sequences (one batch entry over the packed
     tensors, each key masked to its own sequence's rows): test_varlen_fa2_gpu's lengths (sequences
@@ -201,8 +202,8 @@ def deterministic_backward_into_poison(cand, q, k, v, do, *, causal, alignment, 
     return dq, dk, dv
 
 
-@pytest.mark.parametrize("name", [n for n in built("fmha_bwd_sm90") if "_sq" in n and "_bias" not in n]
-                         or ["(none built)"])
+@pytest.mark.parametrize("name", [n for n in built("fmha_bwd_sm90") if "_sq" in n and "_bias" not in n
+                                  and "_dropout" not in n] or ["(none built)"])
 def test_deterministic_backward_instance_on_packed_sequences(name):
     """fmha_bwd_sm90's split-dQ instances with deterministic=True on packed sequences (DET_LENS),
     the instance's mask (both alignments for causal, a window for local), GQA 4:1 read at K's own
