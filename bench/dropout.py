@@ -64,8 +64,8 @@ def main() -> int:
         return backward_alone(attend, inputs) if grad else attend
     dtype = DTYPES[args.dtype]
     built = {c.name for c in registry.load()[0] if c.entry.state == "built"}
-    rows = [f"| shape | dropout {'backward ' if grad else ''}instance | dropout | no dropout | mea_sm80 | best SDPA | dropout / no dropout "
-            "| dropout / SDPA | dropout / mea_sm80 |", "|---|---|---|---|---|---|---|---|---|"]
+    rows = [f"| shape | dropout {'backward ' if grad else ''}instance | dropout | no dropout | mea_sm80 | best SDPA "
+            "| dropout / no dropout | dropout / SDPA | dropout / mea_sm80 |", "|---|---|---|---|---|---|---|---|---|"]
     for d in args.head_dim:
         mea = next((i.name for i in mea_sm80.DEFAULT if i.dtype.value == args.dtype and i.max_head_dim >= d
                     and i.name in built), None)
@@ -105,9 +105,8 @@ def main() -> int:
     what = "backward alone (torch.autograd.grad of a forward that requires grad), " if grad else ""
     head = header(f"{what}{args.dtype}, dropout_p {P:g}, eager calls queued back to back, host path included, default "
                   f"build untuned; each side the median over {args.rounds} rounds in alternating order of the median "
-                  f"of {args.reps} CUDA-event timings; TFLOP/s = {'2.5*' if grad else ''}4*B*H*N^2*d/t (halved for causal); "
-                  f"command: "
-                  f"python bench/dropout.py {' '.join(sys.argv[1:])}".rstrip())
+                  f"of {args.reps} CUDA-event timings; TFLOP/s = {'2.5*' if grad else ''}4*B*H*N^2*d/t "
+                  f"(halved for causal); command: python bench/dropout.py {' '.join(sys.argv[1:])}".rstrip())
     publish(head + "\n\n" + "\n".join(rows) + "\n", args.out)
     return 0
 

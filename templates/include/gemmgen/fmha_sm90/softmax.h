@@ -420,8 +420,8 @@ struct CollectiveSoftmax<float,
 
   // The first key tile of a row tile.
   template <class AccQK, class TiledMmaQK, class CountQK, class State, class ProblemShape>
-  CUTLASS_DEVICE void first_probabilities(AccQK& acc_qk, TiledMmaQK const& mma_qk, CountQK const& count_qk, State& state,
-                           ProblemShape const& problem_shape) {
+  CUTLASS_DEVICE void first_probabilities(AccQK& acc_qk, TiledMmaQK const& mma_qk, CountQK const& count_qk,
+                                          State& state, ProblemShape const& problem_shape) {
     auto& row_max = get<0>(state);
     auto& row_sum = get<1>(state);
     fill(row_max, -INFINITY);
@@ -444,7 +444,7 @@ struct CollectiveSoftmax<float,
   template <bool kUseFusion = true, class AccQK, class TiledMmaQK, class CountQK, class State, class AccPV,
             class TiledMmaPV, class ProblemShape>
   CUTLASS_DEVICE void probabilities(AccQK& acc_qk, TiledMmaQK const& mma_qk, CountQK const& count_qk, State& state,
-                           AccPV& acc_pv, TiledMmaPV const& mma_pv, ProblemShape const& problem_shape) {
+                                    AccPV& acc_pv, TiledMmaPV const& mma_pv, ProblemShape const& problem_shape) {
     int shift;
     if (prepare(acc_qk, count_qk, problem_shape, /*first=*/false, shift)) {  // a hidden tile: P = 0
       fill(acc_qk, 0.f);
