@@ -220,6 +220,13 @@ CAUSAL_128 = FmhaSm90Instance(DType.BF16, 128, Mask.CAUSAL, Schedule.PINGPONG, 1
     (dict(causal=True, seqlen_q=1100), "seqlen_q <= seqlen_k"),
     (dict(causal=True, causal_alignment="bottom_right", seqlen_q=1100), "seqlen_q <= seqlen_k"),
     (dict(max_offset=2**31), "int32"),
+    # a contiguous key-value cache as packed sequences (key counts on the GPU)
+    (dict(kv_cache=True, varlen=True, causal=True, causal_alignment="bottom_right"), None),
+    (dict(kv_cache=True, varlen=True), None),
+    (dict(kv_cache=True, varlen=True, causal=True), "causal bottom-right"),
+    (dict(kv_cache=True), "as packed sequences only"),
+    (dict(kv_cache=True, varlen=True, paged=True), "contiguous caches"),
+    (dict(kv_cache=True, varlen=True, window=(64, 0)), "no window"),
 ])
 def test_problem_reason(kw, reason):
     got = fam.problem_reason(CAUSAL_128, problem(**kw))
@@ -283,7 +290,28 @@ def test_varlen_only_on_the_persistent_16_bit_schedule():
     assert local.runs_varlen and local.params()["varlen"] is True
     assert fam.problem_reason(local, problem(varlen=True, window=(8, 0))) is None
     assert CAUSAL_128.runs_varlen and CAUSAL_128.params()["varlen"] is True
-    assert fam.MARKED == ("varlen",)
+    assert CAUSAL_128.params()["kv_cache"] is True and "kv_cache" not in tma.params()
+    assert fam.MARKED == ("varlen", "kv_cache")
+
+
+def test_builds_from_before_key_value_chunks_are_kept_from_them(tmp_path, monkeypatch):
+    """An entry built before the packed kernel read key counts on the GPU (params with the `varlen`
+    mark, without `kv_cache`) is refused key-value chunks with a reason that says to rebuild, and
+    still runs packed calls."""
+    from conftest import make_entry, write_build_dir
+
+    new = dataclasses.replace(make_entry(CAUSAL_128), arch="sm90", gencode=list(Arch.SM90.gencode))
+    old = dataclasses.replace(new, params={k: v for k, v in new.params.items() if k != "kv_cache"})
+    monkeypatch.setenv("GEMMGEN_BUILD_DIR", str(write_build_dir(tmp_path, [old])))
+    registry.refresh()
+    try:
+        (cand,) = registry.load()[0]
+        chunk = problem(causal=True, causal_alignment="bottom_right", varlen=True, kv_cache=True)
+        assert "built before its family ran key-value caches" in registry.reject_reason(cand, chunk)
+        assert registry.reject_reason(cand, problem(causal=True, varlen=True)) is None
+    finally:
+        monkeypatch.delenv("GEMMGEN_BUILD_DIR")
+        registry.refresh()
 
 
 def test_registry_prefers_the_family_that_can_run(tmp_path):

@@ -557,6 +557,8 @@ def test_problem_names_the_kv_cache_feature():
 
 
 def test_only_the_decode_family_takes_kv_cache_problems():
+    """Key-value caches go to the decode family, and to fmha_sm90 only as packed sequences (a
+    contiguous cache's chunk, gemmgen.ops.torch_op._packed_chunk)."""
     p = kv_problem()
     for inst in decode_sm80.SPACE:
         assert decode_sm80.problem_reason(inst, dataclasses.replace(p, dtype=inst.dtype.value,
@@ -571,7 +573,12 @@ def test_only_the_decode_family_takes_kv_cache_problems():
     assert fa2_sm80.problem_reason(fa2, p) == "fa2_sm80 has no kv cache"
     assert fa2_sm80.problem_reason(fa2, kv_problem(kv_cache=False)) is None
     sm90 = next(i for i in fmha_sm90.SPACE if i.head_dim == 128 and i.dtype is DType.BF16)
-    assert fmha_sm90.problem_reason(sm90, p) == "fmha_sm90 has no kv cache"
+    assert "as packed sequences only" in fmha_sm90.problem_reason(sm90, p)
+    assert "as packed sequences only" in fmha_sm90.problem_reason(sm90, kv_problem(paged=True, varlen=True))
+    packs = next(i for i in fmha_sm90.DEFAULT if i.head_dim == 128 and i.dtype is DType.BF16 and i.runs_varlen)
+    assert fmha_sm90.problem_reason(packs, kv_problem(varlen=True)) is None
+    assert fmha_sm90.problem_reason(packs, kv_problem(varlen=True, causal=False)) is None
+    assert decode_sm80.problem_reason(dec, kv_problem(varlen=True)) == "decode_sm80 has no varlen"
     mea = next(i for i in mea_sm80.DEFAULT if i.dtype is DType.BF16 and i.max_head_dim >= 128)
     assert mea_sm80.problem_reason(mea, p) == "mea_sm80 has no kv cache"
     assert mea_sm80.problem_reason(mea, kv_problem(kv_cache=False, causal_alignment="top_left")) is None
@@ -708,8 +715,96 @@ def recording(monkeypatch):
 
     kernel = RecordingKernel()
     monkeypatch.setattr(torch_op, "_kernel_for", lambda key, problem_of, *rest: torch_op._Plan(kernel, 0))
+    monkeypatch.setattr(torch_op, "_packed_chunk", lambda *args: None)  # (its own tests below)
     monkeypatch.setattr(launch, "raw_stream", lambda index: 0)
     return kernel
+
+
+@pytest.fixture
+def packed_selection(monkeypatch):
+    """A stand-in prefill kernel selected for the chunks run as packed sequences: (the kernel, the
+    problems the selection was asked)."""
+    from gemmgen.ops import torch_op
+
+    kernel = RecordingKernel()
+    kernel.kv_cache = False
+    asked = []
+
+    class Cand:
+        pass
+
+    Cand.kernel = kernel
+    monkeypatch.setattr(selection, "select", lambda problem, instance=None: asked.append(problem) or Cand)
+    monkeypatch.setattr(selection, "splits", lambda cand, problem: 0)
+    monkeypatch.setattr(device, "facts", lambda index: H100)
+    monkeypatch.setattr(launch, "raw_stream", lambda index: 0)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(launch, "launch", lambda kernel, p, index, workspace_bytes=None, owned=False: kernel.run(p, 0))
+    torch_op._kernels.clear()
+    yield kernel, asked
+    torch_op._kernels.clear()
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_a_long_chunk_against_a_contiguous_cache_runs_as_packed_sequences(packed_selection, causal):
+    """Nq >= DENSE_CHUNK_ROWS against a contiguous cache: one launch over the packed rows (sequence b's
+    queries rows b * Nq.., its keys rows b * Nmax..), the lengths handed to the kernel on the device
+    (seqlens_k: no host read), bottom-right per sequence; the selection asked for a key-value cache as
+    packed sequences, once per call signature."""
+    import ctypes
+
+    from gemmgen.ops import torch_op
+
+    kernel, asked = packed_selection
+    nq = torch_op.DENSE_CHUNK_ROWS + 1
+    args = inputs(b=3, nq=nq, h=4, hkv=2, d=64, nmax=300, dtype=BF16, seed=5)
+    seqlens = torch.tensor([5, 0, 300], dtype=I32)
+    for _ in range(2):
+        o, lse = torch_op._fused_attention_with_kvcache(args["q"], args["k_cache"], args["v_cache"], seqlens, None,
+                                                        None, None, causal, None, True, None)
+    assert len(asked) == 1 and len(kernel.runs) == 2
+    (problem,) = asked
+    assert problem.kv_cache and problem.varlen and not problem.short_keys and not problem.paged
+    assert (problem.seqlen_q, problem.seqlen_k, problem.batch_heads, problem.gqa) == (nq, 300, 12, 2)
+    assert problem.causal == causal and problem.causal_alignment == "bottom_right"
+    p = kernel.runs[-1]
+    assert (p.batch, p.heads, p.heads_kv, p.seqlen_q, p.seqlen_k, p.total_q, p.total_k) == (3, 4, 2, nq, 300, 3 * nq,
+                                                                                            900)
+    assert list((ctypes.c_int32 * 4).from_address(p.cu_seqlens_q)) == [0, nq, 2 * nq, 3 * nq]
+    assert list((ctypes.c_int32 * 4).from_address(p.cu_seqlens_k)) == [0, 300, 600, 900]
+    assert p.seqlens_k == seqlens.data_ptr() and p.align_per_sequence == int(causal)
+    assert (p.q, p.k, p.v, p.o, p.lse) == (args["q"].data_ptr(), args["k_cache"].data_ptr(),
+                                           args["v_cache"].data_ptr(), o.data_ptr(), lse.data_ptr())
+    assert (p.q_row_stride, p.k_row_stride, p.o_row_stride) == (4 * 64, 2 * 64, 4 * 64)
+
+
+def test_chunks_the_packed_route_does_not_take(packed_selection, monkeypatch):
+    """Paged caches, windows, caches whose sequences are not evenly spaced rows and calls no built
+    instance runs as packed sequences go the other routes (None); a q whose batch entries are not
+    evenly spaced rows is copied into packed rows."""
+    from gemmgen.errors import NoInstanceError
+    from gemmgen.ops import torch_op
+
+    kernel, asked = packed_selection
+    nq = torch_op.DENSE_CHUNK_ROWS
+    paged = inputs(b=2, nq=nq, page_size=16, max_pages=4, dtype=BF16)
+    flat = inputs(b=2, nq=nq, nmax=64, dtype=BF16)
+    hnd = flat["k_cache"].transpose(1, 2).contiguous().transpose(1, 2)  # [B, Nmax, Hkv, d] view of BHND storage
+    for key, (q, kc, vc, table, window) in enumerate([
+            (paged["q"], paged["k_cache"], paged["v_cache"], paged["block_table"], None),
+            (flat["q"], flat["k_cache"], flat["v_cache"], None, (16, 0)),
+            (flat["q"], hnd, hnd, None, None)]):
+        assert torch_op._packed_chunk((key,), q, kc, vc, table, True, None, window) is None
+    assert asked == []
+    monkeypatch.setattr(selection, "select", lambda problem, instance=None: (_ for _ in ()).throw(
+        NoInstanceError("none built")))
+    assert torch_op._packed_chunk(("none",), flat["q"], flat["k_cache"], flat["v_cache"], None, True, None,
+                                  None) is None
+    assert torch_op._kernels[("kv_packed", "none")] is torch_op._NO_PACKED
+    q = flat["q"].transpose(1, 2).contiguous().transpose(1, 2)
+    qp, kp, _ = torch_op._packed_views(q, flat["k_cache"], flat["v_cache"])
+    assert qp.shape == (2 * nq, 8, 64) and torch.equal(qp.view(2, nq, 8, 64), q)
+    assert kp.data_ptr() == flat["k_cache"].data_ptr() and kp.shape == (2 * 64, 2, 64)
 
 
 def test_new_tokens_are_appended_without_query_rows(recording):

@@ -163,10 +163,13 @@ def fused_attention_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache
     InputError naming the bad length or entry. No gradients: inputs that require grad raise.
     Selection: the decode family's instances; the number of key splits per call is the registry's
     heuristic over the cache's capacity. A chunk of at least gemmgen.ops.torch_op.DENSE_CHUNK_ROWS
-    query rows (chunked prefill) outside CUDA-graph capture runs instead as one dense bottom-right
-    call per sequence on its keys (gathered from their pages for a paged cache), on the registry's
-    prefill instances (fmha_sm90 on Hopper); it reads the lengths and the pages used back to the
-    host first (one copy per call) and gives the same NaN rows for bad lengths or pages.
+    query rows (chunked prefill) runs on a prefill family instead: against a contiguous cache in
+    [B, Nmax, Hkv, d] storage order without a window, as packed sequences on fmha_sm90 (Hopper,
+    the sm90 default build), which reads the lengths on the GPU (no host sync; graph capture runs
+    it too); otherwise, outside CUDA-graph capture, as one dense bottom-right call per sequence on
+    its keys (gathered from their pages for a paged cache), which reads the lengths and the pages
+    used back to the host first (one copy per call). Both give the same NaN rows for bad lengths or
+    pages, and never read a cache row past a sequence's keys.
     """
     check_bool("causal", causal)
     check_bool("return_lse", return_lse)

@@ -53,6 +53,7 @@ GEMMGEN_AUTOTUNE=1, and compiles a missing instance on demand (gemmgen.select.ji
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from typing import Any, Callable
@@ -62,7 +63,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from gemmgen.select import calls, jit, registry, selection
 from gemmgen.kernels import launch
-from gemmgen.errors import InputError
+from gemmgen.errors import InputError, NoInstanceError
 from gemmgen.ops import fp8, offsets, padding
 from gemmgen.ops.checks import check_softcap, check_window
 from gemmgen.ops.grad import check_no_grad
@@ -766,11 +767,12 @@ def _fused_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_tabl
     key = ("kv_cache", index, q.dtype, probe.shape, q.stride(), k_cache.shape, k_cache.stride(), v_cache.stride(),
            capacity, None if block_table is None else block_table.stride(), causal, scale, instance,
            None if k is None else (k.shape, k.stride(), v.stride()), window)
-    # A long chunk outside graph capture runs as dense calls; the decode instance is then needed only
-    # for its append entry point.
-    dense = o.numel() > 0 and instance is None and nq >= DENSE_CHUNK_ROWS and \
-        not torch.cuda.is_current_stream_capturing()
-    plan = None if dense and not new else _kernel_for(
+    # A long chunk runs on a prefill family as packed sequences where one runs it, else (outside graph
+    # capture) as dense calls; the decode instance is then needed only for its append entry point.
+    chunk = o.numel() > 0 and instance is None and nq >= DENSE_CHUNK_ROWS
+    packed = _packed_chunk(key, q, k_cache, v_cache, block_table, causal, scale, window) if chunk else None
+    dense = chunk and packed is None and not torch.cuda.is_current_stream_capturing()
+    plan = None if (dense or packed is not None) and not new else _kernel_for(
         key, lambda: calls.problem_for_kvcache(probe, k_cache, v_cache, capacity, causal, scale=scale, window=window,
                                                paged=block_table is not None),
         probe, k_cache, causal, instance)
@@ -782,6 +784,9 @@ def _fused_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_tabl
         # The kernel attends to the new tokens too; a negative length stays negative (NaN rows).
         seqlens = torch.where(cache_seqlens < 0, cache_seqlens, cache_seqlens + new)
     if o.numel() == 0:
+        return o, lse
+    if packed is not None:
+        _chunk_as_packed(packed, q, k_cache, v_cache, seqlens, o, lse if return_lse else None, causal, scale, index)
         return o, lse
     if dense:
         _chunk_as_dense(q, k_cache, v_cache, seqlens, block_table, o, lse if return_lse else None, causal, scale,
@@ -799,12 +804,98 @@ def _fused_attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_tabl
     return o, lse
 
 
-# A chunk of at least this many query rows against a key-value cache (chunked prefill) runs sequence
-# by sequence as a dense bottom-right call, where the registry gives it a prefill instance (fmha_sm90
-# on Hopper: about 4x the decode family's rate at 1024 rows against 8192 keys, bench/NOTES.md,
-# experiment 62). It reads the lengths (and the pages it uses) back to the host first, one copy per
-# call, so it runs outside CUDA-graph capture only; under capture the decode family runs the chunk.
+# A chunk of at least this many query rows against a key-value cache (chunked prefill) runs on a
+# prefill family (fmha_sm90 on Hopper: about 4x the decode family's rate at 1024 rows against 8192
+# keys, bench/NOTES.md, experiment 62): as packed sequences whose key counts stay on the GPU where an
+# instance runs that (_packed_chunk: a contiguous cache, no window), else sequence by sequence as
+# dense bottom-right calls, which read the lengths (and the pages used) back to the host first, one
+# copy per call, and so run outside CUDA-graph capture only (under capture the decode family runs
+# the chunk).
 DENSE_CHUNK_ROWS = 128
+
+_NO_PACKED = object()  # a call key whose chunks no instance runs as packed sequences
+
+
+def _packed_chunk(key: tuple, q, k_cache, v_cache, block_table, causal: bool, scale: float | None,
+                  window) -> _Plan | None:
+    """The plan of a chunk against a contiguous cache run as packed sequences: sequence b's queries
+    are rows b * Nq.. of q, its keys the first cache_seqlens[b] rows from row b * Nmax of the cache
+    (read on the GPU, no host sync, so graph capture runs it too). None where no built instance runs
+    it (fmha_sm90's persistent 16-bit instances do, marked kv_cache; no window, a scale >= 0), the
+    cache is paged or its sequences are not evenly spaced rows ([B, Nmax, Hkv, d] storage order). No
+    instance is compiled on demand for it: the dense route's selection does that."""
+    cached = _kernels.get(("kv_packed",) + key)
+    if cached is not None:
+        return None if cached is _NO_PACKED else cached
+    plan: _Plan | None = None
+    b, nq, h, d = q.shape
+    nmax = k_cache.shape[1]
+    even = all(b == 1 or t.stride(0) == nmax * t.stride(1) for t in (k_cache, v_cache))
+    if block_table is None and window is None and even:
+        qp, kp, vp = _packed_views(q, k_cache, v_cache)
+        problem = dataclasses.replace(
+            calls.problem_for_varlen(qp, kp, vp, b, nq, nmax, causal, causal_alignment="bottom_right", scale=scale,
+                                     short_keys=False), kv_cache=True)
+        try:
+            cand = selection.select(problem)
+        except NoInstanceError:
+            pass
+        else:
+            plan = _Plan(cand.kernel, selection.splits(cand, problem))
+    if len(_kernels) >= _MAX_CACHED:
+        _kernels.clear()
+    _kernels[("kv_packed",) + key] = _NO_PACKED if plan is None else plan
+    return plan
+
+
+def _packed_views(q, k_cache, v_cache):
+    """q as [B * Nq, H, d] rows (a copy where its batch entries are not evenly spaced rows), the
+    caches as [B * Nmax, Hkv, d] views."""
+    b, nq, h, d = q.shape
+    nmax, hkv = k_cache.shape[1], k_cache.shape[2]
+    return (q.reshape(b * nq, h, d), k_cache.reshape(b * nmax, hkv, d), v_cache.reshape(b * nmax, hkv, d))
+
+
+_slots: dict[tuple, torch.Tensor] = {}
+
+
+def _slot_offsets(device: torch.device, b: int, step: int) -> torch.Tensor:
+    """[0, step, 2 step, .., b step] int32 on `device` (the cu_seqlens of evenly spaced sequences),
+    kept per (device, b, step) outside graph capture."""
+    at = (device, b, step)
+    t = _slots.get(at)
+    if t is None:
+        t = torch.arange(0, (b + 1) * step, step, dtype=torch.int32, device=device)
+        if not torch.cuda.is_current_stream_capturing():
+            if len(_slots) >= _MAX_CACHED:
+                _slots.clear()
+            _slots[at] = t
+    return t
+
+
+def _chunk_as_packed(plan: _Plan, q, k_cache, v_cache, seqlens, o, lse, causal: bool, scale: float | None,
+                     index: int) -> None:
+    """O (and LSE) of a key-value-cache chunk as packed sequences (_packed_chunk's plan): the kernel
+    reads seqlens on the GPU and gives the rows that see no key O = 0 and LSE = -inf, and a sequence
+    whose length lies outside [0, Nmax] NaN rows."""
+    b, nq, h, d = q.shape
+    nmax = k_cache.shape[1]
+    qp, kp, vp = _packed_views(q, k_cache, v_cache)
+    op = o.view(b * nq, h, d)
+    cu_q, cu_k = _slot_offsets(q.device, b, nq), _slot_offsets(q.device, b, nmax)
+
+    def build():
+        p = launch.params_varlen(qp, kp, vp, op, None, cu_q, cu_k, nq, nmax, causal=causal,
+                                 causal_alignment="bottom_right", scale=scale)
+        p.seqlens_k = seqlens.data_ptr()  # (its workspace holds the CTAs' TMA slots)
+        return p
+
+    p = plan.params(build)
+    p.q, p.k, p.v, p.o = qp.data_ptr(), kp.data_ptr(), vp.data_ptr(), op.data_ptr()
+    p.cu_seqlens_q, p.cu_seqlens_k, p.seqlens_k = cu_q.data_ptr(), cu_k.data_ptr(), seqlens.data_ptr()
+    if lse is not None:
+        p.lse = lse.data_ptr()
+    launch.launch(plan.kernel, p, index, plan.workspace, owned=True)
 
 
 def _chunk_as_dense(q, k_cache, v_cache, seqlens, block_table, o, lse, causal, scale, capacity, window=None) -> None:

@@ -250,6 +250,7 @@ def _build_reason(cand: Candidate, cc: tuple[int, int]) -> str | None:
 MARKS: dict[str, tuple[str, Callable[[Problem], bool]]] = {
     "window": ("sliding windows", lambda problem: getattr(problem, "window", None) is not None),
     "varlen": ("variable lengths", lambda problem: bool(getattr(problem, "varlen", False))),
+    "kv_cache": ("key-value caches (key counts on the GPU)", lambda problem: bool(getattr(problem, "kv_cache", False))),
     "deterministic_varlen": ("deterministic calls over variable lengths",
                              lambda problem: bool(getattr(problem, "varlen", False))
                              and bool(getattr(problem, "deterministic", False))),

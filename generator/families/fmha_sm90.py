@@ -34,7 +34,7 @@ import math
 
 from gemmgen.arch import Arch
 from gemmgen.generator.families.base import (ADDED, AttentionInstance, CostInputs, DType, Mask, axis_reason,
-                                             dropout_reason, feature_reason, smem_reason)
+                                             dropout_reason, smem_reason)
 
 FAMILY = "fmha_sm90"
 KIND = "attention"
@@ -44,7 +44,7 @@ HEADER_DIRS = ("fmha_sm90", "philox")
 ARCHS = (Arch.SM90,)
 # Features its kernel reads that a build from before did not: instances say so in their params, and
 # the registry keeps the feature from an entry without the mark (registry.MARKS).
-MARKED = ("varlen",)
+MARKED = ("varlen", "kv_cache")
 
 
 class Schedule(enum.Enum):
@@ -243,7 +243,7 @@ class FmhaSm90Instance(AttentionInstance):
                 # Derived, and kept here so that the build key changes with the rule that derives it.
                 **({"speculate": True} if self.speculates else {}),
                 **({"direct_store": True} if self.direct_store else {}),
-                **({"varlen": True} if self.runs_varlen else {})}
+                **({"varlen": True, "kv_cache": True} if self.runs_varlen else {})}
 
     def template_values(self) -> dict:
         return {**super().template_values(), "schedule_cpp": SCHEDULE_CPP[self.schedule], "causal": self.causal,
@@ -332,9 +332,13 @@ def problem_reason(inst: FmhaSm90Instance, problem) -> str | None:
     cache; an additive mask (bias) on `_bias` instances only, which run nothing else, with fixed
     lengths; dropout likewise on `_dropout` instances only, with fixed lengths and Nq * Nk below
     2^31; packed sequences on the persistent 16-bit schedule, when every sequence with queries has
-    keys, and with a causal mask or a window at least as many as queries."""
-    if reason := feature_reason(FAMILY, problem, ("kv_cache",)):
-        return reason
+    keys, and with a causal mask or a window at least as many as queries; a contiguous key-value
+    cache as packed sequences whose key counts stay on the GPU (no mask, or causal bottom-right; the
+    rows that see no key are found by the kernel, templates/include/gemmgen/fmha_sm90/varlen.h)."""
+    if problem.kv_cache and not (problem.varlen and not problem.paged and problem.window is None
+                                 and (not problem.causal or problem.causal_alignment == "bottom_right")):
+        return (f"{FAMILY} runs key-value caches as packed sequences only: contiguous caches, no window, "
+                f"causal bottom-right")
     if reason := dropout_reason(inst, problem):
         return reason
     if bool(problem.bias) != inst.bias:

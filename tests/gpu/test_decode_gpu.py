@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import gemmgen
+from gemmgen.errors import NoInstanceError
 from gemmgen.generator.families import decode_sm80
 from gemmgen.ops.reference import attention_reference
 from gemmgen.select import calls, registry, selection
@@ -190,6 +191,29 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.view(torch.int16), b.view(torch.int16))
 
 
+def replay_with_lengths(case: Case, call, steps, key) -> None:
+    """Capture `call` once (a first call outside the capture selects and loads), then for each
+    lengths of `steps` set the case's tensors, replay into NaN-filled outputs and check the appended
+    cache rows and O, LSE against the reference."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        call()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        o, lse = call()
+    for step, lengths in enumerate(steps):
+        case.set_lengths(lengths, (key, step))
+        want_k, want_v = case.expected_caches(lengths)
+        o.fill_(NAN)
+        lse.fill_(NAN)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert same_bits(case.k_cache, want_k) and same_bits(case.v_cache, want_v), f"replay {step}: cache rows"
+        check_result(case, lengths, o, lse)
+
+
 LAYOUTS = [None, 16, 256]
 LAYOUT_IDS = ["contiguous", "page16", "page256"]
 
@@ -269,9 +293,10 @@ def test_gqa_and_mqa(h, hkv, dtype):
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "no-mask"])
 @pytest.mark.parametrize("page_size", LAYOUTS, ids=LAYOUT_IDS)
 def test_long_chunks_against_the_cache(page_size, causal):
-    """Chunked prefill: 256 and 1024 query rows (at least DENSE_CHUNK_ROWS: each sequence runs as a
-    dense bottom-right call on its keys, gathered from its pages) against lengths 300, 0, 4097 and
-    17 with three new tokens appended first (the 17 + 3 keys fewer than the rows: rows without keys)."""
+    """Chunked prefill: 256 and 1024 query rows (at least DENSE_CHUNK_ROWS: a contiguous cache's chunk
+    runs as packed sequences where an instance runs that, else each sequence as a dense bottom-right
+    call on its keys, gathered from its pages) against lengths 300, 0, 4097 and 17 with three new
+    tokens appended first (the 17 + 3 keys fewer than the rows: rows without keys)."""
     from gemmgen.ops.torch_op import DENSE_CHUNK_ROWS
 
     lengths = [300, 0, 4097, 17]
@@ -283,6 +308,118 @@ def test_long_chunks_against_the_cache(page_size, causal):
         sub = dataclasses.replace(case, q=case.q[:, :nq])
         o, lse = run(sub, causal=causal)
         check_result(sub, lengths, o, lse, causal=causal)
+
+
+def packed_plans() -> list:
+    """The kernels of the chunks run as packed sequences so far (gemmgen.ops.torch_op's plans)."""
+    from gemmgen.ops import torch_op
+
+    return [plan.kernel.symbol for key, plan in torch_op._kernels.items()
+            if key[0] == "kv_packed" and plan is not torch_op._NO_PACKED]
+
+
+def require_packed_chunks(dtype, d) -> None:
+    """Skip unless a built fmha_sm90 instance runs chunks as packed sequences at this dtype and head
+    dim (the sm90 default build: `gemmgen generate --arch sm90` on a Hopper GPU)."""
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("packed chunks run on fmha_sm90 (Hopper)")
+    problem = dataclasses.replace(
+        calls.problem_for_varlen(torch.empty((2, 8, d), dtype=dtype, device="cuda"),
+                                 torch.empty((2, 2, d), dtype=dtype, device="cuda"),
+                                 torch.empty((2, 2, d), dtype=dtype, device="cuda"), 1, 2, 2, True,
+                                 causal_alignment="bottom_right", short_keys=False), kv_cache=True)
+    try:
+        selection.select(problem)
+    except NoInstanceError as exc:
+        pytest.skip(f"no built fmha_sm90 instance runs key-value chunks: run `gemmgen generate --arch sm90` ({exc})")
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "no-mask"])
+@pytest.mark.parametrize("dtype, d, h, hkv", [(torch.bfloat16, 128, 8, 2), (torch.float16, 64, 4, 1),
+                                              (torch.float16, 128, 4, 4), (torch.bfloat16, 64, 16, 2)],
+                         ids=["bf16-d128-gqa4", "fp16-d64-mqa4", "fp16-d128-mha", "bf16-d64-gqa8"])
+def test_chunks_as_packed_sequences(dtype, d, h, hkv, causal):
+    """Chunks of at least DENSE_CHUNK_ROWS rows against a contiguous cache run on fmha_sm90 as packed
+    sequences whose lengths the kernel reads on the GPU: the plan is fmha_sm90's; lengths 0, 1, 17
+    (fewer keys than rows: the first rows see none under the bottom-right mask), 129, 4097 and the
+    whole capacity, with and without new tokens appended, Nq 128, 129, 200 and 1000, and the cache's
+    rows past each length NaN (a read of them, or 0 * NaN in P V, shows as NaN)."""
+    require_packed_chunks(dtype, d)
+    from gemmgen.ops import torch_op
+
+    lengths = [17, 0, 4097, 1, 129, 4100]
+    for nnew in (0, 3):
+        case = make_case(6, 1000, h, hkv, d, dtype, lengths, nnew=nnew, capacity=4103,
+                         key=("packed", dtype, d, h, causal, nnew))
+        for nq in (128, 129, 200, 1000):
+            assert nq >= torch_op.DENSE_CHUNK_ROWS
+            case.set_lengths(lengths, ("packed", dtype, d, h, causal, nnew, nq))
+            want_k, want_v = case.expected_caches(lengths)
+            sub = dataclasses.replace(case, q=case.q[:, :nq])
+            torch_op._kernels.clear()
+            o, lse = run(sub, causal=causal)
+            assert [s for s in packed_plans() if "fmha_sm90" in s], f"Nq {nq}: not run as packed sequences"
+            if nnew:
+                assert same_bits(case.k_cache, want_k) and same_bits(case.v_cache, want_v), "appended rows"
+            check_result(sub, lengths, o, lse, causal=causal)
+    o = run(case, causal=causal, return_lse=False)  # (the kernel's LSE goes to a scratch buffer)
+    assert isinstance(o, torch.Tensor)
+    ref_o, _ = reference(case, lengths, causal=causal)
+    for i in range(len(lengths)):
+        err = (o[i].double() - ref_o[i]).norm().item() / max(ref_o[i].norm().item(), 1e-30)
+        assert err <= TOLERANCE[dtype] or ref_o[i].norm().item() == 0, f"sequence {i} without LSE: {err:.3e}"
+
+
+def test_packed_chunks_bad_lengths_strides_and_scales():
+    """The packed route with a length past the capacity and a negative one (NaN rows for those
+    sequences only, no fault, no check_values), q given as a [B, H, Nq, d] view (copied into packed
+    rows), scales 0.05 and 0 (a negative scale goes the dense route), and a cache in [B, Hkv, Nmax,
+    d] storage (not evenly spaced rows: the dense route)."""
+    require_packed_chunks(torch.bfloat16, 128)
+    from gemmgen.ops import torch_op
+
+    lengths = [300, 700, 50]
+    case = make_case(3, 160, 8, 2, 128, torch.bfloat16, lengths, capacity=1024, key="packed-bad")
+    case.seqlens.copy_(torch.tensor([300, 1025, -4], dtype=I32))
+    torch_op._kernels.clear()
+    o, lse = run(case)
+    assert packed_plans()
+    for i in (1, 2):
+        assert torch.isnan(o[i]).all() and torch.isnan(lse[i]).all(), f"sequence {i}: NaN rows"
+    check_result(case, lengths, o, lse, skip=(1, 2))
+    case.seqlens.copy_(torch.tensor(lengths, dtype=I32))
+    bhnd = case.q.transpose(1, 2).contiguous().transpose(1, 2)  # [B, Nq, H, d] view of [B, H, Nq, d] storage
+    for scale in (0.05, 0.0, -0.3):
+        torch_op._kernels.clear()
+        o, lse = run(dataclasses.replace(case, q=bhnd), scale=scale)
+        assert bool(packed_plans()) == (scale >= 0), f"scale {scale}: the packed route iff scale >= 0"
+        check_result(dataclasses.replace(case, q=bhnd), lengths, o, lse, scale=scale)
+    hnd_k = case.k_cache.transpose(1, 2).contiguous().transpose(1, 2)
+    hnd_v = case.v_cache.transpose(1, 2).contiguous().transpose(1, 2)
+    torch_op._kernels.clear()
+    o, lse = run(dataclasses.replace(case, k_cache=hnd_k, v_cache=hnd_v))
+    assert not packed_plans(), "a [B, Hkv, Nmax, d] cache is not evenly spaced rows"
+    check_result(case, lengths, o, lse)
+
+
+@pytest.mark.parametrize("nnew", [0, 5])
+def test_packed_chunks_in_cuda_graphs(nnew):
+    """A chunk of 256 rows captured once and replayed with new lengths (0 and fewer keys than rows
+    among them): the packed route runs under capture too (no host sync), each replay the reference."""
+    require_packed_chunks(torch.float16, 128)
+    from gemmgen.ops import torch_op
+
+    first = [300, 0, 1000]
+    case = make_case(3, 256, 8, 2, 128, torch.float16, first, nnew=nnew, capacity=1100, key=("packed-graph", nnew))
+
+    def call():
+        return gemmgen.fused_attention_with_kvcache(case.q, case.k_cache, case.v_cache, case.seqlens, k=case.k,
+                                                    v=case.v, return_lse=True)
+
+    torch_op._kernels.clear()
+    replay_with_lengths(case, call, ([300, 0, 1000], [1090, 17, 0], [0, 0, 0], [255, 256, 1]),
+                        ("packed-graph", nnew))
+    assert packed_plans()
 
 
 @pytest.mark.parametrize("page_size", [None, 16], ids=["contiguous", "page16"])
@@ -454,23 +591,8 @@ def test_cuda_graph_replays_with_new_lengths(page_size, nnew):
                                                     block_table=case.table, k=case.k, v=case.v, return_lse=True,
                                                     check_values=True)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        call()  # selection and loading outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        o, lse = call()
-    for step, lengths in enumerate(([10, 0, 2000, 1], [2045, 7, 0, 64], [0, 0, 0, 0], [1, 1999, 16, 33])):
-        case.set_lengths(lengths, ("graph", page_size, nnew, step))
-        want_k, want_v = case.expected_caches(lengths)
-        o.fill_(NAN)
-        lse.fill_(NAN)
-        graph.replay()
-        torch.cuda.synchronize()
-        assert same_bits(case.k_cache, want_k) and same_bits(case.v_cache, want_v), f"replay {step}: cache rows"
-        check_result(case, lengths, o, lse)
+    replay_with_lengths(case, call, ([10, 0, 2000, 1], [2045, 7, 0, 64], [0, 0, 0, 0], [1, 1999, 16, 33]),
+                        ("graph", page_size, nnew))
 
 
 def test_torch_compile_fullgraph():

@@ -48,11 +48,13 @@ typedef struct GemmgenAttnParams {
   const int32_t* cu_seqlens_q;  // variable lengths: [batch + 1] cumulative row offsets of the
   const int32_t* cu_seqlens_k;  // packed sequences (seqlen_q/k are then the maxima); NULL: fixed
 
-  // Key-value cache reads (families with GEMMGEN_INFO_KV_CACHE; others reject these when set).
+  // Key-value cache reads (families with GEMMGEN_INFO_KV_CACHE; others reject these when set, but
+  // for seqlens_k with packed sequences where a family's instance says it reads them).
   const int32_t* seqlens_k;  // [batch]: sequence b attends to its first seqlens_k[b] <= seqlen_k keys,
                              // with the causal mask aligned as if its keys ended there (key j visible
                              // to query i iff j <= i + causal_offset + seqlens_k[b] - seqlen_k); NULL:
-                             // seqlen_k keys each
+                             // seqlen_k keys each. With cu_seqlens: the first seqlens_k[b] keys of
+                             // sequence b's cu_seqlens_k slot, the causal mask bottom-right
   const int32_t* block_table;  // paged K and V: key t of sequence b is row t % page_size of page
                                // block_table[b * block_table_batch_stride + t / page_size], pages
                                // k/v_batch_stride apart; NULL: K and V are [batch, ...] by their strides

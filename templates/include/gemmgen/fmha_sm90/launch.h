@@ -213,6 +213,23 @@ int prepare(const int64_t (&reach)[N], int* device, int* sm_count, char* err, in
 // the smallest normal float gives the same uniform weights.
 inline float kernel_scale(float scale) { return scale == 0.f ? FLT_MIN : scale; }
 
+// Key counts of packed sequences on the GPU (seqlens_k with cu_seqlens): the TMA slots of a launch
+// on `sm_count` CTAs (persistent.h's load_kv_packed), and the workspace of such a call: the slots,
+// then varlen.h's work rows ([4][batch] ints, place_counted's).
+template <class Cfg>
+int64_t kv_slot_bytes(int sm_count) {
+  if constexpr (Cfg::kVarlen) {
+    using Kernel = typename Cfg::PackedKernel;
+    return int64_t(sm_count) * Kernel::kSlots * int64_t(sizeof(typename Kernel::KvSlot));
+  } else {
+    return 0;
+  }
+}
+template <class Cfg>
+int64_t kv_workspace_bytes(int sm_count, int batch) {
+  return kv_slot_bytes<Cfg>(sm_count) + 4 * int64_t(batch) * int64_t(sizeof(int));
+}
+
 // Packed sequences (cu_seqlens; varlen.h): one launch over the packed [total rows, H, d] tensors,
 // its problem size (1, H, total_q, total_k, d), the sequences handed to the tile scheduler.
 template <class Cfg>
@@ -232,6 +249,12 @@ int run_packed(const GemmgenAttnParams* p, cudaStream_t stream, char* err, int e
                     static_cast<long long>(p->total_q), static_cast<long long>(p->total_k));
     }
     constexpr bool kMasked = Cfg::kCausal || Cfg::kLocal;
+    // Key counts on the GPU (varlen.h's used_k): rows that see no key are found per sequence for
+    // no mask and bottom-right causal; a window's are not.
+    if (p->seqlens_k != nullptr && (Cfg::kLocal || (Cfg::kCausal && p->align_per_sequence != 1))) {
+      return report(err, err_len, GEMMGEN_INVALID_ARGUMENT,
+                    "seqlens_k: key counts run without a mask or with a bottom-right causal one (no window)");
+    }
     if (kMasked ? p->causal_offset != 0 : p->align_per_sequence != 0) {
       return report(err, err_len, GEMMGEN_INVALID_ARGUMENT,
                     kMasked ? "variable lengths: the diagonal is top-left (causal_offset 0) or "
@@ -260,12 +283,47 @@ int run_packed(const GemmgenAttnParams* p, cudaStream_t stream, char* err, int e
         {static_cast<E*>(p->o), rows(p->o_row_stride, p->o_head_stride), p->lse,
          make_stride(_1{}, make_stride(int(h * p->seqlen_q), int(p->seqlen_q)))},
         cutlass::KernelHardwareInfo{device, sm_count}};
-    const Varlen varlen{p->cu_seqlens_q, p->cu_seqlens_k, p->batch, p->seqlen_q, p->seqlen_k,
-                        p->align_per_sequence};
+    Varlen varlen;
+    varlen.cu_q = varlen.slot_q = p->cu_seqlens_q;
+    varlen.cu_k = varlen.slot_k = p->cu_seqlens_k;
+    varlen.end_q = p->cu_seqlens_q + 1;
+    varlen.end_k = p->cu_seqlens_k + 1;
+    varlen.batch = p->batch;
+    varlen.max_q = p->seqlen_q;
+    varlen.max_k = p->seqlen_k;
+    varlen.align = p->align_per_sequence;
+    if (p->seqlens_k != nullptr) {  // the CTAs' TMA slots (persistent.h's load_kv_packed), the work rows
+      const int64_t need = kv_workspace_bytes<Cfg>(sm_count, p->batch);
+      if (p->workspace == nullptr || p->workspace_bytes < need || reinterpret_cast<uintptr_t>(p->workspace) % 128) {
+        return report(err, err_len, GEMMGEN_INVALID_ARGUMENT,
+                      "seqlens_k: a 128-byte aligned workspace of %lld bytes is needed, got %lld",
+                      static_cast<long long>(need), static_cast<long long>(p->workspace_bytes));
+      }
+      varlen.used_k = p->seqlens_k;
+      int* rows = reinterpret_cast<int*>(static_cast<char*>(p->workspace) + kv_slot_bytes<Cfg>(sm_count));
+      place_counted<Cfg::kCausal><<<(p->batch + 127) / 128, 128, 0, stream>>>(varlen, rows);
+      cudaError_t e = cudaGetLastError();
+      if (e != cudaSuccess) {
+        return report(err, err_len, GEMMGEN_CUDA_ERROR, "key counts' placement launch: %s (%s)", cudaGetErrorString(e),
+                      cudaGetErrorName(e));
+      }
+      varlen.cu_q = rows;
+      varlen.end_q = rows + p->batch;
+      varlen.cu_k = rows + 2 * p->batch;
+      varlen.end_k = rows + 3 * p->batch;
+    }
     cudaError_t e = launch_with_scale<Kernel>(args, kernel_scale(p->scale), Kernel::SharedStorageSize, stream,
                                               [group = int(h / hkv), varlen, p](auto& params) {
                                                 params.kv_group = group;
                                                 params.tile_scheduler.varlen = varlen;
+                                                if (p->seqlens_k != nullptr) {
+                                                  params.kv_slots =
+                                                      static_cast<typename Kernel::KvSlot*>(p->workspace);
+                                                  params.k_base = static_cast<const char*>(p->k);
+                                                  params.v_base = static_cast<const char*>(p->v);
+                                                  params.k_row_bytes = p->k_row_stride * int64_t(sizeof(E));
+                                                  params.v_row_bytes = p->v_row_stride * int64_t(sizeof(E));
+                                                }
                                                 if constexpr (Cfg::kSoftcap) {  // (softmax.h's cap)
                                                   params.mainloop.scale_softmax_log2 = p->softcap;
                                                 }
@@ -307,9 +365,18 @@ BiasSortLayout sort_layout(const GemmgenAttnParams* p) {
 }
 
 // Workspace bytes of a call: fp8 instances copy V transposed into it (transpose.h), bias instances
-// sort and list a shared bias's tiles in it (bias.h); 0 for others.
+// sort and list a shared bias's tiles in it (bias.h), packed sequences with key counts on the GPU
+// hold their CTAs' TMA slots and their work rows in it (kv_workspace_bytes); 0 for others.
 template <class Cfg>
 int64_t workspace(const GemmgenAttnParams* p) {
+  if (p != nullptr && p->seqlens_k != nullptr && p->cu_seqlens_q != nullptr) {
+    int device = 0, sm_count = 0;
+    if (cudaGetDevice(&device) != cudaSuccess ||
+        cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
+      return -1;
+    }
+    return kv_workspace_bytes<Cfg>(sm_count, p->batch);
+  }
   if (!Cfg::kFp8 && !Cfg::kBias) return 0;
   if (p == nullptr || p->batch < 0 || p->heads < 0 || p->heads_kv < 0 || p->head_dim < 0 || p->seqlen_q < 0 ||
       p->seqlen_k < 0) {
@@ -364,8 +431,12 @@ int run(const GemmgenAttnParams* p, cudaStream_t stream, char* err, int err_len)
                   "bad sizes: batch %d heads %d heads_kv %d seqlen_q %d seqlen_k %d", p->batch, p->heads,
                   p->heads_kv, p->seqlen_q, p->seqlen_k);
   }
-  if (p->seqlens_k != nullptr || p->block_table != nullptr) {
-    return report(err, err_len, GEMMGEN_INVALID_ARGUMENT, "this family runs no key-value cache");
+  if (p->block_table != nullptr) {
+    return report(err, err_len, GEMMGEN_INVALID_ARGUMENT, "this family runs no paged key-value cache");
+  }
+  if (p->seqlens_k != nullptr && p->cu_seqlens_q == nullptr) {
+    return report(err, err_len, GEMMGEN_INVALID_ARGUMENT,
+                  "seqlens_k: this family reads key counts of packed sequences only (cu_seqlens set)");
   }
   if (Cfg::kDropout ? !(p->dropout_p > 0.f && p->dropout_p < 1.f) : p->dropout_p != 0.f) {
     return report(err, err_len, GEMMGEN_INVALID_ARGUMENT,
@@ -591,7 +662,8 @@ int run(const GemmgenAttnParams* p, cudaStream_t stream, char* err, int err_len)
 template <class Cfg>
 int info(GemmgenInstanceInfo* out) {
   return cutlass_kernel_info<Cfg>(out,
-                                 GEMMGEN_INFO_NEEDS_LSE | (Cfg::kFp8 || Cfg::kBias ? GEMMGEN_INFO_WORKSPACE : 0));
+                                 GEMMGEN_INFO_NEEDS_LSE |
+                                     (Cfg::kFp8 || Cfg::kBias || Cfg::kVarlen ? GEMMGEN_INFO_WORKSPACE : 0));
 }
 
 }  // namespace gemmgen::fmha_sm90

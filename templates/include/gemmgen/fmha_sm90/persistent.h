@@ -170,11 +170,12 @@ struct GroupEpilogue {
   // ps: the tile's problem (a packed sequence's own lengths). q_row0 >= 0: a packed sequence whose
   // first row is row q_row0 of the [total rows, H, d] O (blk's batch then names the sequence): the
   // TMA store clips only at the packed tensor's end, so a tile reaching past the sequence's last row
-  // is stored row by row instead, up to that row.
+  // is stored row by row instead, up to that row. lse_row0: the LSE row of the problem's first row
+  // (key counts on the GPU: the rows of the sequence's slot before its work rows, varlen.h).
   template <class BlkCoord, class Result, class TiledMma, class ProblemShape>
   CUTLASS_DEVICE void operator()(BlkCoord const& blk, Result const& result, TiledMma const& mma,
                                  ProblemShape const& ps, Params const& params, TensorStorage& smem,
-                                 int q_row0 = -1) const {
+                                 int q_row0 = -1, int lse_row0 = 0) const {
     const int tid = threadIdx.x % kThreads;
     auto const& acc = get<0>(result);
     auto const& lse = get<1>(result);
@@ -196,7 +197,7 @@ struct GroupEpilogue {
     Tensor coord_mn = make_tensor(coord.data(), cutlass::fmha::collective::layout_acc_mn(mma, coord.layout()));
     if (get<1>(coord_mn(0, 0)) == 0) {
       float* lse_bh = params.ptr_LSE + get<0>(get<2>(blk)) * get<0>(get<1>(params.dLSE)) +
-                      get<1>(get<2>(blk)) * get<1>(get<1>(params.dLSE));
+                      get<1>(get<2>(blk)) * get<1>(get<1>(params.dLSE)) + lse_row0;
       CUTLASS_PRAGMA_UNROLL
       for (int i = 0; i < size<0>(coord_mn); ++i) {
         const int row = get<0>(blk) * kRows + get<0>(coord_mn(i, 0));
@@ -323,6 +324,21 @@ struct PersistentKernel
   using Base = cutlass::fmha::kernel::FmhaKernelTmaWarpSpecialized<Mainloop, Epilogue, Scheduler, Options...>;
   using typename Base::Arguments;
   using typename Base::SharedStorage;
+  // Copies of the K and V loads' TMA objects (descriptor first), for packed sequences with key counts
+  // on the GPU (load_kv_packed): 128-byte aligned, as descriptors in global memory must be; each CTA
+  // has kSlots of them and takes the next for each sequence it moves to. A slot is rewritten only
+  // after the loads issued with it have landed: each sequence issues a K and a V load at least, and
+  // the producer acquires the stage of a load only once the load a pipeline depth before it has been
+  // consumed, so kSlots - 1 sequences later every load of the slot's has.
+  using TmaK = std::remove_cv_t<decltype(Mainloop::Params::tma_load_k)>;
+  using TmaV = std::remove_cv_t<decltype(Mainloop::Params::tma_load_v)>;
+  static constexpr int kSlotK = (int(sizeof(TmaK)) + 127) / 128 * 128;
+  static constexpr int kSlotV = (int(sizeof(TmaV)) + 127) / 128 * 128;
+  struct alignas(128) KvSlot {
+    char k[kSlotK];
+    char v[kSlotV];
+  };
+  static constexpr int kSlots = Base::MainloopPipelineInner::Stages / 2 + 2;
   // CUTLASS's params, and GQA: the K/V loads of query head h read K/V head h / kv_group (the launch
   // then covers every query head at once; the K/V tensors' head extent is the query heads', of
   // which only the first heads / kv_group are read).
@@ -345,6 +361,13 @@ struct PersistentKernel
     int64_t lists_batch_stride = 0, lists_head_stride = 0;
     int list_stride = 0;
     philox::Mask dropout{};  // the softmax's kDropout: the call's mask (philox.h)
+    // Key counts on the GPU (varlen.h's used_k): kSlots slots per CTA (kv_slots[blockIdx.x * kSlots..])
+    // for copies of the K and V loads' TMA objects, and what their descriptors' addresses are moved by
+    // (load_kv_packed).
+    KvSlot* kv_slots = nullptr;
+    const char* k_base = nullptr;
+    const char* v_base = nullptr;
+    int64_t k_row_bytes = 0, v_row_bytes = 0;
   };
 
   // Bias instances (the softmax's LazyRescale has a BiasElement): each row tile's bias rows reach the
@@ -407,6 +430,14 @@ struct PersistentKernel
       return Scheduler::place_of(params.tile_scheduler.varlen, get<0>(get<2>(blk)));
     } else {
       return Placed{};
+    }
+  }
+  // A packed call's key counts on the GPU (varlen.h's used_k; NULL: none, or no packed call).
+  CUTLASS_DEVICE static int const* used_k_of(Params const& params) {
+    if constexpr (kVarlen) {
+      return params.tile_scheduler.varlen.used_k;
+    } else {
+      return nullptr;
     }
   }
   // Its problem: (1, heads, its query rows, the keys its mask may show, d).
@@ -477,14 +508,16 @@ struct PersistentKernel
 
   // Issues `count` K and V tiles from tile `start` on, in the order CUTLASS's own loader does (K of
   // tile t, then V of tile t, the first V after the K/V and Q warps meet).
+  // tma_k, tma_v: the TMA objects the copies use (NULL: the params').
   template <class StateK, class StateV, class State, class Storage, class Barrier>
   CUTLASS_DEVICE static void load_kv_tiles(StateK const& state_k, StateV const& state_v, int start, int count,
                                            Params const& params, PipeKV& pipe_kv, State& write_kv,
                                            Storage& storage, Barrier& barrier, bool first,
-                                           uint32_t const* listed = nullptr) {
+                                           uint32_t const* listed = nullptr, TmaK const* tma_k = nullptr,
+                                           TmaV const* tma_v = nullptr) {
     const int lane = cute::elect_one_sync();
-    typename Mainloop::LoadK load_k{params.mainloop.tma_load_k, pipe_kv, storage.smem_k};
-    typename Mainloop::LoadV load_v{params.mainloop.tma_load_v, pipe_kv, storage.smem_v};
+    typename Mainloop::LoadK load_k{tma_k ? *tma_k : params.mainloop.tma_load_k, pipe_kv, storage.smem_k};
+    typename Mainloop::LoadV load_v{tma_v ? *tma_v : params.mainloop.tma_load_v, pipe_kv, storage.smem_v};
     TileIndex tile{start, listed};
     int steps = 2 * count;  // one K and one V step per key tile
     load_k.template step<false>(tile, state_k, write_kv, lane, steps);
@@ -549,24 +582,92 @@ struct PersistentKernel
   }
 
   // The K and V tiles of a packed sequence's row tile `blk` (its problem `ps`, K/V head kv_head).
-  template <class BlkCoord, class ProblemShape, class State, class Storage, class Barrier>
+  //
+  // Key counts on the GPU (varlen.h's used_k): the rows of a sequence's slot past its keys are not
+  // its data (an uninitialized cache may hold NaN there, and 0 * NaN is NaN in P V), so the loads
+  // must read zeros there. The TMA unit zero-fills rows past a tensor's end only: each CTA copies the
+  // K and V loads' TMA objects into its slot, with the descriptors' addresses moved so that the
+  // packed tensors (total_k rows) end at the sequence's last key, and reads the sequence at rows
+  // total_k - keys on. `slot_b`: the sequence the CTA's current slot holds (-1: none yet);
+  // `slot_i`: that slot's index.
+  template <bool Counted, class BlkCoord, class ProblemShape, class State, class Storage, class Barrier>
   CUTLASS_DEVICE static void load_kv_packed(BlkCoord const& blk, ProblemShape const& ps, Placed const& at,
                                             int kv_head, Params const& params, PipeKV& pipe_kv, State& write_kv,
-                                            Storage& storage, Barrier& barrier, bool first) {
+                                            Storage& storage, Barrier& barrier, bool first, int& slot_b,
+                                            int& slot_i) {
     using TileShapeQK = typename Mainloop::TileShapeQK;
     auto const& P = params.problem_size;  // (1, heads, total_q, total_k, d)
     auto const& mp = params.mainloop;
     Tensor mK = mp.tma_load_k.get_tma_tensor(make_shape(get<3>(P), get<4>(P), make_shape(get<0>(P), get<1>(P))));
     Tensor mV = mp.tma_load_v.get_tma_tensor(make_shape(get<4>(P), get<3>(P), make_shape(get<0>(P), get<1>(P))));
-    auto state_k = packed_state<0>(mp.tma_load_k, mK, at.k_row0, kv_head, select<1, 2>(TileShapeQK{}),
+    const int row0 = Counted ? int(get<3>(P)) - at.keys : at.k_row0;
+    auto state_k = packed_state<0>(mp.tma_load_k, mK, row0, kv_head, select<1, 2>(TileShapeQK{}),
                                    typename Mainloop::SmemLayoutK{}, storage.smem_k);
-    auto state_v = packed_state<1>(mp.tma_load_v, mV, at.k_row0, kv_head,
+    auto state_v = packed_state<1>(mp.tma_load_v, mV, row0, kv_head,
                                    make_shape(get<2>(TileShapeQK{}), get<1>(TileShapeQK{})),
                                    typename Mainloop::SmemLayoutV{}, storage.smem_v);
     const int count = Fusion{}.get_trip_count(blk, typename Mainloop::TileShape{}, ps);
     int start = 0;
     if constexpr (kWindow) start = Fusion::first_tile(blk, ps);  // a window's first key tile
-    load_kv_tiles(state_k, state_v, start, count, params, pipe_kv, write_kv, storage, barrier, first);
+    if constexpr (!Counted) {
+      load_kv_tiles(state_k, state_v, start, count, params, pipe_kv, write_kv, storage, barrier, first);
+      return;
+    }
+    const int b = get<0>(get<2>(blk));
+    const bool moved = b != slot_b;
+    if (moved) slot_i = slot_i + 1 == kSlots ? 0 : slot_i + 1;
+    KvSlot* slot = params.kv_slots + int64_t(blockIdx.x) * kSlots + slot_i;
+    TmaK const* tma_k = reinterpret_cast<TmaK const*>(slot->k);
+    TmaV const* tma_v = reinterpret_cast<TmaV const*>(slot->v);
+    if (moved) {  // the warp copies the TMA objects, 16 bytes a lane
+      static_assert(sizeof(TmaK) % 16 == 0 && sizeof(TmaV) % 16 == 0);
+      const int lane = threadIdx.x % cutlass::NumThreadsPerWarp;
+      auto const* from_k = reinterpret_cast<uint4 const*>(&mp.tma_load_k);
+      auto const* from_v = reinterpret_cast<uint4 const*>(&mp.tma_load_v);
+      CUTLASS_PRAGMA_NO_UNROLL
+      for (int i = lane; i < int(sizeof(TmaK) / 16); i += cutlass::NumThreadsPerWarp) {
+        reinterpret_cast<uint4*>(slot->k)[i] = from_k[i];
+      }
+      CUTLASS_PRAGMA_NO_UNROLL
+      for (int i = lane; i < int(sizeof(TmaV) / 16); i += cutlass::NumThreadsPerWarp) {
+        reinterpret_cast<uint4*>(slot->v)[i] = from_v[i];
+      }
+      __syncwarp();
+    }
+    if (moved && cute::elect_one_sync()) {
+      const int64_t shift = int64_t(at.k_row0) + at.keys - get<3>(P);  // rows: <= 0
+      cute::tma_descriptor_replace_addr_in_global_mem(tma_k->get_tma_descriptor(),
+                                                      params.k_base + shift * params.k_row_bytes);
+      cute::tma_descriptor_replace_addr_in_global_mem(tma_v->get_tma_descriptor(),
+                                                      params.v_base + shift * params.v_row_bytes);
+      cute::tma_descriptor_fence_release();
+    }
+    if (moved) {  // every lane, whichever issues the loads
+      __syncwarp();
+      cute::tma_descriptor_fence_acquire(tma_k->get_tma_descriptor());
+      cute::tma_descriptor_fence_acquire(tma_v->get_tma_descriptor());
+    }
+    slot_b = b;
+    load_kv_tiles(state_k, state_v, start, count, params, pipe_kv, write_kv, storage, barrier, first, nullptr,
+                  tma_k, tma_v);
+  }
+
+  // The K/V producer warp's loop over a packed call's work items (load_kv_packed's Counted: the
+  // call reads key counts on the GPU).
+  template <bool Counted, class Sched, class State, class Storage>
+  CUTLASS_DEVICE static void load_kv_items(Sched& scheduler, Params const& params, PipeKV& pipe_kv, State& write_kv,
+                                           Storage& storage) {
+    if constexpr (kVarlen) {
+      bool first = true;
+      int slot_b = -1, slot_i = 0;
+      for (; scheduler.is_valid(); ++scheduler, first = false) {
+        auto blk = scheduler.get_block_coord();
+        const Placed at = place_item(params, blk);
+        load_kv_packed<Counted>(blk, item_fusion_problem(params, at), at, get<1>(get<2>(blk)) / params.kv_group,
+                                params, pipe_kv, write_kv, storage.tensors.mainloop, storage.load_warp_barrier, first,
+                                slot_b, slot_i);
+      }
+    }
   }
 
   // The Q tiles (one per consumer group) of a packed sequence's row tile `blk`.
@@ -594,20 +695,48 @@ struct PersistentKernel
     }
   }
 
-  // Producer warp 3 of a packed call: LSE rows past each sequence's end (up to max_q) are -inf, as
-  // the softmax of an empty row; the CTAs take the sequences in turn.
-  CUTLASS_DEVICE static void write_lse_tails(Params const& params) {
+  // Producer warp 3 of a packed call: the rows no work item writes. LSE rows past each sequence's
+  // end (up to max_q) are -inf, as the softmax of an empty row; with key counts on the GPU (varlen.h's
+  // used_k) also the rows of the sequence's slot before its work rows: O = 0 and LSE = -inf, or NaN
+  // for a bad count. The CTAs take the sequences in turn.
+  CUTLASS_DEVICE static void write_tails(Params const& params) {
     if constexpr (kVarlen) {
       Varlen const& v = params.tile_scheduler.varlen;
       const int heads = get<1>(params.problem_size);
       const int lane = threadIdx.x % cutlass::NumThreadsPerWarp;
       for (int b = blockIdx.x; b < v.batch; b += gridDim.x) {
-        const int len_q = Scheduler::place_of(v, b).len_q;
-        const int tail = v.max_q - len_q;
+        const Placed at = Scheduler::place_of(v, b);
+        const int skip = v.used_k != nullptr ? v.cu_q[b] - v.slot_q[b] : 0;  // rows before the work rows
+        const int done = skip + at.len_q;  // LSE rows [skip, done) are the work item's
+        const int tail = v.max_q - done;
         float* lse_b = params.epilogue.ptr_LSE + int64_t(b) * heads * v.max_q;
         for (int i = lane; i < tail * heads; i += cutlass::NumThreadsPerWarp) {
           const int h = i / tail;
-          lse_b[int64_t(h) * v.max_q + len_q + (i - h * tail)] = -INFINITY;
+          lse_b[int64_t(h) * v.max_q + done + (i - h * tail)] = -INFINITY;
+        }
+        if (skip == 0) continue;
+        const bool bad = bad_count(v, b);
+        const float lse_fill = bad ? NAN : -INFINITY;
+        for (int i = lane; i < skip * heads; i += cutlass::NumThreadsPerWarp) {
+          const int h = i / skip;
+          lse_b[int64_t(h) * v.max_q + (i - h * skip)] = lse_fill;
+        }
+        // O rows slot_q[b] .. + skip - 1 of every head, 16 bytes at a time (the kernel's O rows are
+        // 16-byte aligned, the head dim a multiple of 8).
+        using Out = OutputOf<typename Mainloop::Element>;
+        constexpr int kChunks = Epilogue::kCols * int(sizeof(Out)) / 16;
+        const Out fill = bad ? Out(NAN) : Out(0.f);
+        uint4 chunk;
+        Out* parts = reinterpret_cast<Out*>(&chunk);
+        CUTLASS_PRAGMA_UNROLL
+        for (int e = 0; e < int(16 / sizeof(Out)); ++e) parts[e] = fill;
+        auto const& dO = params.epilogue.dO;
+        Out* o_b = params.epilogue.ptr_O + int64_t(v.slot_q[b]) * get<0>(dO);
+        for (int64_t i = lane; i < int64_t(skip) * heads * kChunks; i += cutlass::NumThreadsPerWarp) {
+          const int64_t row = i / (heads * kChunks);
+          const int rest = int(i - row * heads * kChunks), h = rest / kChunks, c = rest - h * kChunks;
+          *reinterpret_cast<uint4*>(o_b + row * get<0>(dO) + int64_t(h) * get<1>(get<2>(dO)) +
+                                    c * int(16 / sizeof(Out))) = chunk;
         }
       }
     }
@@ -615,7 +744,7 @@ struct PersistentKernel
 
   CUTLASS_DEVICE void operator()(const Params& params, char* smem) {
     constexpr int kThreads = cutlass::NumThreadsPerWarpGroup;
-    enum { kLoadKV = 1, kLoadQ = 2, kLseTails = 3 };  // producer warps; warp 0 idle, 3 too at fixed lengths
+    enum { kLoadKV = 1, kLoadQ = 2, kTails = 3 };  // producer warps; warp 0 idle, 3 too at fixed lengths
     auto& storage = *reinterpret_cast<SharedStorage*>(smem);
     const int warp = cutlass::canonical_warp_idx_sync();
     const int warp_in_group = warp % cutlass::NumWarpsPerWarpGroup;
@@ -666,16 +795,19 @@ struct PersistentKernel
       auto write_q = cutlass::make_producer_start_state<PipeQ>();
       auto write_kv = cutlass::make_producer_start_state<PipeKV>();
       bool first = true;  // the K/V and Q warps meet once, after the first Q load is issued
-      if (warp_in_group == kLoadKV) {
+      if (warp_in_group == kLoadKV && kVarlen) {
+        // Key counts on the GPU or not: two loops, so that the packed loads without them keep the
+        // registers they had (the producer runs on LoadRegisterRequirement of them).
+        if (used_k_of(params) != nullptr) {
+          load_kv_items<true>(scheduler, params, pipe_kv, write_kv, storage);
+        } else {
+          load_kv_items<false>(scheduler, params, pipe_kv, write_kv, storage);
+        }
+      } else if (warp_in_group == kLoadKV) {
         for (; scheduler.is_valid(); ++scheduler, first = false) {
           auto kv_blk = scheduler.get_block_coord();
           get<1>(get<2>(kv_blk)) /= params.kv_group;  // this query head's K/V head
-          if constexpr (kVarlen) {
-            auto blk = scheduler.get_block_coord();
-            const Placed at = place_item(params, blk);
-            load_kv_packed(blk, item_fusion_problem(params, at), at, get<1>(get<2>(kv_blk)), params, pipe_kv,
-                           write_kv, storage.tensors.mainloop, storage.load_warp_barrier, first);
-          } else if constexpr (kWindow || kBias) {
+          if constexpr (kWindow || kBias) {
             set_bias_slot(params, scheduler.get_block_coord(), 0);  // a sorted bias's listed key tiles
             load_kv(scheduler.get_block_coord(), kv_blk, params, pipe_kv, write_kv, storage.tensors.mainloop,
                     storage.load_warp_barrier, first);
@@ -696,8 +828,8 @@ struct PersistentKernel
                                   write_q, storage.tensors.mainloop, storage.load_warp_barrier, first);
           }
         }
-      } else if (warp_in_group == kLseTails && kVarlen) {
-        write_lse_tails(params);
+      } else if (warp_in_group == kTails && kVarlen) {
+        write_tails(params);
       }
       return;
     }
@@ -745,8 +877,12 @@ struct PersistentKernel
       auto result = mainloop.compute(blk, group_blk, params.mainloop, problem, pipe_kv, read_kv, pipe_q, read_q,
                                      pipe_unused, write_unused, storage.tensors.mainloop, order);
       read_q.advance(kGroups - consumer);
+      int lse_row0 = 0;  // key counts on the GPU: the rows before the work rows (varlen.h)
+      if constexpr (kVarlen) {
+        if (used_k_of(params) != nullptr) lse_row0 = q_row0 - params.tile_scheduler.varlen.slot_q[get<0>(get<2>(blk))];
+      }
       epilogue(group_blk, result, typename Mainloop::TiledMmaPV{}, out_problem, params.epilogue,
-               storage.tensors.epilogue[consumer], q_row0);
+               storage.tensors.epilogue[consumer], q_row0, lse_row0);
     }
     Epilogue::drain();
   }
