@@ -213,6 +213,14 @@ int prepare(const int64_t (&reach)[N], int* device, int* sm_count, char* err, in
 // the smallest normal float gives the same uniform weights.
 inline float kernel_scale(float scale) { return scale == 0.f ? FLT_MIN : scale; }
 
+// Key counts of packed sequences on the GPU move TMA descriptors on the device (tensormap.replace):
+// nvcc 12.3 or later.
+#if defined(__CUDACC_VER_MAJOR__) && (__CUDACC_VER_MAJOR__ > 12 || (__CUDACC_VER_MAJOR__ == 12 && __CUDACC_VER_MINOR__ >= 3))
+constexpr bool kMovesTmaDescriptors = true;
+#else
+constexpr bool kMovesTmaDescriptors = false;
+#endif
+
 // Key counts of packed sequences on the GPU (seqlens_k with cu_seqlens): the TMA slots of a launch
 // on `sm_count` CTAs (persistent.h's load_kv_packed), and the workspace of such a call: the slots,
 // then varlen.h's work rows ([4][batch] ints, place_counted's).
@@ -293,6 +301,11 @@ int run_packed(const GemmgenAttnParams* p, cudaStream_t stream, char* err, int e
     varlen.max_k = p->seqlen_k;
     varlen.align = p->align_per_sequence;
     if (p->seqlens_k != nullptr) {  // the CTAs' TMA slots (persistent.h's load_kv_packed), the work rows
+      if (!kMovesTmaDescriptors) {
+        return report(err, err_len, GEMMGEN_INVALID_ARGUMENT,
+                      "seqlens_k: this instance was compiled by an nvcc older than 12.3 (no device-side TMA "
+                      "descriptor updates); rebuild it with a newer one");
+      }
       const int64_t need = kv_workspace_bytes<Cfg>(sm_count, p->batch);
       if (p->workspace == nullptr || p->workspace_bytes < need || reinterpret_cast<uintptr_t>(p->workspace) % 128) {
         return report(err, err_len, GEMMGEN_INVALID_ARGUMENT,
